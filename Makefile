@@ -1,0 +1,41 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench bench-quick lint clean
+
+install: $(STAMP)
+
+# torch is pinned here: pip takes the 2.13.0 CPU wheel from local disk, while an
+# unpinned torch would pull a multi-GB CUDA build. llms-from-scratch (the book's
+# reference classes, a test peer) is installed without its dependencies, which
+# would drag in tensorflow and jupyterlab that no test needs.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]" "torch==2.13.0"
+	$(PY) -m pip install -q --no-deps "llms-from-scratch>=1.0.19"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/attnlab demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(VENV)/bin/attnlab bench
+
+bench-quick: install
+	$(VENV)/bin/attnlab bench --quick
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) attnlab-demo attnlab-show .pytest_cache .hypothesis

@@ -1,0 +1,326 @@
+"""The one attention function, ``attention``, and its backends.
+
+Shapes: ``q`` is ``(..., q_heads, q_len, head_dim)``; ``k`` is
+``(..., kv_heads, k_len, head_dim)``; ``v`` is ``(..., kv_heads, k_len, v_dim)``;
+the output is ``(..., q_heads, q_len, v_dim)``. Internally everything is
+``(batch, heads, seq, dim)``; extra leading dimensions are flattened into batch.
+
+Conventions (DESIGN.md): bool masks are True where a query may attend, float
+masks are additive; causal and window rules are aligned to the end when
+``q_len != k_len``; a row with nothing to attend gives zeros, never NaN;
+grouped-query attention never copies K/V; bf16/fp16 accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import masks as _masks
+from ._tiled import tiled_attention, tiled_weights
+
+__all__ = ["attention", "BACKENDS"]
+
+BACKENDS = ("auto", "eager", "sdpa", "tiled")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# auto: above this many scores per (batch, head) the textbook path's q_len x k_len
+# matrix stops fitting in cache and the tiled path wins when weights are wanted.
+_EAGER_MAX_SCORES = 1024 * 1024
+# auto: a sliding window goes to the tiled path once most of the dense matrix is
+# masked out (k_len >= _WINDOW_RATIO * window) and the sequence is long enough for
+# tile skipping to pay for its Python loop.
+_WINDOW_RATIO = 4
+_WINDOW_MIN_LEN = 2048
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool | Sequence[int] | torch.Tensor = False,
+    backend: str = "auto",
+):
+    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+
+    Args:
+        q: ``(..., q_heads, q_len, head_dim)`` queries.
+        k: ``(..., kv_heads, k_len, head_dim)`` keys; ``q_heads % kv_heads == 0``
+            (grouped-query attention: query head h reads kv head
+            ``h // (q_heads // kv_heads)``).
+        v: ``(..., kv_heads, k_len, v_dim)`` values.
+        mask: bool (True = may attend) or additive float mask broadcastable to
+            ``(..., q_heads, q_len, k_len)``.
+        causal: query at end-aligned position ``p = i + k_len - q_len`` sees keys ``j <= p``.
+        window: sliding window W >= 1: keys with ``p - W < j`` (and ``j < p + W``
+            when not causal).
+        scale: multiplier of the scores; ``1/sqrt(head_dim)`` when None.
+        dropout_p: dropout on the weights; applied whenever > 0 (modules pass 0
+            in eval mode, like ``F.scaled_dot_product_attention``).
+        return_weights: True to also return the weights ``(..., q_heads, q_len, k_len)``,
+            or a sequence of query indices to return only those rows
+            ``(..., q_heads, len(rows), k_len)``. The weights are the softmax
+            before dropout. Not available with ``backend="sdpa"``.
+        backend: ``"auto"``, ``"eager"``, ``"sdpa"`` or ``"tiled"``.
+
+    Returns:
+        ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
+    """
+    rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
+    lead = q.shape[:-3]
+    q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
+    q_len, k_len = q4.shape[-2], k4.shape[-2]
+    scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
+    window = int(window) if window is not None else None
+
+    if backend == "auto":
+        backend = _choose(q4, k4, mask4, window, rows)
+    weights = None
+    if backend == "eager":
+        out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
+    elif backend == "sdpa":
+        out = _sdpa(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+    else:
+        out, lse = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        if rows is not None:
+            weights = tiled_weights(q4, k4, mask4, causal, window, scale, lse, rows)
+
+    out = out.reshape(*lead, *out.shape[1:])
+    if rows is None:
+        return out
+    return out, weights.reshape(*lead, *weights.shape[1:])
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend):
+    """Validate the arguments; return the requested weight rows (LongTensor) or None."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim < 3:
+            raise ValueError(
+                f"{name} must have at least 3 dimensions (..., heads, seq, head_dim), "
+                f"got shape {_shape(t)}"
+            )
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; expected one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; expected one device")
+        if t.ndim != q.ndim:
+            raise ValueError(
+                f"{name} has shape {_shape(t)} but q has {_shape(q)}; expected the same "
+                "number of dimensions"
+            )
+        if t.shape[:-3] != q.shape[:-3]:
+            raise ValueError(
+                f"{name} has batch dimensions {_shape(t)[:-3]} but q has {_shape(q)[:-3]}; "
+                "expected them equal"
+            )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]} "
+            f"(q {_shape(q)}, k {_shape(k)}); expected them equal"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k has length {k.shape[-2]} but v has length {v.shape[-2]} "
+            f"(k {_shape(k)}, v {_shape(v)}); expected them equal"
+        )
+    if k.shape[-3] != v.shape[-3]:
+        raise ValueError(
+            f"k has {k.shape[-3]} heads but v has {v.shape[-3]}; expected them equal"
+        )
+    q_heads, kv_heads = q.shape[-3], k.shape[-3]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"q has {q_heads} heads and k/v have {kv_heads}; expected q heads to be a "
+            "multiple of kv heads (grouped-query attention)"
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
+        0.0 <= dropout_p <= 1.0
+    ):
+        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    if mask is not None:
+        _check_mask(mask, q, k)
+    return _check_rows(return_weights, q, backend)
+
+
+def _check_mask(mask, q, k):
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(
+            f"mask must be bool (True = may attend) or an additive float mask, got dtype "
+            f"{mask.dtype}; convert 1/0 padding masks with attnlab.masks.from_attention_mask"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}; expected one device")
+    target = (*q.shape[:-1], k.shape[-2])
+    try:
+        ok = mask.ndim <= len(target) and torch.broadcast_shapes(mask.shape, target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask of shape {_shape(mask)} does not broadcast to (..., heads, q_len, k_len) "
+            f"= {target}"
+        )
+
+
+def _check_rows(return_weights, q, backend):
+    if return_weights is False or return_weights is None:
+        return None
+    q_len = q.shape[-2]
+    if return_weights is True:
+        rows = torch.arange(q_len, device=q.device)
+    else:
+        try:
+            rows = torch.as_tensor(return_weights, device=q.device)
+        except (TypeError, ValueError, RuntimeError):
+            rows = None
+        if rows is None or rows.ndim != 1 or rows.dtype.is_floating_point or rows.dtype == (
+            torch.bool
+        ):
+            raise TypeError(
+                "return_weights must be a bool or a sequence of query indices, got "
+                f"{return_weights!r}"
+            )
+        if len(rows) and (int(rows.min()) < -q_len or int(rows.max()) >= q_len):
+            raise ValueError(
+                f"return_weights rows must lie in [0, q_len={q_len}), got {rows.tolist()}"
+            )
+        rows = rows.remainder(q_len).long()
+    if backend == "sdpa":
+        raise ValueError(
+            "backend='sdpa' cannot return weights (torch's fused kernel never forms them); "
+            "use backend='auto', 'eager' or 'tiled'"
+        )
+    return rows
+
+
+def _to_4d(q, k, v, mask):
+    """Flatten leading dimensions into one batch dimension; masks keep broadcast dims."""
+    if q.ndim == 4:
+        return q, k, v, mask
+    if q.ndim == 3:
+        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask
+    flat = [t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)]
+    if mask is not None:
+        target = (*q.shape[:-1], k.shape[-2])
+        mask = mask.expand(target).reshape(-1, *target[-3:])
+    return (*flat, mask)
+
+
+def _choose(q, k, mask, window, rows) -> str:
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if rows is not None:
+        return "eager" if len(rows) * k_len <= _EAGER_MAX_SCORES else "tiled"
+    if (
+        window is not None
+        and q_len > 1
+        and k_len >= _WINDOW_MIN_LEN
+        and k_len >= _WINDOW_RATIO * window
+        and not (mask is not None and mask.requires_grad)
+    ):
+        return "tiled"
+    return "sdpa"
+
+
+# --------------------------------------------------------------------------- eager
+
+
+def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
+    """The textbook path: materialise the scores, mask, softmax, weighted sum."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    dtype = q.dtype
+    if dtype in _LOW_PRECISION:
+        q, k, v = q.float(), k.float(), v.float()
+
+    # (B, Hkv, G*Lq, D) @ (B, Hkv, D, Lk): the group rides along the query rows.
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
+    scores = scores.view(batch, kv_heads, group, q_len, k_len) * scale
+    struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+    allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool else None)
+    if allowed is not None:
+        scores = scores.masked_fill(~_masks.group_view(allowed, kv_heads), float("-inf"))
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + _masks.group_view(mask.to(scores.dtype), kv_heads)
+
+    weights = torch.softmax(scores, dim=-1)
+    if allowed is not None or (mask is not None and mask.dtype != torch.bool):
+        # A row with nothing to attend is all -inf; softmax gives NaN there.
+        empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        weights = weights.masked_fill(empty, 0.0)
+    used = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = torch.matmul(used.view(batch, kv_heads, group * q_len, k_len), v)
+    out = out.view(batch, q_heads, q_len, v.shape[-1]).to(dtype)
+    if rows is None:
+        return out, None
+    picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
+    return out, picked.to(dtype)
+
+
+# --------------------------------------------------------------------------- sdpa
+
+
+def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
+    """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    is_causal = False
+    struct = None
+    if causal and window is None and mask is None and q_len == k_len:
+        is_causal = True  # torch's top-left alignment equals ours when the lengths agree
+    elif causal and window is None and q_len == 1:
+        pass  # end-aligned: the one query (the newest token) sees every key
+    else:
+        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+    attn_mask = _masks.combine(struct, mask)
+    empty = None
+    if attn_mask is not None:
+        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        if bool(empty.any()):
+            # Let empty rows see everything (no NaN in forward or backward), zero them after.
+            attn_mask = attn_mask | empty if attn_mask.dtype == torch.bool else (
+                attn_mask.masked_fill(empty, 0.0)
+            )
+        else:
+            empty = None
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out

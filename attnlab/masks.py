@@ -1,0 +1,234 @@
+"""Building, combining and checking attention masks.
+
+One convention everywhere: a boolean mask is **True where a query may attend**
+to a key, and broadcasts to ``(batch, heads, q_len, k_len)``. Float masks are
+additive (0 where allowed, ``-inf`` where not). :func:`from_attention_mask`
+converts what tokenizers return (1 = real token, 0 = padding).
+
+Causal masks with ``q_len != k_len`` are aligned to the end (bottom-right):
+query ``i`` sits at position ``p = i + (k_len - q_len)`` and sees keys
+``j <= p``. That is what decoding with a KV cache needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "causal",
+    "padding",
+    "sliding_window",
+    "combine",
+    "from_attention_mask",
+    "describe",
+    "structural",
+]
+
+
+def _check_len(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def structural(q_len: int, k_len: int, *, causal: bool = False, window: int | None = None,
+               device=None) -> torch.Tensor | None:
+    """The ``(q_len, k_len)`` bool mask of the causal and window rules, or None if neither."""
+    if not causal and window is None:
+        return None
+    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=causal, window=window,
+                      device=device)
+
+
+def rule_at(
+    positions: torch.Tensor,
+    k_start: int,
+    k_len: int,
+    *,
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal/window rule ``(len(positions), k_len)`` for queries at end-aligned ``positions``.
+
+    The single place the rules are written: query at position p may see key j when
+    ``j <= p`` (causal) and ``p - window < j`` (window; also ``j < p + window``
+    when not causal). Keys are ``k_start .. k_start + k_len - 1``.
+    """
+    p = positions.unsqueeze(1)
+    j = torch.arange(k_start, k_start + k_len, device=positions.device).unsqueeze(0)
+    allowed = torch.ones(len(positions), k_len, dtype=torch.bool, device=positions.device)
+    if causal:
+        allowed &= j <= p
+    if window is not None:
+        allowed &= j > p - window
+        if not causal:
+            allowed &= j < p + window
+    return allowed
+
+
+def block_rule(
+    q_start: int,
+    q_len: int,
+    k_start: int,
+    k_len: int,
+    *,
+    offset: int,
+    causal: bool,
+    window: int | None,
+    device=None,
+) -> torch.Tensor:
+    """:func:`rule_at` for the tile of queries ``q_start..`` with ``offset = k_total - q_total``."""
+    positions = torch.arange(q_start + offset, q_start + offset + q_len, device=device)
+    return rule_at(positions, k_start, k_len, causal=causal, window=window)
+
+
+def group_view(m: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """View a mask broadcastable to ``(B, Hq, Lq, Lk)`` as ``(B, Hkv, G, Lq, Lk)``-broadcastable.
+
+    Grouped-query attention folds the G query heads that share a kv head into
+    their own axis, so K and V are never repeated.
+    """
+    while m.ndim < 4:
+        m = m.unsqueeze(0)
+    if m.shape[1] == 1:
+        return m.unsqueeze(2)
+    return m.reshape(m.shape[0], kv_heads, m.shape[1] // kv_heads, *m.shape[2:])
+
+
+def causal(q_len: int, k_len: int | None = None, *, device=None) -> torch.Tensor:
+    """Causal mask ``(q_len, k_len)``, True where query i may see key j.
+
+    With ``k_len > q_len`` (decoding after a prefix) the queries are the last
+    ``q_len`` positions: ``j <= i + (k_len - q_len)``.
+
+    >>> causal(3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    q_len = _check_len("q_len", q_len)
+    k_len = q_len if k_len is None else _check_len("k_len", k_len)
+    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=True, window=None,
+                      device=device)
+
+
+def sliding_window(q_len: int, k_len: int, window: int, *, device=None) -> torch.Tensor:
+    """Symmetric band ``(q_len, k_len)``: query at position p sees ``p - window < j < p + window``.
+
+    Combine with :func:`causal` for the usual causal sliding window
+    (``p - window < j <= p``). Positions are end-aligned like :func:`causal`.
+    """
+    q_len = _check_len("q_len", q_len)
+    k_len = _check_len("k_len", k_len)
+    window = _check_len("window", window)
+    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=False, window=window,
+                      device=device)
+
+
+def padding(lengths: Sequence[int] | torch.Tensor, seq_len: int, *, device=None) -> torch.Tensor:
+    """Key padding mask ``(batch, 1, 1, seq_len)``: True for the first ``lengths[b]`` keys.
+
+    Broadcasts against ``(batch, heads, q_len, k_len)``.
+    """
+    seq_len = _check_len("seq_len", seq_len)
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be a 1-D sequence of ints, got shape {tuple(lengths.shape)} "
+            f"dtype {lengths.dtype}"
+        )
+    if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > seq_len):
+        raise ValueError(
+            f"lengths must lie in [0, seq_len={seq_len}], got {lengths.tolist()}"
+        )
+    keep = torch.arange(seq_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return keep[:, None, None, :]
+
+
+def from_attention_mask(attention_mask: torch.Tensor, *, masked_is_true: bool = False
+                        ) -> torch.Tensor:
+    """Convert a mask of another convention to attnlab's.
+
+    - a tokenizer-style ``(batch, seq)`` 1/0 integer mask (1 = real token)
+      becomes a bool key mask ``(batch, 1, 1, seq)``;
+    - a bool mask with ``masked_is_true=True`` (PyTorch ``key_padding_mask``
+      style: True = ignore) is inverted; a 2-D one is treated as
+      ``(batch, seq)`` key padding;
+    - higher-rank masks keep their shape.
+    """
+    if not isinstance(attention_mask, torch.Tensor):
+        attention_mask = torch.as_tensor(attention_mask)
+    m = attention_mask
+    if m.dtype.is_floating_point:
+        raise TypeError(
+            "attention_mask must be an integer 1/0 or bool tensor, got "
+            f"{m.dtype}; float masks are additive and used as they are"
+        )
+    if m.dtype != torch.bool:
+        values = torch.unique(m)
+        if not bool(((values == 0) | (values == 1)).all()):
+            raise ValueError(
+                f"attention_mask must hold only 0 and 1, got values {values.tolist()[:8]}"
+            )
+        m = m == 1
+    if masked_is_true:
+        m = ~m
+    if m.ndim == 2:
+        m = m[:, None, None, :]
+    return m
+
+
+def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Combine masks so a key is allowed only where every mask allows it.
+
+    Bool masks are AND-ed; float (additive) masks are summed, and a bool mask
+    meeting a float one becomes ``-inf`` where it forbids. ``None`` is skipped.
+    """
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    floats = [m for m in present if m.dtype.is_floating_point]
+    bools = [m for m in present if m.dtype == torch.bool]
+    others = [m for m in present if m.dtype != torch.bool and not m.dtype.is_floating_point]
+    if others:
+        raise TypeError(
+            f"masks must be bool or float, got {others[0].dtype}; "
+            "convert 1/0 masks with masks.from_attention_mask"
+        )
+    allowed = None
+    for m in bools:
+        allowed = m if allowed is None else allowed & m
+    if not floats:
+        return allowed
+    total = floats[0]
+    for m in floats[1:]:
+        total = total + m
+    if allowed is not None:
+        total = total.masked_fill(~allowed, float("-inf"))
+    return total
+
+
+def describe(mask: torch.Tensor, *, max_size: int = 32) -> str:
+    """A small text picture of a 2-D mask (or the first matrix of a bigger one).
+
+    ``#`` = may attend, ``.`` = masked. Float masks: allowed where > -inf.
+    """
+    m = torch.as_tensor(mask)
+    if m.dtype.is_floating_point:
+        m = m > float("-inf")
+    m = m.bool()
+    while m.ndim > 2:
+        m = m[0]
+    if m.ndim != 2:
+        raise ValueError(f"mask must have at least 2 dimensions, got shape {tuple(m.shape)}")
+    q_len, k_len = m.shape
+    rows = [
+        f"q{i:<3d}" + "".join("#" if bool(m[i, j]) else "." for j in range(min(k_len, max_size)))
+        + (" ..." if k_len > max_size else "")
+        for i in range(min(q_len, max_size))
+    ]
+    if q_len > max_size:
+        rows.append("...")
+    allowed = int(m.sum())
+    header = f"mask {q_len}x{k_len}: {allowed}/{q_len * k_len} allowed (# = may attend)"
+    return "\n".join([header, *rows])
