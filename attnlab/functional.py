@@ -275,11 +275,13 @@ def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
     if mask is not None and mask.dtype != torch.bool:
         scores = scores + _masks.group_view(mask.to(scores.dtype), kv_heads)
 
-    weights = torch.softmax(scores, dim=-1)
     if allowed is not None or (mask is not None and mask.dtype != torch.bool):
-        # A row with nothing to attend is all -inf; softmax gives NaN there.
+        # A row with nothing to attend is all -inf, where softmax (and its backward)
+        # gives NaN: soften it to zeros first, then zero its weights.
         empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
-        weights = weights.masked_fill(empty, 0.0)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    else:
+        weights = torch.softmax(scores, dim=-1)
     used = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(used.view(batch, kv_heads, group * q_len, k_len), v)
     out = out.view(batch, q_heads, q_len, v.shape[-1]).to(dtype)

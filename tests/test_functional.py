@@ -1,0 +1,276 @@
+"""attnlab.attention against the NumPy float64 reference, on every backend."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab import _tiled
+from attnlab import reference as ref
+
+BACKENDS = ["eager", "sdpa", "tiled", "auto"]
+
+
+@contextlib.contextmanager
+def tiny_tiles():
+    """Tiny tiles so that short sequences still cross many tile boundaries."""
+    saved = _tiled.BLOCK_Q, _tiled.BLOCK_K
+    _tiled.BLOCK_Q, _tiled.BLOCK_K = 3, 4
+    try:
+        yield
+    finally:
+        _tiled.BLOCK_Q, _tiled.BLOCK_K = saved
+
+
+@pytest.fixture
+def small_tiles():
+    with tiny_tiles():
+        yield
+
+
+@st.composite
+def problems(draw):
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3]))  # 1 = MHA; kv_heads=1 with group>1 = MQA
+    q_len = draw(st.sampled_from([1, 2, 5, 9]))
+    k_len = draw(st.sampled_from([1, 3, 5, 12]))
+    head_dim = draw(st.sampled_from([1, 4, 8]))
+    v_dim = draw(st.sampled_from([head_dim, 3]))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.integers(1, 6)))
+    mask_kind = draw(st.sampled_from(["none", "bool", "bool-rows-empty", "float", "padding"]))
+    seed = draw(st.integers(0, 2**16))
+    return dict(batch=batch, kv_heads=kv_heads, q_heads=kv_heads * group, q_len=q_len,
+                k_len=k_len, head_dim=head_dim, v_dim=v_dim, causal=causal, window=window,
+                mask_kind=mask_kind, seed=seed)
+
+
+def make(p, dtype=torch.float32):
+    g = torch.Generator().manual_seed(p["seed"])
+    q = torch.randn(p["batch"], p["q_heads"], p["q_len"], p["head_dim"], generator=g)
+    k = torch.randn(p["batch"], p["kv_heads"], p["k_len"], p["head_dim"], generator=g)
+    v = torch.randn(p["batch"], p["kv_heads"], p["k_len"], p["v_dim"], generator=g)
+    shape = (p["batch"], p["q_heads"], p["q_len"], p["k_len"])
+    kind = p["mask_kind"]
+    mask = None
+    if kind == "bool":
+        mask = torch.rand(shape, generator=g) > 0.3
+    elif kind == "bool-rows-empty":
+        mask = torch.rand(p["batch"], 1, p["q_len"], p["k_len"], generator=g) > 0.5
+        mask[:, :, 0] = False  # the first query row may attend to nothing
+    elif kind == "float":
+        mask = torch.randn(shape, generator=g)
+        mask[torch.rand(shape, generator=g) > 0.7] = float("-inf")
+    elif kind == "padding":
+        lengths = torch.randint(0, p["k_len"] + 1, (p["batch"],), generator=g)
+        mask = attnlab.masks.padding(lengths, p["k_len"])
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask
+
+
+def oracle(q, k, v, mask, p):
+    m = None if mask is None else mask.double().numpy() if mask.dtype != torch.bool else (
+        mask.numpy()
+    )
+    return ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), m,
+                         causal=p["causal"], window=p["window"], return_weights=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60, deadline=None)
+@given(p=problems())
+def test_matches_reference_fp32(backend, p):
+    with tiny_tiles():
+        check_fp32(backend, p)
+
+
+def check_fp32(backend, p):
+    q, k, v, mask = make(p)
+    want_out, want_w = oracle(q, k, v, mask, p)
+    kw = dict(mask=mask, causal=p["causal"], window=p["window"], backend=backend)
+    if backend == "sdpa":
+        out = attnlab.attention(q, k, v, **kw)
+    else:
+        out, w = attnlab.attention(q, k, v, return_weights=True, **kw)
+        np.testing.assert_allclose(w.numpy(), want_w, atol=1e-5, rtol=1e-5)
+    assert not torch.isnan(out).any()
+    np.testing.assert_allclose(out.numpy(), want_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@settings(max_examples=25, deadline=None)
+@given(p=problems())
+def test_matches_reference_bf16(backend, p):
+    q, k, v, mask = make(p, torch.bfloat16)
+    want_out, _ = oracle(q, k, v, mask, p)  # the oracle sees the same bf16-rounded inputs
+    with tiny_tiles():
+        out = attnlab.attention(q, k, v, mask=mask, causal=p["causal"], window=p["window"],
+                                backend=backend)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: the output's own rounding is ~4e-3 relative.
+    np.testing.assert_allclose(out.float().numpy(), want_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled"])
+def test_low_precision_softmax_accumulates_in_float32(backend):
+    # 4096 keys of equal score: in bf16 a running sum would stall at 256
+    # (256 + 1 == 256 in bf16); float32 accumulation gives exactly 1/4096 each.
+    q = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 4096, 8, dtype=torch.bfloat16)
+    v = torch.ones(1, 1, 4096, 8, dtype=torch.bfloat16)
+    out, w = attnlab.attention(q, k, v, return_weights=True, backend=backend)
+    assert torch.allclose(w.float().sum(-1), torch.ones(1), atol=1e-2)
+    assert torch.allclose(out.float(), torch.ones(1), atol=1e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=problems())
+def test_tiled_gradients_match_eager(p):
+    with tiny_tiles():
+        q, k, v, mask = make(p, torch.float64)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.double()
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        kw = dict(mask=mask, causal=p["causal"], window=p["window"])
+        out_e = attnlab.attention(*ins, backend="eager", **kw)
+        grad = torch.randn_like(out_e)
+        want = torch.autograd.grad(out_e, ins, grad)
+        got = torch.autograd.grad(attnlab.attention(*ins, backend="tiled", **kw), ins, grad)
+        for w, g in zip(want, got):
+            assert not torch.isnan(g).any()
+            torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True), dict(causal=True, window=2), dict(window=3), dict(dropout_p=0.4),
+])
+def test_tiled_gradcheck_float64(kw, small_tiles):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 7, 2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v):
+        torch.manual_seed(7)  # the same dropout pattern on every call gradcheck makes
+        return attnlab.attention(q, k, v, backend="tiled", **kw)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+def test_empty_rows_are_zero_with_finite_gradients(backend):
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k = torch.randn(1, 2, 6, 8, requires_grad=True)
+    v = torch.randn(1, 2, 6, 8, requires_grad=True)
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    mask[..., 1, :] = False
+    out = attnlab.attention(q, k, v, mask=mask, backend=backend)
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8))
+    assert out[:, :, 0].abs().sum() > 0
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :, 1], torch.zeros(1, 2, 8))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+def test_causal_is_end_aligned_when_fewer_queries(backend):
+    # One new token after a 9-token prefix sees all 10 keys; torch's is_causal would
+    # let it see only the first key.
+    q, k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 10, 4), torch.randn(1, 1, 10, 4)
+    out = attnlab.attention(q, k, v, causal=True, backend=backend)
+    full = attnlab.attention(q, k, v, backend=backend)
+    torch.testing.assert_close(out, full)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+def test_dropout_in_effect_and_unbiased(backend):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    clean = attnlab.attention(q, k, v, backend=backend)
+    runs = torch.stack([attnlab.attention(q, k, v, dropout_p=0.5, backend=backend)
+                        for _ in range(200)])
+    assert not torch.allclose(runs[0], clean)
+    assert (runs.mean(0) - clean).abs().mean() < 0.05 * clean.abs().mean() + 0.02
+
+
+def test_weights_of_chosen_rows_and_leading_dims():
+    q, k, v = torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 2, 7, 8), torch.randn(2, 3, 2, 7, 8)
+    out_all, w_all = attnlab.attention(q, k, v, causal=True, return_weights=True,
+                                       backend="eager")
+    assert out_all.shape == (2, 3, 4, 5, 8) and w_all.shape == (2, 3, 4, 5, 7)
+    for backend in ("eager", "tiled"):
+        _, w = attnlab.attention(q, k, v, causal=True, return_weights=[0, 4, -1],
+                                 backend=backend)
+        torch.testing.assert_close(w, w_all[..., [0, 4, 4], :])
+
+
+def test_auto_picks_documented_backends():
+    from attnlab.functional import _choose
+
+    q = torch.zeros(1, 1, 8192, 4)
+    rows = torch.arange(8192)
+    assert _choose(q, q, None, None, None) == "sdpa"
+    assert _choose(q, q, None, 256, None) == "tiled"
+    assert _choose(q[:, :, :64], q[:, :, :64], None, 16, None) == "sdpa"
+    assert _choose(q[:, :, :64], q[:, :, :64], None, None, rows[:64]) == "eager"
+    assert _choose(q, q, None, None, rows) == "tiled"
+
+
+def test_worked_example_numbers():
+    # Two 2-d queries and keys; see `attnlab demo` and README.
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    k = torch.tensor([[[1.0, 1.0], [0.0, 2.0]]])
+    v = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
+    out, w = attnlab.attention(q, k, v, return_weights=True)
+    # scores: [[1, 0], [1, 2]] / sqrt(2)
+    e = np.exp(np.array([[1.0, 0.0], [1.0, 2.0]]) / np.sqrt(2.0))
+    want_w = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(w[0].numpy(), want_w, rtol=1e-6)
+    np.testing.assert_allclose(w[0].numpy(), [[0.6697615, 0.3302385], [0.3302385, 0.6697615]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(out[0].numpy(), [[1.660477, 2.660477], [2.339523, 3.339523]],
+                               rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- bad input
+
+q4, k4, v4 = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)
+
+
+@pytest.mark.parametrize("args, kwargs, exc, words", [
+    ((q4, torch.zeros(1, 2, 5, 7), v4), {}, ValueError, ["head_dim 7", "head_dim 8"]),
+    ((torch.zeros(1, 3, 3, 8), k4, v4), {}, ValueError, ["3 heads", "multiple of kv heads"]),
+    ((q4, k4, torch.zeros(1, 2, 6, 8)), {}, ValueError, ["length 5", "length 6"]),
+    ((q4, k4, v4), {"mask": torch.ones(2, 1, 3, 4, dtype=torch.bool)}, ValueError,
+     ["(2, 1, 3, 4)", "does not broadcast", "(1, 4, 3, 5)"]),
+    ((q4, k4, v4), {"backend": "flash"}, ValueError, ["backend", "'flash'", "tiled"]),
+    ((q4, k4, v4), {"dropout_p": 1.5}, ValueError, ["dropout_p", "1.5", "[0, 1]"]),
+    ((q4, k4, v4), {"dropout_p": -0.1}, ValueError, ["dropout_p", "-0.1"]),
+    ((q4, k4, v4), {"window": 0}, ValueError, ["window", ">= 1", "0"]),
+    ((torch.zeros(3, 8), k4, v4), {}, ValueError, ["q", "at least 3 dimensions", "(3, 8)"]),
+    ((q4, k4.double(), v4), {}, TypeError, ["k", "float64", "float32"]),
+    ((q4, k4, v4), {"mask": torch.ones(1, 1, 3, 5, dtype=torch.int64)}, TypeError,
+     ["mask", "int64", "from_attention_mask"]),
+    ((q4, k4, v4), {"return_weights": True, "backend": "sdpa"}, ValueError,
+     ["sdpa", "cannot return weights"]),
+    ((q4, [1.0], v4), {}, TypeError, ["k", "torch.Tensor", "list"]),
+    ((q4, k4, v4), {"return_weights": [3]}, ValueError, ["rows", "q_len=3", "[3]"]),
+])
+def test_bad_input_messages(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        attnlab.attention(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_mixed_devices_named():
+    meta = torch.zeros(1, 2, 5, 8, device="meta")
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        attnlab.attention(q4, meta, v4)
