@@ -20,7 +20,7 @@ import torch
 from . import masks as _masks
 
 BLOCK_Q = 256
-BLOCK_K = 512
+BLOCK_K = 1024
 _NEG_INF = float("-inf")
 
 
@@ -135,7 +135,10 @@ def _forward(ctx, q, k, v, mask):
             ke = min(ks + BLOCK_K, hi)
             s = _tile_scores(q_blk, k[:, :, ks:ke].to(c), mask, ctx, qs, qe, ks, ke)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows masked so far
+            m_safe = m_new
+            if mask is not None or not _fully_allowed(qs, qe, lo, ke, ctx.offset, ctx.causal,
+                                                      ctx.window):
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows masked so far
             p = s.sub_(m_safe).exp_()
             alpha = (m - m_safe).exp_()
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))

@@ -77,7 +77,6 @@ def attention(
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
-    q_len, k_len = q4.shape[-2], k4.shape[-2]
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     window = int(window) if window is not None else None
 
@@ -93,10 +92,10 @@ def attention(
         if rows is not None:
             weights = tiled_weights(q4, k4, mask4, causal, window, scale, lse, rows)
 
-    out = out.reshape(*lead, *out.shape[1:])
-    if rows is None:
-        return out
-    return out, weights.reshape(*lead, *weights.shape[1:])
+    if q.ndim != 4:
+        out = out.reshape(*lead, *out.shape[1:])
+        weights = None if weights is None else weights.reshape(*lead, *weights.shape[1:])
+    return out if rows is None else (out, weights)
 
 
 # --------------------------------------------------------------------------- checks
@@ -267,15 +266,17 @@ def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
 
     # (B, Hkv, G*Lq, D) @ (B, Hkv, D, Lk): the group rides along the query rows.
     scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
-    scores = scores.view(batch, kv_heads, group, q_len, k_len) * scale
+    # In-place from here: the product is a fresh tensor that autograd does not keep.
+    scores = scores.view(batch, kv_heads, group, q_len, k_len).mul_(scale)
     struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
     allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool else None)
     if allowed is not None:
-        scores = scores.masked_fill(~_masks.group_view(allowed, kv_heads), float("-inf"))
+        scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
     if mask is not None and mask.dtype != torch.bool:
-        scores = scores + _masks.group_view(mask.to(scores.dtype), kv_heads)
+        scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
 
-    if allowed is not None or (mask is not None and mask.dtype != torch.bool):
+    # Causal and window rules alone leave every row a key unless q_len > k_len.
+    if mask is not None or (struct is not None and q_len > k_len):
         # A row with nothing to attend is all -inf, where softmax (and its backward)
         # gives NaN: soften it to zeros first, then zero its weights.
         empty = scores.amax(dim=-1, keepdim=True) == float("-inf")

@@ -1,0 +1,113 @@
+"""``attnlab bench --suite attention``: the backends against torch's own kernels.
+
+fp32, B=1, H=12, D=64 over sequence lengths, causal and not; sliding windows
+against SDPA given the equivalent dense mask and against FlexAttention with a
+sliding-window block mask; forward+backward at B=4, T=1024; and the memory
+cases of the issue (forward at T=16384, forward+backward at T=8192, H=4).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import masks
+from ..functional import attention
+from .runner import Case, Impl
+
+MOD = __name__
+# The textbook path materialises (H, T, T) float32 scores several times over;
+# beyond this length it would need many GB on this machine.
+EAGER_MAX_T = 4096
+
+
+def _inputs(batch, heads, seq, dim, grad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, seq, dim, generator=g).requires_grad_(grad)
+            for _ in range(3)]
+
+
+def make_step(impl: str, batch: int, heads: int, seq: int, dim: int = 64,
+              causal: bool = False, window: int | None = None, backward: bool = False):
+    """Build inputs once and return a zero-argument step running ``impl`` on them."""
+    q, k, v = _inputs(batch, heads, seq, dim, backward)
+    if impl.startswith("attnlab-"):
+        backend = impl.removeprefix("attnlab-")
+
+        def fwd():
+            return attention(q, k, v, causal=causal, window=window, backend=backend)
+    elif impl == "torch-sdpa":
+        # The peer as a user would call it: is_causal for causal, a dense bool mask
+        # for a window (the "equivalent dense mask").
+        dense = None
+        if window is not None:
+            dense = masks.combine(masks.causal(seq) if causal else None,
+                                  masks.sliding_window(seq, seq, window))
+
+        def fwd():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
+                                                  is_causal=causal and dense is None)
+    elif impl == "torch-flex":
+        fwd = _flex_step(q, k, v, seq, causal, window)
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+
+    if not backward:
+        def step():
+            with torch.no_grad():
+                return fwd()
+        return step
+
+    def step_fb():
+        out = fwd()
+        out.backward(torch.ones_like(out))
+        for t in (q, k, v):
+            t.grad = None
+    return step_fb
+
+
+def _flex_step(q, k, v, seq, causal, window):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def rule(b, h, qi, ki):
+        allowed = (qi - ki < window) & (ki - qi < window)
+        return allowed & (ki <= qi) if causal else allowed
+
+    block_mask = create_block_mask(rule, None, None, seq, seq, device="cpu")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(q, k, v, block_mask=block_mask)
+
+
+def _case(name, impls, repeats, **kw):
+    return Case("attention", name, [Impl(i, (MOD, "make_step", {"impl": i, **kw}))
+                                    for i in impls], repeats=repeats)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    lengths = [256, 1024, 4096] if quick else [256, 1024, 4096, 8192, 16384]
+    out: list[Case] = []
+    for seq in lengths:
+        for causal in (False, True):
+            impls = ["attnlab-auto", "attnlab-tiled", "torch-sdpa"]
+            if seq <= EAGER_MAX_T:
+                impls.append("attnlab-eager")
+            repeats = 3 if seq >= 8192 or quick else 7
+            name = f"fwd T={seq}" + (" causal" if causal else "")
+            out.append(_case(name, impls, repeats, batch=1, heads=12, seq=seq, causal=causal))
+    windows = [(4096, 256)] if quick else [(4096, 256), (8192, 256), (8192, 1024)]
+    for seq, window in windows:
+        impls = ["attnlab-auto", "attnlab-tiled", "torch-sdpa"]
+        if not quick:
+            impls.append("torch-flex")
+        out.append(_case(f"fwd T={seq} causal window={window}", impls, 3 if quick else 5,
+                         batch=1, heads=12, seq=seq, causal=True, window=window))
+    fb_batch = 1 if quick else 4
+    out.append(_case(f"fwd+bwd B={fb_batch} T=1024 causal",
+                     ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"],
+                     3 if quick else 5, batch=fb_batch, heads=12, seq=1024, causal=True,
+                     backward=True))
+    if not quick:
+        out.append(_case("fwd+bwd H=4 T=8192 causal",
+                         ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"], 3,
+                         batch=1, heads=4, seq=8192, causal=True, backward=True))
+    return out

@@ -1,0 +1,160 @@
+"""The benchmark runner behind ``attnlab bench``.
+
+A case is one workload (``"fwd T=4096 causal"``) run by several implementations
+(``"attnlab auto"``, ``"torch sdpa"``, ...). Each implementation is described by
+a *factory*: ``(module, function, kwargs)``; calling it returns a zero-argument
+``step`` that runs the workload once on inputs it has already built. The same
+factory is used in this process for timing and in a fresh subprocess for memory,
+so both measure the same thing.
+
+Timing: every implementation of a case is warmed up, then the implementations
+take turns (round-robin, ``repeats`` rounds) so that a noisy neighbour slows all
+of them alike; we report the median and the ratio of medians to each peer.
+
+Memory: a fresh ``python -m attnlab.bench.memprobe`` per (case, implementation)
+builds the step and runs it once; ``peak_mb`` is its RSS high-water mark
+(``VmHWM``) minus its RSS after imports, so it includes the inputs and
+outputs the step holds.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+Factory = tuple[str, str, dict]
+
+
+@dataclass
+class Impl:
+    name: str
+    factory: Factory
+    # Some peers only run where their dependencies or hardware allow; a reason here
+    # is reported instead of a number.
+    skip: str | None = None
+
+
+@dataclass
+class Case:
+    suite: str
+    name: str
+    impls: list[Impl]
+    repeats: int = 5
+    memory: bool = True
+    # Extra numbers a suite wants in every record of the case (e.g. tokens per step).
+    extra: dict = field(default_factory=dict)
+
+
+def build(factory: Factory) -> Callable[[], object]:
+    module, function, kwargs = factory
+    return getattr(importlib.import_module(module), function)(**kwargs)
+
+
+def _time_once(step: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1000.0
+
+
+def time_case(case: Case, warmup: int = 1) -> dict[str, dict]:
+    """Round-robin timing of every runnable implementation; returns per-impl stats."""
+    steps: dict[str, Callable[[], object]] = {}
+    results: dict[str, dict] = {}
+    for impl in case.impls:
+        if impl.skip:
+            results[impl.name] = {"skipped": impl.skip}
+            continue
+        try:
+            steps[impl.name] = build(impl.factory)
+            for _ in range(warmup):
+                steps[impl.name]()
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            steps.pop(impl.name, None)
+            results[impl.name] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(case.repeats):
+        for name, step in steps.items():
+            times[name].append(_time_once(step))
+    for name, ts in times.items():
+        results[name] = {"median_ms": statistics.median(ts), "times_ms": ts}
+    steps.clear()
+    gc.collect()
+    return results
+
+
+def measure_memory(factory: Factory, timeout: float = 600.0) -> float | None:
+    """Peak RSS (MB) of a fresh process that builds the step and runs it once."""
+    cmd = [sys.executable, "-m", "attnlab.bench.memprobe", json.dumps(list(factory))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        return None
+    try:
+        return float(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def run_cases(cases: Iterable[Case], *, memory: bool = True,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Run the cases; return one record per (case, implementation)."""
+    records: list[dict] = []
+    for case in cases:
+        log(f"[{case.suite}] {case.name} ...")
+        stats = time_case(case)
+        for impl in case.impls:
+            s = stats.get(impl.name, {})
+            record = {"suite": case.suite, "case": case.name, "impl": impl.name,
+                      "median_ms": s.get("median_ms"), "peak_mb": None, "ratio_to": {},
+                      **case.extra}
+            if "skipped" in s:
+                record["skipped"] = s["skipped"]
+            elif memory and case.memory:
+                record["peak_mb"] = measure_memory(impl.factory)
+            records.append(record)
+        by_name = {r["impl"]: r for r in records if r["case"] == case.name
+                   and r["suite"] == case.suite}
+        for r in by_name.values():
+            if r["median_ms"] is None:
+                continue
+            r["ratio_to"] = {
+                peer: r["median_ms"] / other["median_ms"]
+                for peer, other in by_name.items()
+                if peer != r["impl"] and other["median_ms"]
+            }
+        for r in by_name.values():
+            log("    " + format_record(r))
+    return records
+
+
+def format_record(r: dict) -> str:
+    if r.get("skipped"):
+        return f"{r['impl']:<28s} skipped: {r['skipped']}"
+    mem = f"{r['peak_mb']:8.0f} MB" if r.get("peak_mb") is not None else "       - MB"
+    return f"{r['impl']:<28s} {r['median_ms']:10.2f} ms {mem}"
+
+
+def markdown_table(records: list[dict], baseline: str | None = None) -> str:
+    """A Markdown table: one row per case and implementation, ratios to ``baseline``."""
+    lines = ["| suite | case | impl | median ms | peak MB | x " + (baseline or "") + " |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in records:
+        if r.get("skipped"):
+            lines.append(f"| {r['suite']} | {r['case']} | {r['impl']} | skipped | | |")
+            continue
+        ratio = r["ratio_to"].get(baseline) if baseline else None
+        mem = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
+        ratio_s = f"{ratio:.2f}" if ratio is not None else ("1.00" if r["impl"] == baseline
+                                                            else "")
+        lines.append(f"| {r['suite']} | {r['case']} | {r['impl']} | {r['median_ms']:.2f} | "
+                     f"{mem} | {ratio_s} |")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The `attnlab` command: help, the worked example, bench records, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnlab import cli
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnlab", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_help_lists_commands():
+    done = run("--help")
+    assert done.returncode == 0
+    for command in ("demo", "bench"):
+        assert command in done.stdout
+
+
+def test_bad_argument_is_one_line_exit_2():
+    done = run("bench", "--suite", "nope")
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "nope" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_library_value_error_becomes_one_line(capsys, monkeypatch):
+    def boom(args):
+        raise ValueError("window must be an int >= 1 or None, got 0\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_demo", boom)
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err == "attnlab demo: error: window must be an int >= 1 or None, got 0\n"
+
+
+def test_bench_records(tmp_path, monkeypatch):
+    from attnlab.bench import attention, runner
+
+    case = attention._case("fwd T=64", ["attnlab-auto", "torch-sdpa"], 2, batch=1, heads=2,
+                           seq=64)
+    monkeypatch.setattr(attention, "cases", lambda quick=False: [case])
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--suite", "attention", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert {r["impl"] for r in records} == {"attnlab-auto", "torch-sdpa"}
+    for r in records:
+        assert set(r) >= {"suite", "case", "impl", "median_ms", "peak_mb", "ratio_to"}
+        assert r["median_ms"] > 0 and r["peak_mb"] is not None
+    a, b = records
+    assert a["ratio_to"][b["impl"]] == pytest.approx(a["median_ms"] / b["median_ms"])
+    assert runner.markdown_table(records, baseline="torch-sdpa").count("\n") == 3
+
+
+def test_memprobe_sees_the_step_allocate():
+    from attnlab.bench.runner import measure_memory
+
+    small = measure_memory(("attnlab.bench.attention", "make_step",
+                            {"impl": "attnlab-eager", "batch": 1, "heads": 4, "seq": 128}))
+    big = measure_memory(("attnlab.bench.attention", "make_step",
+                          {"impl": "attnlab-eager", "batch": 1, "heads": 4, "seq": 2048}))
+    # eager at T=2048, H=4 holds (4, 2048, 2048) float32 scores: at least 64 MB.
+    assert small is not None and big is not None
+    assert big - small > 60
