@@ -1,0 +1,25 @@
+"""Tokenizers: text -> token ids and back.
+
+``CharTokenizer`` (one id per character), ``WordTokenizer`` (words and
+punctuation, with ``<pad>`` and ``<unk>``) and ``HFTokenizer`` (a Hugging Face
+``tokenizer.json``). All have ``encode``, ``decode``, ``vocab_size``,
+``save``/``load``; ``load_tokenizer(path)`` loads any saved one.
+"""
+
+from .tokenizers import (
+    WORD_PATTERN,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    WordTokenizer,
+    load_tokenizer,
+)
+
+__all__ = [
+    "Tokenizer",
+    "CharTokenizer",
+    "WordTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "WORD_PATTERN",
+]
