@@ -1,0 +1,105 @@
+"""Checkpoints: ``model.safetensors`` + ``config.json`` (+ ``tokenizer.json``) in one directory.
+
+Written atomically through :func:`attnlab.io.atomic_dir` (a finished
+directory replaces the old one in a rename), read without pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .io import CheckpointError, atomic_dir, atomic_write_json, load_tensors, read_json, \
+    recover_dir, save_tensors
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT = 1
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
+           "write_model_files", "CheckpointError"]
+
+
+def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokenizer=None,
+                      **extra: Any) -> None:
+    """Write the model's weights, config (and tokenizer) into an existing directory."""
+    model_type = getattr(model, "model_type", None)
+    if model_type is None or not hasattr(model, "config"):
+        raise TypeError(
+            f"model must be an attnlab model (ToyAttnLM, GPT or Encoder), got "
+            f"{type(model).__name__}"
+        )
+    directory = Path(directory)
+    save_tensors(directory / MODEL_FILE, model.state_dict())
+    if tokenizer is not None:
+        tokenizer.save(directory / TOKENIZER_FILE)
+    atomic_write_json(directory / CONFIG_FILE, {
+        "format": FORMAT, "model_type": model_type, "config": model.config.to_dict(), **extra,
+    })
+
+
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
+                    **extra: Any) -> Path:
+    """Save ``model`` (and ``tokenizer``) to ``directory``, replacing it atomically.
+
+    ``extra`` keyword arguments (JSON-serialisable) are stored in ``config.json``.
+    """
+    with atomic_dir(directory) as tmp:
+        write_model_files(tmp, model, tokenizer=tokenizer, **extra)
+    return Path(directory)
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    recover_dir(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+    return read_json(directory / CONFIG_FILE)
+
+
+def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> nn.Module:
+    """Rebuild the model saved in ``directory`` (in eval mode)."""
+    from .models import MODEL_TYPES
+
+    directory = Path(directory)
+    meta = read_config(directory)
+    model_type = meta.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{str(directory / CONFIG_FILE)!r}: model_type must be one of "
+            f"{sorted(MODEL_TYPES)}, got {model_type!r}"
+        )
+    cls, config_cls = MODEL_TYPES[model_type]
+    try:
+        model = cls(config_cls.from_dict(meta.get("config", {})))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
+    state = load_tensors(directory / MODEL_FILE, device=map_location)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise CheckpointError(
+            f"{str(directory / MODEL_FILE)!r} does not match its config: {first}"
+        ) from exc
+    return model.to(map_location).eval()
+
+
+def load_checkpoint_tokenizer(directory: str | os.PathLike):
+    """The tokenizer saved beside the model, or None."""
+    from .text import load_tokenizer
+
+    path = Path(directory) / TOKENIZER_FILE
+    return load_tokenizer(path) if path.exists() else None
+
+
+@torch.no_grad()
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """True when two models hold bit-identical parameters and buffers."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -1,0 +1,184 @@
+"""Autoregressive generation shared by the decoder models (``GPT``, ``ToyAttnLM``).
+
+A model provides ``forward(ids, *, attention_mask, caches, positions)`` returning
+logits ``(batch, seq, vocab)``, ``new_cache(batch_size, max_seq_len)`` and
+``context_length``. Prompts of different lengths are left-padded; each
+sequence's positions count only its real tokens, so padding changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+
+def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(batch, seq)`` ids and a 1/0 mask (None when no padding is needed)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
+            raise ValueError(
+                f"ids must be a (batch, seq) or (seq,) integer tensor, got shape "
+                f"{tuple(ids.shape)} dtype {ids.dtype}"
+            )
+        ids = ids.long()
+        return (ids[None] if ids.ndim == 1 else ids), None
+    rows = [list(r) for r in ids] if ids and isinstance(ids[0], Sequence) else [list(ids)]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("ids must hold at least one token per prompt, got an empty prompt")
+    width = max(len(r) for r in rows)
+    padded = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        padded[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return padded, (mask if bool((mask == 0).any()) else None)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                top_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick the next token ``(batch,)`` from last-position logits ``(batch, vocab)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first over p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+        max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+class GenerationMixin:
+    """``generate`` and ``stream`` for models with the decoder interface above."""
+
+    pad_id: int = 0
+
+    @torch.no_grad()
+    def stream(
+        self,
+        ids,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the next token of every sequence ``(batch,)``, one step at a time.
+
+        Finished sequences (that produced ``eos_id``) keep yielding ``eos_id``;
+        the stream ends when all are finished or after ``max_new_tokens``.
+        """
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        device = next(self.parameters()).device
+        ids, mask = _as_batch(ids, self.pad_id)
+        ids = ids.to(device)
+        batch, prompt_len = ids.shape
+        total = prompt_len + max_new_tokens
+        limit = self.context_length
+        if use_cache and total > limit:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
+                f"exceeds the model's context_length={limit}; use fewer tokens"
+            )
+        if mask is not None:
+            mask = mask.to(device)
+        caches = self.new_cache(batch, total) if use_cache else None
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        seq, seq_mask = ids, mask
+        step_ids, step_pos = ids, _positions(mask, 0, prompt_len, device, batch)
+        for _ in range(max_new_tokens):
+            if use_cache:
+                logits = self(step_ids, attention_mask=seq_mask, caches=caches,
+                              positions=step_pos)
+            else:
+                window = seq[:, -limit:]
+                win_mask = None if seq_mask is None else seq_mask[:, -limit:]
+                logits = self(window, attention_mask=win_mask,
+                              positions=_positions(win_mask, 0, window.shape[1], device, batch))
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            if eos_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                done |= nxt == eos_id
+            yield nxt
+            if eos_id is not None and bool(done.all()):
+                return
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            if seq_mask is not None:
+                seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
+            step_ids = nxt[:, None]
+            step_pos = _next_positions(step_pos)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+        on_token: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+        Args:
+            ids: ``(batch, seq)`` / ``(seq,)`` token tensor, or a list of prompts
+                (lists of ids) of any lengths, which are left-padded.
+            max_new_tokens: tokens to add.
+            temperature: 0 = greedy (argmax); otherwise sample from softmax(logits / T).
+            top_k: sample only among the k most likely tokens.
+            top_p: sample only among the smallest set of tokens whose probability
+                reaches p (nucleus sampling).
+            use_cache: keep keys/values in a KV cache (default) instead of re-running
+                the whole sequence every step; both give the same tokens.
+            eos_id: stop a sequence when it produces this token.
+            generator: a ``torch.Generator`` for reproducible sampling.
+            on_token: called with each step's ``(batch,)`` new tokens (streaming).
+
+        Returns:
+            ``(batch, prompt_len + new)`` ids: the (left-padded) prompts and what was
+            generated. Sequences that stopped early are filled with ``eos_id``.
+        """
+        prompt, _ = _as_batch(ids, self.pad_id)
+        new = []
+        for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
+                               eos_id, generator):
+            new.append(tok)
+            if on_token is not None:
+                on_token(tok)
+        prompt = prompt.to(next(self.parameters()).device)
+        return torch.cat([prompt, *(t[:, None] for t in new)], dim=1)
+
+
+def _positions(mask, start, length, device, batch) -> torch.Tensor:
+    """Position of each token ``(batch, length)``: real tokens count from 0, pads sit at 0."""
+    if mask is None:
+        return torch.arange(start, start + length, device=device).expand(batch, length)
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _next_positions(pos: torch.Tensor) -> torch.Tensor:
+    return pos[:, -1:] + 1

@@ -1,0 +1,227 @@
+"""GPT: a decoder-only transformer wide enough to host GPT-2 and Llama layouts.
+
+Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))``; learned or rotary
+positions; LayerNorm or RMSNorm; GELU or SwiGLU MLP; MHA, GQA or MQA; tied or
+untied output layer. Every attention goes through ``MultiHeadAttention`` and so
+through ``attnlab.attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVCache
+from ..modules import MultiHeadAttention
+from .generation import GenerationMixin
+
+_CHOICES = {
+    "positions": ("learned", "rope"),
+    "norm": ("layernorm", "rmsnorm"),
+    "mlp": ("gelu", "gelu_tanh", "swiglu"),
+}
+
+
+@dataclass
+class GPTConfig:
+    """Shape and flavour of a :class:`GPT`.
+
+    ``d_ff`` defaults to ``4 * d_model`` (GELU) or ``8/3 * d_model`` rounded up to a
+    multiple of 64 (SwiGLU). ``num_kv_heads`` < ``num_heads`` gives GQA (1 = MQA).
+    """
+
+    vocab_size: int = 256
+    context_length: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    d_ff: int | None = None
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    out_bias: bool = True
+    mlp_bias: bool = True
+    dropout: float = 0.0
+    window: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        for name, options in _CHOICES.items():
+            if getattr(self, name) not in options:
+                raise ValueError(
+                    f"GPTConfig.{name} must be one of {options}, got {getattr(self, name)!r}"
+                )
+        if self.d_ff is None:
+            self.d_ff = (4 * self.d_model if self.mlp != "swiglu"
+                         else -(-(8 * self.d_model // 3) // 64) * 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GPTConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"GPTConfig got unknown fields {unknown}")
+        return cls(**d)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    return nn.RMSNorm(dim, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: GELU (``fc -> gelu -> proj``) or SwiGLU."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        bias = cfg.mlp_bias
+        if cfg.mlp == "swiglu":
+            self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
+        if self.kind == "swiglu":
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        approximate = "tanh" if self.kind == "gelu_tanh" else "none"
+        return self.proj(F.gelu(self.fc(x), approximate=approximate))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.attn = MultiHeadAttention(
+            cfg.d_model, cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
+            resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+            rope=cfg.positions == "rope", rope_base=cfg.rope_base, window=cfg.window,
+            backend=cfg.backend,
+        )
+        self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, mask, cache, positions, output_attentions):
+        a = self.attn(self.norm1(x), mask=mask, cache=cache, positions=positions,
+                      return_weights=output_attentions)
+        weights = None
+        if output_attentions:
+            a, weights = a
+        x = x + a
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return x, weights
+
+
+class GPT(GenerationMixin, nn.Module):
+    """Decoder-only language model.
+
+    ``forward(ids)`` maps ``(batch, seq)`` token ids to logits ``(batch, seq, vocab)``.
+    """
+
+    model_type = "gpt"
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.context_length = config.context_length
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = (nn.Embedding(config.context_length, config.d_model)
+                        if config.positions == "learned" else None)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        # GPT-2's initialisation: N(0, 0.02) for weights, zeros for biases.
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
+        """One preallocated :class:`KVCache` per layer."""
+        return [b.attn.new_cache(batch_size, max_seq_len) for b in self.blocks]
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        positions: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ):
+        """Logits for every position.
+
+        Args:
+            ids: ``(batch, seq)`` token ids.
+            attention_mask: ``(batch, past + seq)`` 1/0 (or bool) key padding mask,
+                1 = real token; covers the cached tokens too when ``caches`` is given.
+            caches: per-layer KV caches from :meth:`new_cache`; the new keys/values
+                are appended and attention covers everything cached.
+            positions: ``(batch, seq)`` or ``(seq,)`` position of each token (default:
+                ``past + arange(seq)``); left-padded batches pass their own.
+            output_attentions: also return one ``(batch, heads, seq, past + seq)``
+                weight tensor per layer.
+
+        Returns:
+            logits ``(batch, seq, vocab)``, or ``(logits, attentions)``.
+        """
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
+            raise ValueError(
+                f"ids must be a (batch, seq) integer tensor, got "
+                f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+            )
+        batch, seq = ids.shape
+        past = caches[0].seq_len if caches else 0
+        if past + seq > self.context_length:
+            raise ValueError(
+                f"sequence of {past + seq} tokens is longer than context_length="
+                f"{self.context_length}"
+            )
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "
+                             f"got {len(caches)}")
+        x = self.tok_emb(ids)  # (B, T, d_model)
+        if self.pos_emb is not None:
+            pos = positions if positions is not None else torch.arange(
+                past, past + seq, device=ids.device)
+            x = x + self.pos_emb(pos)
+            positions = None  # learned positions are added here, not rotated
+        x = self.drop(x)
+        attentions = []
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, attention_mask, None if caches is None else caches[i], positions,
+                         output_attentions)
+            if output_attentions:
+                attentions.append(w)
+        logits = self.lm_head(self.norm(x))
+        return (logits, attentions) if output_attentions else logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,96 @@
+"""ToyAttnLM: the smallest language model in which attention can learn a rule.
+
+Token embedding + position embedding -> one causal attention head -> output
+layer. No MLP, no norm: what it learns, it learns in the attention weights
+(for example "look at the previous token"), which makes it the model of
+``attnlab demo``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..cache import KVCache
+from ..modules import MultiHeadAttention
+from .generation import GenerationMixin
+
+
+@dataclass
+class ToyConfig:
+    vocab_size: int = 32
+    context_length: int = 32
+    d_model: int = 32
+    dropout: float = 0.0
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ToyConfig.{name} must be a positive int, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ToyConfig:
+        return cls(**d)
+
+
+class ToyAttnLM(GenerationMixin, nn.Module):
+    """One causal attention head between an embedding and an output layer.
+
+    ``forward(ids)``: ``(batch, seq)`` ids -> logits ``(batch, seq, vocab)``.
+    """
+
+    model_type = "toy"
+
+    def __init__(self, config: ToyConfig | None = None, **kwargs) -> None:
+        super().__init__()
+        config = config or ToyConfig(**kwargs)
+        self.config = config
+        self.context_length = config.context_length
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.d_model, 1, context_length=config.context_length,
+            causal=True, dropout=config.dropout, backend=config.backend,
+        )
+        self.out = nn.Linear(config.d_model, config.vocab_size)
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
+        return [self.attn.new_cache(batch_size, max_seq_len)]
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        positions: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ):
+        """Logits ``(batch, seq, vocab)``; with ``output_attentions`` also a list
+        with the head's weights ``(batch, 1, seq, past + seq)``. Arguments as
+        :meth:`attnlab.models.GPT.forward`."""
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            raise ValueError("ids must be a (batch, seq) integer tensor")
+        past = caches[0].seq_len if caches else 0
+        seq = ids.shape[1]
+        if past + seq > self.context_length:
+            raise ValueError(
+                f"sequence of {past + seq} tokens is longer than context_length="
+                f"{self.context_length}"
+            )
+        if positions is None:
+            positions = torch.arange(past, past + seq, device=ids.device)
+        x = self.tok_emb(ids) + self.pos_emb(positions)  # (B, T, d_model)
+        a = self.attn(x, mask=attention_mask, cache=caches[0] if caches else None,
+                      return_weights=output_attentions)
+        if output_attentions:
+            a, w = a
+            return self.out(x + a), [w]
+        return self.out(x + a)
