@@ -1,0 +1,326 @@
+"""``MultiHeadAttention``: the module the models stack (MHA, GQA/MQA, RoPE, KV cache).
+
+It projects, splits heads, rotates (RoPE), appends to the cache and calls
+:func:`attnlab.attention` once; the attention math itself lives only there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import masks as _masks
+from ..cache import KVCache
+from ..functional import BACKENDS, attention
+from ..rope import RotaryEmbedding
+
+__all__ = ["MultiHeadAttention"]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _shape(t: object) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
+
+    Args:
+        d_in (int): feature size of the input ``x`` (and of ``kv``).
+        d_out (int): feature size of the output; ``head_dim = d_out // num_heads``.
+        num_heads (int): query heads ``H``; must divide ``d_out``.
+        num_kv_heads (int | None): key/value heads ``Hkv`` (must divide ``num_heads``);
+            None = ``num_heads`` (MHA), 1 = multi-query attention, else grouped-query.
+        context_length (int | None): longest sequence accepted (cached + new tokens);
+            None = no limit.
+        causal (bool): each token sees only itself and earlier tokens (self-attention
+            only: not applied when ``kv`` is given).
+        dropout (float): dropout on the attention weights, in training mode only.
+        resid_dropout (float): dropout on the output (after ``out_proj``), training only.
+        qkv_bias (bool): biases in ``W_query``, ``W_key``, ``W_value``.
+        out_bias (bool): bias in ``out_proj``.
+        rope (bool): rotate queries and keys with :class:`RotaryEmbedding` (Llama's
+            half-split convention).
+        window (int | None): sliding window W: a query at position p sees keys
+            ``p - W < j`` (and ``j <= p`` when causal, ``j < p + W`` otherwise).
+        backend (str): backend of :func:`attnlab.attention` (``"auto"``, ``"eager"``,
+            ``"sdpa"``, ``"tiled"``).
+        rope_base (float): RoPE frequency base.
+
+    Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
+    ``out_proj``), so under the same ``torch.manual_seed`` a
+    ``MultiHeadAttention(d_in, d_out, H, causal=True)`` equals
+    ``llms_from_scratch.ch03.MultiHeadAttention(d_in, d_out, T, 0.0, H)``.
+    ``W_key`` and ``W_value`` map ``d_in -> num_kv_heads * head_dim``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        context_length: int | None = None,
+        causal: bool = False,
+        dropout: float = 0.0,
+        resid_dropout: float = 0.0,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        rope: bool = False,
+        window: int | None = None,
+        backend: str = "auto",
+        rope_base: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        _positive_int("d_in", d_in)
+        _positive_int("d_out", d_out)
+        _positive_int("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _positive_int("num_kv_heads", num_kv_heads)
+        if d_out % num_heads:
+            raise ValueError(
+                f"d_out={d_out} must be divisible by num_heads={num_heads} "
+                f"(head_dim = d_out // num_heads)"
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads} "
+                "(each key/value head serves a whole group of query heads)"
+            )
+        if context_length is not None:
+            _positive_int("context_length", context_length)
+        if window is not None:
+            _positive_int("window", window)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.d_in, self.d_out = d_in, d_out
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = d_out // num_heads
+        if rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got d_out/num_heads={self.head_dim}")
+        self.context_length = context_length
+        self.causal = bool(causal)
+        self.dropout = _probability("dropout", dropout)
+        self.resid_dropout = _probability("resid_dropout", resid_dropout)
+        self.window = window
+        self.backend = backend
+
+        kv_out = self.head_dim * num_kv_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
+
+    def extra_repr(self) -> str:
+        parts = [f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}",
+                 f"head_dim={self.head_dim}", f"causal={self.causal}"]
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.context_length is not None:
+            parts.append(f"context_length={self.context_length}")
+        if self.dropout or self.resid_dropout:
+            parts.append(f"dropout={self.dropout}, resid_dropout={self.resid_dropout}")
+        parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+    def new_cache(self, batch_size: int, max_seq_len: int, *, dtype=None, device=None) -> KVCache:
+        """An empty :class:`KVCache` shaped for this module (default: its weights' dtype/device)."""
+        w = self.W_key.weight
+        return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
+                       dtype=dtype or w.dtype, device=device or w.device)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        kv: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        return_weights: bool = False,
+    ):
+        """Attend from ``x`` to itself (or to ``kv``) and project.
+
+        Args:
+            x: ``(batch, q_len, d_in)`` queries' sequence (batch first).
+            kv: ``(batch, k_len, d_in)`` the other sequence for cross-attention, or
+                None for self-attention. With ``kv`` the module is never causal.
+            mask: which keys each query may see, any of:
+
+                - bool, True = may attend, broadcastable to ``(batch, heads, q_len, k_len)``
+                  given with 3 or 4 dimensions (e.g. ``(1, 1, q_len, k_len)``);
+                - a 2-D ``(batch, k_len)`` key-padding mask: bool (True = real token)
+                  or integer 1/0 as tokenizers return it. **Every 2-D mask is read as
+                  key padding**; give a per-query ``(q_len, k_len)`` mask as
+                  ``mask[None, None]``;
+                - float, additive (0 allowed, ``-inf`` not), same shapes.
+
+                With a cache, ``k_len`` counts the cached tokens too.
+            cache: a :class:`KVCache` to append this call's keys/values to; attention
+                then covers every cached token. RoPE positions continue from
+                ``cache.seq_len``. Not supported together with ``kv``. A call that
+                raises leaves the cache unchanged.
+            positions: ``(q_len,)`` or ``(batch, q_len)`` RoPE positions of the tokens
+                of ``x`` (default ``seq_len_cached + arange(q_len)``); only with ``rope``.
+                With ``kv``, the keys are rotated at their own positions ``0..k_len-1``.
+            return_weights: True to also return the weights
+                ``(batch, heads, q_len, k_len)``.
+
+        Returns:
+            ``(batch, q_len, d_out)``, or ``(out, weights)`` with ``return_weights``.
+        """
+        b, t = self._check_x(x)
+        past = 0
+        if cache is not None:
+            if kv is not None:
+                raise ValueError(
+                    "cache with kv (cross-attention) is not supported: the cache appends "
+                    "self-attention keys/values; compute the other sequence's keys once instead"
+                )
+            cache.check_layout(b, self.num_kv_heads, self.head_dim, who="input")
+            past = cache.seq_len
+        if self.context_length is not None and past + t > self.context_length:
+            raise ValueError(
+                f"sequence of {past + t} tokens ({past} cached + {t} new) is longer than "
+                f"context_length={self.context_length}"
+            )
+        src = x
+        if kv is not None:
+            self._check_kv(kv, b)
+            src = kv
+        s = src.shape[1]
+
+        # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
+        q = self.W_query(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.W_key(src).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.W_value(src).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            rot = self.rotary
+            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            cos, sin = rot.factors(t, past if positions is None else positions,
+                                   device=q.device, dtype=dtype)  # (T, D) or (B, 1, T, D)
+            q = rot.rotate(q, cos, sin)
+            if kv is not None:  # the other sequence has its own positions 0..S-1
+                cos, sin = rot.factors(s, 0, device=q.device, dtype=dtype)
+            k = rot.rotate(k, cos, sin)
+        elif positions is not None:
+            raise ValueError("positions is only used with rope=True; this module has rope=False")
+        if mask is not None:
+            mask = self._key_mask(mask, b, past + s)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, past + T, D) views
+        try:
+            out = attention(
+                q, k, v, mask=mask, causal=self.causal and kv is None, window=self.window,
+                dropout_p=self.dropout if self.training else 0.0,
+                return_weights=return_weights, backend=self.backend,
+            )
+        except (ValueError, TypeError):
+            if cache is not None:
+                cache.crop(past)  # a refused call leaves the cache as it was
+            raise
+        weights = None
+        if return_weights is not False and return_weights is not None:
+            out, weights = out
+        out = self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
+        if self.resid_dropout and self.training:
+            out = F.dropout(out, self.resid_dropout)
+        return out if weights is None else (out, weights)
+
+    def _check_x(self, x) -> tuple[int, int]:
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            raise ValueError(
+                f"x must be (batch, seq, features={self.d_in}) (batch first), got {_shape(x)}"
+            )
+        if x.shape[-1] != self.d_in:
+            raise ValueError(
+                f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but d_in={self.d_in}"
+            )
+        return x.shape[0], x.shape[1]
+
+    def _check_kv(self, kv, b: int) -> None:
+        if not isinstance(kv, torch.Tensor) or kv.ndim != 3:
+            raise ValueError(
+                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {_shape(kv)}"
+            )
+        if kv.shape[0] != b or kv.shape[-1] != self.d_in:
+            raise ValueError(
+                f"kv has shape {tuple(kv.shape)} but expected (batch={b}, k_seq, "
+                f"features={self.d_in})"
+            )
+
+    @staticmethod
+    def _key_mask(mask, b: int, k_len: int) -> torch.Tensor:
+        """Bring a user mask to attnlab's convention (bool True = may attend, or additive)."""
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.ndim == 2:
+            if mask.shape[1] != k_len or mask.shape[0] not in (1, b):
+                raise ValueError(
+                    f"a 2-D mask is a key-padding mask (batch={b}, k_len={k_len}), got shape "
+                    f"{tuple(mask.shape)}; give a per-query (q_len, k_len) mask as "
+                    "mask[None, None]"
+                )
+            if mask.dtype == torch.bool or mask.dtype.is_floating_point:
+                return mask[:, None, None, :]
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            return _masks.from_attention_mask(mask)  # 1/0 ints -> bool (B, 1, 1, S)
+        return mask
+
+    # ------------------------------------------------------------------ interop
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """An equivalent module with a copy of ``torch.nn.MultiheadAttention``'s weights.
+
+        Args:
+            m: the torch module; ``batch_first`` True or False (ours is always batch
+                first: pass ``(batch, seq, embed_dim)`` input). Biases are copied.
+                ``add_bias_kv``, ``add_zero_attn`` and ``kdim``/``vdim`` different from
+                ``embed_dim`` are not supported (ValueError).
+
+        torch's masks say True = *not* allowed: convert ``attn_mask`` as ``~attn_mask``
+        and ``key_padding_mask`` as ``~key_padding_mask`` (or float masks unchanged).
+        The result is not causal; pass a mask or set ``causal`` yourself.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"m must be a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        e = m.embed_dim
+        if not m._qkv_same_embed_dim or m.kdim != e or m.vdim != e:
+            raise ValueError(
+                f"kdim={m.kdim}/vdim={m.vdim} different from embed_dim={e} is not supported"
+            )
+        if m.bias_k is not None or m.bias_v is not None:
+            raise ValueError("add_bias_kv=True is not supported")
+        if m.add_zero_attn:
+            raise ValueError("add_zero_attn=True is not supported")
+        w = m.in_proj_weight
+        out = cls(e, e, m.num_heads, qkv_bias=m.in_proj_bias is not None,
+                  out_bias=m.out_proj.bias is not None, dropout=m.dropout)
+        out = out.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for i, lin in enumerate((out.W_query, out.W_key, out.W_value)):
+                lin.weight.copy_(w[i * e:(i + 1) * e])
+                if m.in_proj_bias is not None:
+                    lin.bias.copy_(m.in_proj_bias[i * e:(i + 1) * e])
+            out.out_proj.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None:
+                out.out_proj.bias.copy_(m.out_proj.bias)
+        out.train(m.training)
+        return out
