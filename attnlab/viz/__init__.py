@@ -1,0 +1,14 @@
+"""Pictures of attention: PNG heatmaps (matplotlib, Agg) and the offline HTML explorer.
+
+- :func:`heatmap` draws one ``(q_len, k_len)`` matrix and returns the Figure;
+- :func:`heatmap_grid` / :func:`save_heatmaps` draw every layer x head as one PNG;
+- :func:`write_html` writes the interactive explorer, one self-contained HTML file.
+
+``attentions`` everywhere is a sequence (one per layer) of ``(heads, q_len, k_len)``
+torch tensors or NumPy arrays; neither torch nor matplotlib is imported until used.
+"""
+
+from .explorer import render_html, write_html
+from .heatmap import heatmap, heatmap_grid, save_heatmaps
+
+__all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html"]

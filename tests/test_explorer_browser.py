@@ -1,0 +1,242 @@
+"""The HTML explorer in a real headless Chromium (Playwright driving the system chromium).
+
+Skipped only when no chromium binary exists and CI is unset; under CI a missing
+browser fails (install it with .ci/install-chromium).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import shutil
+from dataclasses import dataclass, field
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+from attnlab import viz
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+TOKENS = ["The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "because", "it",
+          "was"]
+XSS_TOKENS = ["<s>", "<img src=x onerror=window.__xss=1>",
+              "</script><script>window.__xss=2</script>", "<script>window.__xss=3</script>",
+              "a & b", "\u2028", " ", "\n"]
+XSS_TITLE = "</title><script>window.__xss=4</script> <b>bold</b>"
+
+
+def chromium_path() -> str | None:
+    found = shutil.which("chromium")
+    if found:
+        return found
+    return "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    exe = chromium_path()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI is set but no chromium binary was found; run .ci/install-chromium")
+        pytest.skip("no chromium binary (PATH or /usr/bin/chromium); install it with "
+                    ".ci/install-chromium to run the browser tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def softmax_rows(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(size=shape) * 2.0
+    q_len, k_len = shape[-2:]
+    allowed = np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + (k_len - q_len)
+    e = np.exp(np.where(allowed, scores, -np.inf) - scores.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def model(n_layers, n_heads, q_len, k_len):
+    return [softmax_rows((n_heads, q_len, k_len), seed=i) for i in range(n_layers)]
+
+
+@dataclass
+class Opened:
+    page: object
+    errors: list[str] = field(default_factory=list)  # console errors and uncaught exceptions
+    requests: list[str] = field(default_factory=list)  # every URL the page asked for
+
+    @property
+    def off_disk(self) -> list[str]:
+        return [u for u in self.requests if not u.startswith(("file:", "data:", "about:"))]
+
+
+@pytest.fixture
+def open_page(browser):
+    contexts = []
+
+    def open_(path: pathlib.Path, width: int = 1280) -> Opened:
+        context = browser.new_context(viewport={"width": width, "height": 900},
+                                      device_scale_factor=1)
+        contexts.append(context)
+        page = context.new_page()
+        opened = Opened(page)
+        page.on("console", lambda m: m.type == "error" and opened.errors.append(m.text))
+        page.on("pageerror", lambda e: opened.errors.append(f"pageerror: {e}"))
+        page.on("request", lambda r: opened.requests.append(r.url))
+
+        def route(r):  # let local files through, refuse (and so record) anything else
+            if r.request.url.startswith(("file:", "data:")):
+                r.continue_()
+            else:
+                r.abort()
+
+        context.route("**/*", route)
+        page.goto(path.as_uri())
+        page.wait_for_function("document.body.dataset.ready === '1'", timeout=20_000)
+        return opened
+
+    yield open_
+    for c in contexts:
+        c.close()
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    return mpimg.imread(io.BytesIO(data), format="png")[..., :3]
+
+
+def matrix_pixel(page, i: int, j: int) -> list[int]:
+    """RGB at the centre of matrix cell (query i, key j), using the canvas's own geometry."""
+    return page.evaluate(
+        """([i, j]) => { const c = document.getElementById('matrix'), d = c.dataset;
+            const x = +d.left + (j + .5) * +d.cell, y = +d.top + (i + .5) * +d.cell;
+            return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3)); }""",
+        [i, j])
+
+
+@pytest.mark.parametrize(("shape"), [(2, 4, 12, 12), (2, 3, 1, 12)], ids=["prefill", "decode"])
+def test_explorer_loads_offline_without_errors_and_draws(tmp_path, open_page, shape):
+    n_layers, n_heads, q_len, k_len = shape
+    path = viz.write_html(tmp_path / "e.html", TOKENS, model(*shape), title="fox")
+    o = open_page(path)
+    page = o.page
+    assert o.errors == [] and o.off_disk == []
+    assert o.requests == [path.as_uri()]
+    assert page.title() == "fox"
+    assert page.locator(".thumb").count() == n_layers * n_heads
+    assert page.locator(".head-toggle").count() == n_heads
+    assert page.locator("#layer-select option").count() == n_layers
+    assert page.locator("#head-view .tok.q").count() == q_len
+    assert page.locator("#head-view .tok.k").count() == k_len
+    assert page.locator("#head-view line").count() > 0
+    assert page.evaluate("document.body.dataset.layer") == "0"
+    assert page.evaluate("document.body.dataset.head") == "0"
+    shot = decode_png(page.screenshot(full_page=True))
+    colours = np.unique((shot * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 200 and shot.std() > 0.05
+    matrix = decode_png(page.locator("#matrix").screenshot())
+    assert matrix.std() > 0.05
+
+
+def test_clicking_a_thumbnail_selects_layer_and_head_and_redraws(tmp_path, open_page):
+    atts = model(2, 4, 12, 12)
+    atts[1][2] = np.eye(12)  # layer 1, head 2: every token attends to itself
+    o = open_page(viz.write_html(tmp_path / "e.html", TOKENS, atts))
+    page = o.page
+    before = page.evaluate("document.getElementById('matrix').toDataURL()")
+    before_shot = page.locator("#matrix").screenshot()
+    page.click('.thumb[data-layer="1"][data-head="2"]')
+    assert page.evaluate("[document.body.dataset.layer, document.body.dataset.head]") == ["1", "2"]
+    assert page.evaluate("document.getElementById('matrix').toDataURL()") != before
+    assert page.locator("#matrix").screenshot() != before_shot
+    assert page.input_value("#layer-select") == "1"
+    pressed = [page.get_attribute(f'.head-toggle[data-head="{h}"]', "aria-pressed")
+               for h in range(4)]
+    assert pressed == ["false", "false", "true", "false"]
+    assert "selected" in page.get_attribute('.thumb[data-layer="1"][data-head="2"]', "class")
+    assert page.locator("#matrix-caption").text_content() == "layer 1 \u00b7 head 2"
+    # the matrix shows the identity: diagonal at the top of viridis, the rest at the bottom
+    assert matrix_pixel(page, 5, 5) == [253, 231, 37]
+    assert matrix_pixel(page, 5, 4) == [68, 1, 84]
+    # the head view now has exactly one line per query, query i -> key i, all from head 2
+    lines = page.evaluate("""[...document.querySelectorAll('#head-view line')]
+        .map(l => [l.dataset.q, l.dataset.k, l.dataset.h])""")
+    assert lines == [[str(i), str(i), "2"] for i in range(12)]
+    assert o.errors == [] and o.off_disk == []
+
+
+def test_layer_select_head_toggles_and_keys_change_the_state(tmp_path, open_page):
+    page = open_page(viz.write_html(tmp_path / "e.html", TOKENS, model(3, 4, 12, 12))).page
+    state = "[document.body.dataset.layer, document.body.dataset.head, document.body.dataset.heads]"
+    assert page.evaluate(state) == ["0", "0", "0,1,2,3"]
+    page.click("#heads-solo")
+    assert page.evaluate(state) == ["0", "0", "0"]
+    assert {ln for ln in page.evaluate(
+        "[...document.querySelectorAll('#head-view line')].map(l => l.dataset.h)")} == {"0"}
+    page.select_option("#layer-select", "2")
+    page.click('.head-toggle[data-head="3"]')
+    assert page.evaluate(state) == ["2", "3", "0,3"]
+    page.locator("body").press("ArrowUp")
+    page.locator("body").press("ArrowLeft")
+    assert page.evaluate(state) == ["1", "2", "2"]
+
+
+def test_hovering_a_token_shows_only_its_lines(tmp_path, open_page):
+    atts = model(1, 2, 12, 12)
+    page = open_page(viz.write_html(tmp_path / "e.html", TOKENS, atts)).page
+    visible = """[...document.querySelectorAll('#head-view line')]
+        .filter(l => l.getClientRects().length > 0).map(l => [+l.dataset.q, +l.dataset.k])"""
+    everything = page.evaluate(visible)
+    page.hover('#head-view .tok.q[data-i="7"]')
+    shown = page.evaluate(visible)
+    quantised = np.rint(np.stack(atts)[0, :, 7] * 255)  # (heads, keys) of query 7
+    assert len(shown) == int((quantised >= 3).sum()) > 0
+    assert {q for q, _ in shown} == {7} and len(everything) > len(shown)
+    assert "query #7" in page.locator("#info").text_content()
+    page.hover('#head-view .tok.k[data-j="0"]')  # a key: the lines of every query into it
+    assert {k for _, k in page.evaluate(visible)} == {0}
+    page.mouse.move(0, 0)
+    assert page.evaluate(visible) == everything
+
+
+def test_tokens_and_title_stay_text(tmp_path, open_page):
+    n = len(XSS_TOKENS)
+    o = open_page(viz.write_html(tmp_path / "e.html", XSS_TOKENS, model(1, 2, n, n),
+                                 title=XSS_TITLE))
+    page = o.page
+    page.click('.thumb[data-layer="0"][data-head="1"]')
+    page.hover('#head-view .tok.q[data-i="1"]')
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("document.querySelectorAll('script').length") == 2
+    assert page.evaluate("typeof window.__xss") == "undefined"
+    assert page.title() == XSS_TITLE
+    assert page.locator("h1").text_content() == XSS_TITLE
+    head_text = page.locator("#head-view").text_content()
+    for token in XSS_TOKENS[:5]:
+        assert token in head_text  # shown verbatim, as text
+    assert o.errors == [] and o.off_disk == []
+
+
+def test_the_request_recorder_catches_a_network_request(tmp_path, open_page):
+    """A check on the checker: an off-disk request does show up as a failure."""
+    o = open_page(viz.write_html(tmp_path / "e.html", TOKENS, model(1, 1, 12, 12)))
+    o.page.evaluate("""new Promise(done => { const i = new Image(); i.onerror = i.onload = done;
+        i.src = 'http' + '://192.0.2.1/probe.png'; })""")
+    assert o.off_disk == ["http://192.0.2.1/probe.png"]
+
+
+def test_a_large_model_renders(tmp_path, open_page):
+    toks = [f"tok{i}" for i in range(128)]
+    o = open_page(viz.write_html(tmp_path / "big.html", toks, model(6, 12, 128, 128)))
+    page = o.page
+    assert page.locator(".thumb").count() == 72
+    page.click('.thumb[data-layer="5"][data-head="11"]')
+    assert page.evaluate("[document.body.dataset.layer, document.body.dataset.head]") == ["5", "11"]
+    assert decode_png(page.locator("#matrix").screenshot()).std() > 0.02
+    assert o.errors == [] and o.off_disk == []
