@@ -20,7 +20,7 @@ import torch
 from . import masks as _masks
 
 BLOCK_Q = 256
-BLOCK_K = 1024
+BLOCK_K = 512
 _NEG_INF = float("-inf")
 
 
