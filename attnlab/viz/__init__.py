@@ -2,7 +2,8 @@
 
 - :func:`heatmap` draws one ``(q_len, k_len)`` matrix and returns the Figure;
 - :func:`heatmap_grid` / :func:`save_heatmaps` draw every layer x head as one PNG;
-- :func:`write_html` writes the interactive explorer, one self-contained HTML file.
+- :func:`write_html` writes the interactive explorer, one self-contained HTML file;
+- :func:`show_attention` runs a model on a text and writes both.
 
 ``attentions`` everywhere is a sequence (one per layer) of ``(heads, q_len, k_len)``
 torch tensors or NumPy arrays; neither torch nor matplotlib is imported until used.
@@ -10,5 +11,7 @@ torch tensors or NumPy arrays; neither torch nor matplotlib is imported until us
 
 from .explorer import render_html, write_html
 from .heatmap import heatmap, heatmap_grid, save_heatmaps
+from .show import capture, show_attention
 
-__all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html"]
+__all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html", "capture",
+           "show_attention"]

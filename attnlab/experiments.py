@@ -1,0 +1,214 @@
+"""Experiments on what attention does: knock out Q, K or V and measure.
+
+Each ablation edits the output of a projection (``W_query``, ``W_key`` or
+``W_value``) of every :class:`~attnlab.modules.MultiHeadAttention` in the model
+through a forward hook, so attention itself still runs through
+``attnlab.attention``. The interventions and what they must do:
+
+- ``constant_q``: every query replaced by the first one. The scores of a key
+  column are then the same for every query row (``max_row_spread`` = 0).
+- ``zero_v``: values set to zero. The context vectors ``weights @ V`` (the input
+  of ``out_proj``) are exactly zero (``max_abs_output`` = 0).
+- ``constant_k``: every key replaced by the first one. All scores of a row are
+  equal, so each query spreads its weight evenly over the keys it may see
+  (``max_dev_from_uniform`` = 0).
+- ``uniform_attention``: queries set to zero, which makes every score 0 and the
+  weights exactly uniform over the allowed keys: attention as average pooling.
+
+Ablations act on the projections' outputs, i.e. before rotary embeddings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .modules import MultiHeadAttention
+
+ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
+
+
+def _attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
+    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not found:
+        raise ValueError(f"model has no MultiHeadAttention modules: {type(model).__name__}")
+    return found
+
+
+def _first_row(module, inputs, out):  # (B, T, F) -> first position everywhere
+    return out[:, :1].expand_as(out).contiguous()
+
+
+def _zeros(module, inputs, out):
+    return torch.zeros_like(out)
+
+
+_EDITS: dict[str, tuple[str, Callable]] = {
+    "constant_q": ("W_query", _first_row),
+    "zero_v": ("W_value", _zeros),
+    "constant_k": ("W_key", _first_row),
+    "uniform_attention": ("W_query", _zeros),
+}
+
+
+@contextlib.contextmanager
+def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> Iterator[None]:
+    """Apply ablation ``kind`` (None = none) inside the block.
+
+    If ``record`` is a dict, it collects per attention module the projected
+    ``q``/``k`` and the context vectors fed to ``out_proj`` (lists, in call order).
+    """
+    if kind is not None and kind not in _EDITS:
+        raise ValueError(f"ablation must be one of {ABLATIONS} or None, got {kind!r}")
+    handles = []
+    try:
+        for mha in _attention_modules(model):
+            if kind is not None:
+                name, edit = _EDITS[kind]
+                handles.append(getattr(mha, name).register_forward_hook(edit))
+            if record is not None:
+                def keep(key):
+                    return lambda m, i, o: record.setdefault(key, []).append(o.detach())
+
+                handles.append(mha.W_query.register_forward_hook(keep("q")))
+                handles.append(mha.W_key.register_forward_hook(keep("k")))
+                handles.append(mha.out_proj.register_forward_pre_hook(
+                    lambda m, i: record.setdefault("context", []).append(i[0].detach())))
+                record.setdefault("modules", []).append(mha)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def lm_loss(model: nn.Module, ids: torch.Tensor, **kw) -> float:
+    """Next-token cross-entropy of a decoder model on ``ids`` ``(batch, seq)``."""
+    logits = model(ids[:, :-1], **kw)
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
+
+
+def _allowed(mha: MultiHeadAttention, q_len: int, k_len: int) -> torch.Tensor:
+    from . import masks
+
+    rule = masks.structural(q_len, k_len, causal=mha.causal, window=mha.window)
+    return torch.ones(q_len, k_len, dtype=torch.bool) if rule is None else rule
+
+
+def _row_spread(record: dict) -> float:
+    """Largest spread across query rows of any key column's score, over allowed entries."""
+    worst = 0.0
+    for mha, q, k in zip(record["modules"], record["q"], record["k"]):
+        b, t, _ = q.shape
+        qh = q.double().view(b, t, mha.num_heads, mha.head_dim).transpose(1, 2)
+        kh = k.double().view(b, k.shape[1], mha.num_kv_heads, mha.head_dim).transpose(1, 2)
+        kh = kh.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
+        scores = qh @ kh.transpose(-1, -2) / math.sqrt(mha.head_dim)  # (B, H, T, S)
+        allowed = _allowed(mha, t, k.shape[1])
+        hi = scores.masked_fill(~allowed, -math.inf).amax(dim=-2)
+        lo = scores.masked_fill(~allowed, math.inf).amin(dim=-2)
+        spread = (hi - lo)[allowed.any(dim=0).expand_as(hi)]
+        if spread.numel():
+            worst = max(worst, float(spread.max()))
+    return worst
+
+
+def _dev_from_uniform(attentions: list[torch.Tensor], record: dict) -> float:
+    worst = 0.0
+    for mha, w in zip(record["modules"], attentions):
+        allowed = _allowed(mha, w.shape[-2], w.shape[-1])
+        n = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
+        uniform = allowed / n
+        worst = max(worst, float((w.double() - uniform).abs().max()))
+    return worst
+
+
+@torch.no_grad()
+def qkv_ablation(model: nn.Module, ids: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Loss and the defining measure of each ablation on a held-out batch ``ids`` ``(B, T)``.
+
+    Returns ``{"baseline": {"loss"}, "constant_q": {"loss", "max_row_spread"},
+    "zero_v": {"loss", "max_abs_output"}, "constant_k": {"loss", "max_dev_from_uniform"}}``.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        out = {"baseline": {"loss": lm_loss(model, ids)}}
+        for kind in ("constant_q", "zero_v", "constant_k"):
+            record: dict = {}
+            with ablated(model, kind, record):
+                logits, attentions = model(ids[:, :-1], output_attentions=True)
+            loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                         ids[:, 1:].reshape(-1)))
+            entry = {"loss": loss}
+            if kind == "constant_q":
+                entry["max_row_spread"] = _row_spread(record)
+            elif kind == "zero_v":
+                entry["max_abs_output"] = max(float(c.abs().max()) for c in record["context"])
+            else:
+                entry["max_dev_from_uniform"] = _dev_from_uniform(attentions, record)
+            out[kind] = entry
+        return out
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def uniform_attention(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """Loss with every attention replaced by a uniform average over the allowed keys."""
+    was_training = model.training
+    model.eval()
+    try:
+        record: dict = {}
+        with ablated(model, "uniform_attention", record):
+            logits, attentions = model(ids[:, :-1], output_attentions=True)
+        loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                     ids[:, 1:].reshape(-1)))
+        return {"loss": loss, "max_dev_from_uniform": _dev_from_uniform(attentions, record)}
+    finally:
+        model.train(was_training)
+
+
+def saliency(model: nn.Module, ids: torch.Tensor, target: int | None = None) -> torch.Tensor:
+    """Gradient x input for each token: how much each input token moves one prediction.
+
+    Args:
+        model: a decoder (``ToyAttnLM`` or ``GPT``) with a ``tok_emb`` embedding.
+        ids: ``(seq,)`` or ``(1, seq)`` token ids.
+        target: the token whose log-probability at the last position is explained
+            (default: the model's own top prediction).
+
+    Returns:
+        ``(seq,)`` non-negative scores summing to 1: ``|sum_d grad_d * emb_d|`` per token.
+        Set it beside the attention weights of the last row: weights show where a
+        head looked, this shows what changed the output.
+    """
+    ids = ids[None] if ids.ndim == 1 else ids
+    was_training = model.training
+    model.eval()
+    captured = {}
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        captured["emb"] = out
+
+    handle = model.tok_emb.register_forward_hook(keep)
+    try:
+        logits = model(ids)
+        last = logits[0, -1].log_softmax(-1)
+        target = int(last.argmax()) if target is None else target
+        last[target].backward()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    emb = captured["emb"]
+    scores = (emb.grad[0] * emb[0]).sum(-1).abs().detach()
+    return scores / scores.sum().clamp(min=1e-12)
