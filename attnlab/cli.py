@@ -40,9 +40,146 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import format_worked_example, worked_example
+    from .demo import format_worked_example, run_demo, worked_example
 
-    print(format_worked_example(worked_example()))
+    if args.worked_example:
+        print(format_worked_example(worked_example()))
+        return 0
+    run_demo(args.out, steps=args.steps, seed=args.seed)
+    return 0
+
+
+def _read_text(path: str | None) -> str:
+    from .text.corpus import pattern_corpus
+
+    if path is None:
+        return pattern_corpus()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--text {path!r} is not UTF-8 text: {exc.reason}") from None
+    except OSError as exc:
+        raise ValueError(f"--text {path!r} cannot be read: {exc.strerror}") from None
+    if not text.strip():
+        raise ValueError(f"--text {path!r} is empty")
+    return text
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_checkpoint_tokenizer
+    from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
+    from .text import CharTokenizer
+    from .training import TrainConfig, train
+
+    text = _read_text(args.text)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,
+                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                      eval_every=max(1, min(100, args.steps // 5)))
+    tokenizer = load_checkpoint_tokenizer(args.out) if args.resume else None
+    tokenizer = tokenizer or CharTokenizer.from_text(text)
+    tokens = torch.tensor(tokenizer.encode(text))
+    torch.manual_seed(args.seed)
+    if args.model == "toy":
+        model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
+                                    d_model=64))
+    else:
+        model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
+                              d_model=128, num_layers=4, num_heads=4, dropout=0.0))
+    summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
+    if summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0:
+        from .io import atomic_write_json
+
+        atomic_write_json(f"{args.out}/summary.json", summary)
+        print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
+              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
+
+    model = load_checkpoint(args.ckpt)
+    tokenizer = load_checkpoint_tokenizer(args.ckpt)
+    if tokenizer is None:
+        raise ValueError(f"--ckpt {args.ckpt!r} has no tokenizer.json")
+    try:
+        ids = tokenizer.encode(args.prompt)
+    except ValueError as exc:
+        raise ValueError(f"--prompt: {exc}") from None
+    if not ids:
+        raise ValueError("--prompt is empty")
+    gen = torch.Generator().manual_seed(args.seed)
+    sys.stdout.write(args.prompt)
+
+    def emit(token):
+        sys.stdout.write(tokenizer.decode([int(token[0])]))
+        sys.stdout.flush()
+
+    model.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, generator=gen, on_token=emit,
+                   use_cache=len(ids) + args.max_new_tokens <= model.context_length)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _model_and_tokenizer(args):
+    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
+
+    if args.model == "minilm":
+        from .interop import minilm
+
+        return minilm.load()
+    model = load_checkpoint(args.ckpt)
+    tokenizer = load_checkpoint_tokenizer(args.ckpt)
+    if tokenizer is None:
+        raise ValueError(f"--ckpt {args.ckpt!r} has no tokenizer.json")
+    return model, tokenizer
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .viz import show_attention
+
+    if args.ckpt is None and args.model is None:
+        raise ValueError("give --ckpt DIR or --model minilm")
+    model, tokenizer = _model_and_tokenizer(args)
+    paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
+                           head=args.head)
+    print(f"wrote {paths['png']}")
+    print(f"wrote {paths['html']}")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    import json
+
+    from . import experiments
+    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
+    from .demo import run_demo
+
+    ckpt = args.ckpt
+    if ckpt is None:
+        ckpt = args.out
+        print(f"training the demo model first (into {ckpt}/) ...")
+        run_demo(ckpt, seed=args.seed, log=lambda _msg: None)
+    model, tokenizer = load_checkpoint(ckpt), load_checkpoint_tokenizer(ckpt)
+    if tokenizer is None or not hasattr(model, "generate"):
+        raise ValueError(f"--ckpt {ckpt!r} must hold a trained ToyAttnLM or GPT with its "
+                         "tokenizer")
+    ids = experiments.held_out_batch(tokenizer, seed=args.seed)
+    results = experiments.run_all(model, ids, seed=args.seed)
+    print(experiments.format_report(results))
+    if args.json:
+        from .io import atomic_write_json
+
+        atomic_write_json(args.json, results)
+        print(f"wrote {args.json}")
+    else:
+        print(json.dumps(results, indent=1))
     return 0
 
 
@@ -62,7 +199,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train the toy model on the built-in corpus, show what "
                           "it learned")
+    demo.add_argument("--out", default="attnlab-demo", help="output directory")
+    demo.add_argument("--steps", type=_positive_int, default=400)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--worked-example", action="store_true",
+                      help="print the 2x2 worked example of attention, step by step, instead")
     demo.set_defaults(func=cmd_demo)
+
+    train = sub.add_parser("train", help="train a model on the built-in corpus or --text FILE; "
+                           "--resume")
+    train.add_argument("--text", metavar="FILE", help="UTF-8 text to train on (char-level)")
+    train.add_argument("--model", choices=["toy", "gpt"], default="gpt")
+    train.add_argument("--steps", type=_positive_int, default=500, help="total steps")
+    train.add_argument("--batch-size", type=_positive_int, default=32)
+    train.add_argument("--context", type=_positive_int, default=128)
+    train.add_argument("--lr", type=_positive_float, default=3e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", default="attnlab-train", help="checkpoint directory")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=None)
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint in --out (--steps is the total)")
+    train.set_defaults(func=cmd_train)
+
+    generate = sub.add_parser("generate", help="sample from a checkpoint")
+    generate.add_argument("--ckpt", required=True, metavar="DIR")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=100)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-k", type=_positive_int, default=None)
+    generate.add_argument("--top-p", type=_positive_float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=cmd_generate)
+
+    show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
+                          "HTML explorer")
+    show.add_argument("text")
+    source = show.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", metavar="DIR", help="an attnlab checkpoint")
+    source.add_argument("--model", choices=["minilm"], help="the bundled all-MiniLM-L6-v2")
+    show.add_argument("--layer", type=int, default=None, help="only this layer in the PNG")
+    show.add_argument("--head", type=int, default=None, help="only this head in the PNG")
+    show.add_argument("--out", default="attnlab-show", help="output directory")
+    show.set_defaults(func=cmd_show)
+
+    ablate = sub.add_parser("ablate", help="the Q/K/V and uniform-attention experiments, as a "
+                            "report")
+    ablate.add_argument("--ckpt", metavar="DIR",
+                        help="a trained checkpoint (default: train the demo model first)")
+    ablate.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ablate.add_argument("--out", default="attnlab-demo",
+                        help="where the demo model is trained when no --ckpt is given")
+    ablate.add_argument("--seed", type=int, default=0)
+    ablate.set_defaults(func=cmd_ablate)
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",
@@ -84,8 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, PermissionError,
-            IsADirectoryError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
         return 2
