@@ -13,8 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .io import CheckpointError, atomic_dir, atomic_write_json, load_tensors, read_json, \
-    recover_dir, save_tensors
+from .io import (
+    CheckpointError,
+    atomic_dir,
+    atomic_write_json,
+    load_tensors,
+    read_json,
+    recover_dir,
+    save_tensors,
+)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
