@@ -1,0 +1,111 @@
+"""`attnlab demo|train|generate|show|ablate` end to end, and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "demo"
+    done = run("demo", "--out", out, "--steps", "300")
+    assert done.returncode == 0, done.stderr
+    return out, done.stdout
+
+
+def test_demo_writes_everything(demo_dir):
+    out, stdout = demo_dir
+    for name in ("attention.png", "attention.html", "model.safetensors", "config.json",
+                 "tokenizer.json", "summary.json"):
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"final_loss", "steps", "seconds"} <= set(summary) and summary["steps"] == 300
+    assert "step   300" in stdout and "previous token" in stdout
+    assert (out / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worked_example(tmp_path):
+    done = run("demo", "--worked-example")
+    assert done.returncode == 0
+    assert "z1 = 0.6698 * v1 + 0.3302 * v2 = [ 1.6605,  2.6605]" in done.stdout
+
+
+def test_generate_streams_text(demo_dir):
+    out, _ = demo_dir
+    done = run("generate", "--ckpt", out, "--prompt", "abab", "--max-new-tokens", "15",
+               "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout.rstrip("\n")
+    assert text.startswith("abab") and len(text) == 4 + 15
+    assert text[4:8] == "abab"  # the greedy continuation of the pattern
+
+
+def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
+    out, _ = demo_dir
+    done = run("show", "ababab xyz", "--ckpt", out, "--out", tmp_path / "show")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "show" / "attention.html").exists()
+    assert (tmp_path / "show" / "attention.png").exists()
+    done = run("ablate", "--ckpt", out, "--json", tmp_path / "ab.json")
+    assert done.returncode == 0, done.stderr
+    assert "uniform_attention" in done.stdout
+    results = json.loads((tmp_path / "ab.json").read_text())
+    assert set(results) == {"baseline", "constant_q", "zero_v", "constant_k",
+                            "uniform_attention", "dropout_placement"}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["train", "--text", "/no/such/file"], ["--text", "cannot be read"]),
+    (["train", "--text", "{empty}"], ["--text", "empty"]),
+    (["train", "--text", "{short}", "--context", "64"], ["too short"]),
+    (["train", "--text", "{binary}"], ["not UTF-8"]),
+    (["train", "--steps", "-3"], ["--steps", "positive"]),
+    (["train", "--batch-size", "0"], ["--batch-size", "positive"]),
+    (["train", "--resume", "--out", "{tmp}/none"], ["--resume", "no checkpoint"]),
+    (["generate", "--ckpt", "{tmp}/none", "--prompt", "ab"], ["does not exist"]),
+    (["generate", "--ckpt", "{corrupt}", "--prompt", "ab"], ["model.safetensors"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "QQ!"], ["--prompt", "'Q'"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--max-new-tokens", "0"],
+     ["--max-new-tokens"]),
+    (["show", "hello"], ["--ckpt"]),
+    (["show", "abq", "--ckpt", "{demo}"], ["'q'"]),
+])
+def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
+    out, _ = demo_dir
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "short.txt").write_text("abcabc")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (corrupt / name).write_bytes((out / name).read_bytes())
+    (corrupt / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:100])
+    fill = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
+            "binary": tmp_path / "binary.txt", "tmp": tmp_path, "corrupt": corrupt,
+            "demo": out}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    done = run(*[a.format(**fill) for a in args], cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_failed_train_leaves_a_good_checkpoint_untouched(demo_dir, tmp_path):
+    out, _ = demo_dir
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    (tmp_path / "tiny.txt").write_text("ab")
+    done = run("train", "--text", tmp_path / "tiny.txt", "--out", out, "--context", "16")
+    assert done.returncode == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -1,0 +1,126 @@
+"""Models: generation with and without the cache, padding, sampling, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.checkpoint import load_checkpoint, same_weights, save_checkpoint
+from attnlab.models import GPT, Encoder, EncoderConfig, GPTConfig, ToyAttnLM, ToyConfig
+
+CONFIGS = {
+    "gpt2-like": GPTConfig(vocab_size=40, context_length=48, d_model=32, num_layers=2,
+                           num_heads=4, mlp="gelu_tanh"),
+    "llama-like": GPTConfig(vocab_size=40, context_length=48, d_model=32, num_layers=2,
+                            num_heads=4, num_kv_heads=2, positions="rope", norm="rmsnorm",
+                            mlp="swiglu", tie_embeddings=False, qkv_bias=False,
+                            out_bias=False, mlp_bias=False),
+    "mqa-window": GPTConfig(vocab_size=40, context_length=48, d_model=32, num_layers=2,
+                            num_heads=4, num_kv_heads=1, positions="rope", window=6),
+}
+
+
+def make(name: str) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CONFIGS[name]).eval()
+    # Random init gives near-uniform logits; sharpen so greedy choices are not ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_and_uncached_greedy_identical(name):
+    model = make(name)
+    ids = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(ids, 20, temperature=0)
+    uncached = model.generate(ids, 20, temperature=0, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert cached.shape == (3, 26) and torch.equal(cached[:, :6], ids)
+    # and the cached logits equal a full forward at every step
+    full = model(cached[:, :-1])
+    caches = model.new_cache(3, 26)
+    step_logits = [model(cached[:, :6], caches=caches)[:, -1]]
+    for t in range(6, 25):
+        step_logits.append(model(cached[:, t:t + 1], caches=caches)[:, -1])
+    torch.testing.assert_close(torch.stack(step_logits, 1), full[:, 5:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_left_padded_batch_equals_each_prompt_alone(name):
+    model = make(name)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [5, 5, 5, 5]]
+    batched = model.generate(prompts, 10, temperature=0)
+    for i, p in enumerate(prompts):
+        alone = model.generate([p], 10, temperature=0)
+        assert torch.equal(batched[i, -10:], alone[0, -10:]), i
+
+
+def test_sampling_options():
+    model = make("gpt2-like")
+    ids = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(ids, 12, temperature=0)
+    assert torch.equal(model.generate(ids, 12, top_k=1), greedy)
+    assert torch.equal(model.generate(ids, 12, top_p=1e-6), greedy)
+    a = model.generate(ids, 12, generator=torch.Generator().manual_seed(5))
+    b = model.generate(ids, 12, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    seen = {tuple(model.generate(ids, 12, temperature=5.0,
+                                 generator=torch.Generator().manual_seed(s))[0].tolist())
+            for s in range(5)}
+    assert len(seen) > 1
+    eos = int(greedy[0, 5])  # the 3rd generated token, or an earlier one
+    first = 3 + greedy[0, 3:].tolist().index(eos)
+    stopped = model.generate(ids, 12, temperature=0, eos_id=eos)
+    assert stopped.shape[1] == first + 1 and int(stopped[0, -1]) == eos
+    assert torch.equal(stopped[0], greedy[0, :first + 1])
+
+
+def test_output_attentions_rows_sum_to_one_and_are_causal():
+    model = make("llama-like")
+    logits, attentions = model(torch.randint(0, 40, (2, 9)), output_attentions=True)
+    assert len(attentions) == 2
+    for w in attentions:
+        assert w.shape == (2, 4, 9, 9)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 9))
+        assert torch.equal(w.triu(1), torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("model", [
+    make("gpt2-like"), make("llama-like"),
+    ToyAttnLM(ToyConfig(vocab_size=12, context_length=8, d_model=8)),
+    Encoder(EncoderConfig(vocab_size=30, context_length=16, d_model=16, num_layers=1,
+                          num_heads=2, d_ff=32)),
+])
+def test_checkpoint_round_trip_is_bit_identical(model, tmp_path):
+    save_checkpoint(model, tmp_path / "ck", note="hello")
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert type(loaded) is type(model) and same_weights(loaded, model)
+    if isinstance(model, GPT) and model.config.tie_embeddings:
+        assert loaded.lm_head.weight is loaded.tok_emb.weight
+
+
+def test_encoder_ignores_padding():
+    torch.manual_seed(0)
+    enc = Encoder(EncoderConfig(vocab_size=30, context_length=16, d_model=16, num_layers=2,
+                                num_heads=2, d_ff=32)).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    alone = enc(ids)
+    padded = enc(torch.tensor([[5, 6, 7, 8, 0, 0, 0]]),
+                 attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0, 0]]))
+    torch.testing.assert_close(padded[:, :4], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda m: m.generate(torch.tensor([[1] * 40]), 20), ["context_length=48", "60"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=-1), ["temperature"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, top_p=0), ["top_p"]),
+    (lambda m: m(torch.zeros(2, 3)), ["ids", "integer"]),
+    (lambda m: m(torch.zeros(1, 49, dtype=torch.long)), ["49", "context_length=48"]),
+    (lambda m: GPTConfig(mlp="relu"), ["mlp", "relu"]),
+])
+def test_bad_input(call, words):
+    with pytest.raises(ValueError) as info:
+        call(make("gpt2-like"))
+    for w in words:
+        assert w in str(info.value)
