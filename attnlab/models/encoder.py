@@ -95,6 +95,13 @@ class Encoder(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
 
+    @classmethod
+    def from_hf(cls, model) -> Encoder:
+        """Copy a ``transformers`` ``BertModel``."""
+        from ..interop.hf import encoder_from_hf
+
+        return encoder_from_hf(model)
+
     def forward(
         self,
         ids: torch.Tensor,

@@ -223,5 +223,12 @@ class GPT(GenerationMixin, nn.Module):
         logits = self.lm_head(self.norm(x))
         return (logits, attentions) if output_attentions else logits
 
+    @classmethod
+    def from_hf(cls, model) -> GPT:
+        """Copy a ``transformers`` ``GPT2LMHeadModel`` or ``LlamaForCausalLM``."""
+        from ..interop.hf import gpt_from_hf
+
+        return gpt_from_hf(model)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
