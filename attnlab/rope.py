@@ -95,8 +95,11 @@ class RotaryEmbedding(nn.Module):
             return
         # Grow geometrically so a decoding loop rebuilds the table O(log n) times.
         size = min(max(length, 2 * cos.shape[0] if cos.device == device else 0, 64), TABLE_MAX)
-        cos, sin = self._cos_signed_sin(self._angles(torch.arange(size, device=device)))
-        self._cos, self._sin = cos.float(), sin.float()
+        # The table outlives this call: build it as a normal tensor even when called
+        # under inference_mode, or a later training forward could not use it.
+        with torch.inference_mode(False), torch.no_grad():
+            cos, sin = self._cos_signed_sin(self._angles(torch.arange(size, device=device)))
+            self._cos, self._sin = cos.float(), sin.float()
 
     def factors(
         self,

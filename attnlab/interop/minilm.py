@@ -66,15 +66,25 @@ def embed(sentences: str | Sequence[str], batch_size: int = 32) -> torch.Tensor:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     encoder, tokenizer = load()
     max_len = _LOADED[2]
-    out = []
-    for start in range(0, len(sentences), batch_size):
-        ids, mask = tokenizer.encode_batch(list(sentences[start:start + batch_size]),
-                                           max_length=max_len)
-        ids, mask = torch.tensor(ids), torch.tensor(mask)
-        hidden = encoder(ids, attention_mask=mask)  # (B, T, 384)
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-        out.append(torch.nn.functional.normalize(pooled, p=2, dim=1))
-    if not out:
+    if not sentences:
         return torch.zeros(0, encoder.config.d_model)
-    return torch.cat(out)
+    ids, mask = tokenizer.encode_batch(list(sentences), max_length=max_len)
+    rows = [r[:sum(m)] for r, m in zip(ids, mask)]
+    # Batch sentences of similar length together (longest first), as
+    # sentence-transformers does, so little compute goes to padding.
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    out = torch.empty(len(rows), encoder.config.d_model)
+    pad = tokenizer.pad_id
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = len(rows[chunk[0]])
+        batch_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        batch_mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for j, i in enumerate(chunk):
+            batch_ids[j, :len(rows[i])] = torch.tensor(rows[i])
+            batch_mask[j, :len(rows[i])] = 1
+        hidden = encoder(batch_ids, attention_mask=batch_mask)  # (B, T, 384)
+        weights = batch_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        out[chunk] = torch.nn.functional.normalize(pooled, p=2, dim=1)
+    return out

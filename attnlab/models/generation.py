@@ -72,7 +72,7 @@ class GenerationMixin:
 
     pad_id: int = 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(
         self,
         ids,
@@ -106,7 +106,10 @@ class GenerationMixin:
         caches = self.new_cache(batch, total) if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         seq, seq_mask = ids, mask
-        step_ids, step_pos = ids, _positions(mask, 0, prompt_len, device, batch)
+        # Without padding the layers read positions off the cache (a cheap slice);
+        # left-padded prompts carry each row's own positions.
+        step_ids = ids
+        step_pos = None if mask is None else _positions(mask, 0, prompt_len, device, batch)
         for _ in range(max_new_tokens):
             if use_cache:
                 logits = self(step_ids, attention_mask=seq_mask, caches=caches,
@@ -127,7 +130,7 @@ class GenerationMixin:
             if seq_mask is not None:
                 seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
             step_ids = nxt[:, None]
-            step_pos = _next_positions(step_pos)
+            step_pos = None if step_pos is None else step_pos[:, -1:] + 1
 
     @torch.no_grad()
     def generate(
@@ -170,7 +173,9 @@ class GenerationMixin:
             if on_token is not None:
                 on_token(tok)
         prompt = prompt.to(next(self.parameters()).device)
-        return torch.cat([prompt, *(t[:, None] for t in new)], dim=1)
+        # Built outside inference mode (stream runs in it, for speed): the result is an
+        # ordinary tensor that may feed a later forward with autograd.
+        return torch.cat([prompt, *(t[:, None] for t in new)], dim=1).clone()
 
 
 def _positions(mask, start, length, device, batch) -> torch.Tensor:
@@ -178,7 +183,3 @@ def _positions(mask, start, length, device, batch) -> torch.Tensor:
     if mask is None:
         return torch.arange(start, start + length, device=device).expand(batch, length)
     return (mask.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def _next_positions(pos: torch.Tensor) -> torch.Tensor:
-    return pos[:, -1:] + 1

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..modules import MultiHeadAttention
+from ..modules.fused import FusedLinears
 from .generation import GenerationMixin
 
 _CHOICES = {
@@ -98,10 +99,14 @@ class MLP(nn.Module):
             self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
         self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
+        self._fused = FusedLinears()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
         if self.kind == "swiglu":
-            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+            pair = (self.gate, self.fc)
+            gate, up = self._fused(x, pair) if FusedLinears.usable(pair) else (
+                self.gate(x), self.fc(x))
+            return self.proj(F.silu(gate) * up)
         approximate = "tanh" if self.kind == "gelu_tanh" else "none"
         return self.proj(F.gelu(self.fc(x), approximate=approximate))
 

@@ -14,6 +14,7 @@ from .. import masks as _masks
 from ..cache import KVCache
 from ..functional import BACKENDS, attention
 from ..rope import RotaryEmbedding
+from .fused import FusedLinears
 
 __all__ = ["MultiHeadAttention"]
 
@@ -124,6 +125,7 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
+        self._fused_qkv = FusedLinears()
 
     def extra_repr(self) -> str:
         parts = [f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}",
@@ -207,9 +209,14 @@ class MultiHeadAttention(nn.Module):
         s = src.shape[1]
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
-        q = self.W_query(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.W_key(src).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.W_value(src).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        linears = (self.W_query, self.W_key, self.W_value)
+        if kv is None and FusedLinears.usable(linears):
+            q, k, v = self._fused_qkv(x, linears)  # one matmul instead of three
+        else:
+            q, k, v = self.W_query(x), self.W_key(src), self.W_value(src)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             rot = self.rotary
             dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

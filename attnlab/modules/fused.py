@@ -1,0 +1,45 @@
+"""Fused projections for inference: several ``nn.Linear`` applied as one matmul.
+
+Decoding one token at a time on a CPU is dominated by per-call overhead, so the
+Q/K/V projections (and SwiGLU's gate/up) run as a single ``F.linear`` over
+their concatenated weights when no gradient is needed. The modules keep their
+separate ``nn.Linear`` layers (checkpoints, initialisation order and hooks are
+untouched); the concatenation is cached and rebuilt whenever a weight changes
+(its storage or version counter), and skipped while any of them has hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinears:
+    """Apply ``linears`` (same input size) to one input with one matmul when allowed."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._weight: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+
+    @staticmethod
+    def usable(linears: tuple[nn.Linear, ...]) -> bool:
+        return not torch.is_grad_enabled() and not any(
+            m._forward_hooks or m._forward_pre_hooks for m in linears)
+
+    def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
+        tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        if key != self._key:
+            # A normal tensor even under inference_mode: it is kept across calls.
+            with torch.inference_mode(False), torch.no_grad():
+                self._weight = torch.cat([m.weight for m in linears])
+                biases = [m.bias if m.bias is not None else
+                          torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                      device=m.weight.device) for m in linears]
+                has_bias = any(m.bias is not None for m in linears)
+                self._bias = torch.cat(biases) if has_bias else None
+            self._key = key
+        out = F.linear(x, self._weight, self._bias)
+        return list(out.split([m.out_features for m in linears], dim=-1))
