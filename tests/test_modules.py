@@ -368,3 +368,24 @@ def test_refused_call_leaves_the_cache_unchanged():
     # And a good call afterwards continues from position 3.
     m(x, cache=cache, mask=torch.ones(2, 4, dtype=torch.bool))
     assert cache.seq_len == 4
+
+
+def test_inference_fused_projections_follow_the_weights():
+    """Without gradients Q/K/V run as one cached matmul; it must track weight updates
+    and work for modules whose parameters were made under inference_mode."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 16, 4, num_kv_heads=2, causal=True, qkv_bias=True)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        fused = m(x)
+    close(fused, m(x))  # grad enabled: the three separate projections
+    with torch.no_grad():
+        m.W_key.weight.mul_(2.0)  # an in-place update, as an optimizer step makes
+        updated = m(x)
+    close(updated, m(x))
+    assert not torch.allclose(updated, fused)
+    with torch.inference_mode():  # parameters that are inference tensors
+        inside = seeded(1, MultiHeadAttention, 16, 16, 4, num_kv_heads=2, causal=True)
+    outside = seeded(1, MultiHeadAttention, 16, 16, 4, num_kv_heads=2, causal=True)
+    with torch.inference_mode():
+        close(inside(x), outside(x))

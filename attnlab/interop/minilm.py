@@ -44,14 +44,20 @@ def load() -> tuple[Encoder, HFTokenizer]:
     Loaded once per process and shared.
     """
     global _LOADED
+    # Built outside inference mode even when called from embed(): parameters made
+    # under inference_mode are inference tensors, which can never be trained.
     if _LOADED is None:
-        folder = model_path()
-        cfg = bert_config(json.loads((folder / "config.json").read_text()))
-        encoder = Encoder(cfg)
-        state = bert_state(load_tensors(folder / "model.safetensors"), cfg)
-        encoder.load_state_dict(state, strict=True)
-        _LOADED = encoder.eval(), HFTokenizer(folder / "tokenizer.json"), _max_seq_length(folder)
+        with torch.inference_mode(False):
+            _LOADED = _build(model_path())
     return _LOADED[0], _LOADED[1]
+
+
+def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
+    cfg = bert_config(json.loads((folder / "config.json").read_text()))
+    encoder = Encoder(cfg)
+    state = bert_state(load_tensors(folder / "model.safetensors"), cfg)
+    encoder.load_state_dict(state, strict=True)
+    return encoder.eval(), HFTokenizer(folder / "tokenizer.json"), _max_seq_length(folder)
 
 
 @torch.inference_mode()

@@ -30,7 +30,10 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
         tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        # Inference tensors have no version counter (and cannot be changed in place
+        # outside inference mode); their storage identifies them.
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype, t.device)
+                    for t in tensors)
         if key != self._key:
             # A normal tensor even under inference_mode: it is kept across calls.
             with torch.inference_mode(False), torch.no_grad():
