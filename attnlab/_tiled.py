@@ -90,10 +90,12 @@ def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
 
 
 def _keep_mask(ctx, qi, ki, shape, device):
-    """Dropout keep-mask of one tile, regenerated identically in the backward."""
+    """Dropout keep-mask of one tile, already scaled by 1/(1-p), regenerated identically
+    in the backward. With p == 1 nothing is kept (a factor of 0, not a division by 0)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(ctx.seed + qi * 1_000_003 + ki)
-    return torch.rand(shape, generator=gen, device=device) >= ctx.dropout_p
+    keep = torch.rand(shape, generator=gen, device=device) >= ctx.dropout_p
+    return keep * (0.0 if ctx.dropout_p >= 1.0 else 1.0 / (1.0 - ctx.dropout_p))
 
 
 class _Ctx:
@@ -143,7 +145,7 @@ def _forward(ctx, q, k, v, mask):
             alpha = (m - m_safe).exp_()
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if ctx.dropout_p > 0:
-                p = p * _keep_mask(ctx, qi, ki, p.shape, p.device) / (1.0 - ctx.dropout_p)
+                p = p * _keep_mask(ctx, qi, ki, p.shape, p.device)
             acc.mul_(alpha).add_(torch.matmul(p, v[:, :, ks:ke].to(c).unsqueeze(2)))
             m = m_new
         empty = l == 0
@@ -177,7 +179,7 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
             dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))  # (B, Hkv, G, bq, bk)
             p_used = p
             if ctx.dropout_p > 0:
-                keep = _keep_mask(ctx, qi, ki, p.shape, p.device) / (1.0 - ctx.dropout_p)
+                keep = _keep_mask(ctx, qi, ki, p.shape, p.device)
                 p_used = p * keep
                 dp = dp * keep
             # Sum over the group and the rows at once: (B, Hkv, bk, G*bq) @ (B, Hkv, G*bq, Dv)
@@ -217,13 +219,18 @@ def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p):
     return _TiledAttention.apply(q, k, v, mask, causal, window, scale, dropout_p, seed)
 
 
-def tiled_weights(q, k, mask, causal, window, scale, lse, rows):
-    """Weights of the chosen query ``rows`` ``(B, Hq, R, Lk)``, rebuilt from the saved lse."""
+def tiled_weights(q, k, mask, causal, window, scale, rows):
+    """Weights of the chosen query ``rows`` ``(B, Hq, R, Lk)``, BLOCK_Q rows at a time.
+
+    A plain masked softmax of each block of full score rows, so memory stays
+    O(BLOCK_Q x k_len) and gradients flow back into ``q`` and ``k`` (the saved
+    log-sum-exp is not differentiable, so the weights are not rebuilt from it).
+    """
     settings = _Ctx(q, k, causal, window, scale, 0.0, 0)
     c = settings.compute
     batch, q_heads, _, head_dim = q.shape
-    out = torch.zeros(batch, q_heads, len(rows), settings.k_len, dtype=c, device=q.device)
     qg = settings.grouped(q)
+    parts = []
     for r in range(0, len(rows), BLOCK_Q):
         idx = rows[r:r + BLOCK_Q]
         q_blk = qg.index_select(3, idx).to(c) * scale
@@ -234,6 +241,9 @@ def tiled_weights(q, k, mask, causal, window, scale, lse, rows):
         if mask is not None:
             m = _slice_rows(mask, idx, settings.kv_heads)
             s = s.masked_fill(~m, _NEG_INF) if m.dtype == torch.bool else s + m.to(c)
-        p = (s - lse.index_select(3, idx).unsqueeze(-1)).exp_()
-        out[:, :, r:r + len(idx)] = p.view(batch, q_heads, len(idx), settings.k_len)
-    return out.to(q.dtype)
+        empty = s.amax(dim=-1, keepdim=True) == _NEG_INF
+        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        parts.append(p.reshape(batch, q_heads, len(idx), settings.k_len))
+    if not parts:
+        return torch.zeros(batch, q_heads, 0, settings.k_len, dtype=q.dtype, device=q.device)
+    return torch.cat(parts, dim=2).to(q.dtype)

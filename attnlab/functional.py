@@ -88,9 +88,14 @@ def attention(
     elif backend == "sdpa":
         out = _sdpa(q4, k4, v4, mask4, causal, window, scale, dropout_p)
     else:
-        out, lse = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        if mask4 is not None and mask4.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "backend='tiled' does not differentiate an additive mask (mask requires "
+                "grad); use backend='eager' or 'sdpa' for a learned bias"
+            )
+        out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
         if rows is not None:
-            weights = tiled_weights(q4, k4, mask4, causal, window, scale, lse, rows)
+            weights = tiled_weights(q4, k4, mask4, causal, window, scale, rows)
 
     if q.ndim != 4:
         out = out.reshape(*lead, *out.shape[1:])
@@ -239,14 +244,16 @@ def _to_4d(q, k, v, mask):
 
 def _choose(q, k, mask, window, rows) -> str:
     q_len, k_len = q.shape[-2], k.shape[-2]
+    learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
     if rows is not None:
-        return "eager" if len(rows) * k_len <= _EAGER_MAX_SCORES else "tiled"
+        small = len(rows) * k_len <= _EAGER_MAX_SCORES
+        return "eager" if small or learned_mask else "tiled"
     if (
         window is not None
         and q_len > 1
         and k_len >= _WINDOW_MIN_LEN
         and k_len >= _WINDOW_RATIO * window
-        and not (mask is not None and mask.requires_grad)
+        and not learned_mask
     ):
         return "tiled"
     return "sdpa"
@@ -279,7 +286,10 @@ def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
     if mask is not None or (struct is not None and q_len > k_len):
         # A row with nothing to attend is all -inf, where softmax (and its backward)
         # gives NaN: soften it to zeros first, then zero its weights.
-        empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        if k_len:
+            empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        else:  # no keys at all: every row is empty
+            empty = scores.new_ones((*scores.shape[:-1], 1), dtype=torch.bool)
         weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     else:
         weights = torch.softmax(scores, dim=-1)

@@ -211,6 +211,60 @@ def test_weights_of_chosen_rows_and_leading_dims():
         torch.testing.assert_close(w, w_all[..., [0, 4, 4], :])
 
 
+@pytest.mark.parametrize("mask_kind", [None, "bool"])
+def test_tiled_weights_carry_gradients(mask_kind, small_tiles):
+    """A loss on the returned weights back-propagates as it does through eager."""
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(1, 4, 6, 3, generator=g), torch.randn(1, 2, 7, 3, generator=g),
+            torch.randn(1, 2, 7, 3, generator=g)]
+    mask = None
+    if mask_kind:
+        mask = torch.rand(1, 1, 6, 7, generator=g) > 0.3
+        mask[..., 2, :] = False  # an empty row: zero weights, zero gradient
+    target = torch.randn(1, 4, 6, 7, generator=g)
+    grads = {}
+    for backend in ("eager", "tiled"):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        _, w = attnlab.attention(q, k, v, mask=mask, causal=True, return_weights=True,
+                                 backend=backend)
+        (w * target).sum().backward()
+        grads[backend] = (q.grad, k.grad)
+    for got, want in zip(grads["tiled"], grads["eager"]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert grads["eager"][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+def test_dropout_one_gives_zeros_not_nan(backend):
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    out = attnlab.attention(q, k, v, causal=True, dropout_p=1.0, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_keys_gives_zero_rows(backend, causal):
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 4)
+    mask = torch.ones(1, 1, 3, 0, dtype=torch.bool)
+    out = attnlab.attention(q, k, v, causal=causal, mask=mask, backend=backend)
+    assert torch.equal(out, torch.zeros(1, 2, 3, 4))
+
+
+def test_learned_additive_mask_never_silently_loses_its_gradient():
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    bias = torch.zeros(1, 1, 5, 5, requires_grad=True)
+    for backend in ("eager", "sdpa", "auto"):
+        bias.grad = None
+        attnlab.attention(q, k, v, mask=bias, causal=True, backend=backend)[..., 0].sum().backward()
+        assert bias.grad is not None and bias.grad.abs().sum() > 0, backend
+    with pytest.raises(ValueError, match="tiled.*mask requires grad"):
+        attnlab.attention(q, k, v, mask=bias, backend="tiled")
+    with torch.no_grad():  # nothing to differentiate: tiled is fine
+        attnlab.attention(q, k, v, mask=bias, backend="tiled")
+
+
 def test_auto_picks_documented_backends():
     from attnlab.functional import _choose
 
