@@ -89,7 +89,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
                               d_model=128, num_layers=4, num_heads=4, dropout=0.0))
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
-    if summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0:
+    rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
+    if rank0 and summary["resumed_from"] == summary["steps"]:
+        print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
+    elif rank0:
         from .io import atomic_write_json
 
         atomic_write_json(f"{args.out}/summary.json", summary)
@@ -102,6 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
+    from .models.generation import check_sampling
 
     model = load_checkpoint(args.ckpt)
     tokenizer = load_checkpoint_tokenizer(args.ckpt)
@@ -113,6 +117,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompt: {exc}") from None
     if not ids:
         raise ValueError("--prompt is empty")
+    if not hasattr(model, "generate"):
+        raise ValueError(f"--ckpt {args.ckpt!r} holds a {type(model).__name__}, which does not "
+                         "generate text; expected a ToyAttnLM or GPT checkpoint")
+    # Checked before the prompt is echoed, so a refused call prints nothing on stdout.
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(args.prompt)
 

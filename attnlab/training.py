@@ -33,6 +33,7 @@ from .io import (
     atomic_write_json,
     load_tensors,
     read_json,
+    recover_dir,
     save_tensors,
 )
 
@@ -106,6 +107,7 @@ def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator)
 
 
 def lm_loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.to(next(model.parameters()).device)  # batches are drawn on the CPU
     logits = model(rows[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
 
@@ -127,14 +129,15 @@ def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
 # ------------------------------------------------------------------ distributed
 
 
-def _dist_setup() -> tuple[int, int]:
+def _dist_setup(device: torch.device) -> tuple[int, int]:
+    """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world
 
 
@@ -170,7 +173,14 @@ def _restore(out: Path, model, optimizer, gen) -> tuple[int, dict]:
     from .checkpoint import load_checkpoint
 
     saved = load_checkpoint(out)
-    model.load_state_dict(saved.state_dict())
+    try:
+        model.load_state_dict(saved.state_dict())
+    except RuntimeError as exc:
+        detail = str(exc).splitlines()[-1].strip() if str(exc) else ""
+        raise CheckpointError(
+            f"--resume: the {type(saved).__name__} checkpoint in {str(out)!r} does not fit the "
+            f"{type(model).__name__} being trained ({detail}); resume with the model and "
+            "context it was trained with, or choose another --out") from None
     state = read_json(out / STATE_JSON)
     tensors = load_tensors(out / STATE_TENSORS)
     per_param: dict[int, dict] = {}
@@ -178,14 +188,37 @@ def _restore(out: Path, model, optimizer, gen) -> tuple[int, dict]:
         if name.startswith("optim."):
             _, index, key = name.split(".", 2)
             per_param.setdefault(int(index), {})[key] = value
-    optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
-    gen.set_state(tensors["rng.batches"])
-    return int(state["step"]), state
+    try:
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        torch.set_rng_state(tensors["rng.torch"])
+        gen.set_state(tensors["rng.batches"])
+        return int(state["step"]), state
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
+                              f"incomplete ({type(exc).__name__}: {exc})") from None
+
+
+def check_out_dir(out: str | os.PathLike) -> None:
+    """Refuse an ``out`` that holds anything but an attnlab checkpoint.
+
+    A checkpoint replaces its directory as a whole (atomically), so writing one
+    into a folder of other files would delete them.
+    """
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; expected a directory for the checkpoint")
+    if (out / CONFIG_FILE).exists() or not any(out.iterdir()):
+        return
+    raise ValueError(
+        f"--out {str(out)!r} holds files that are not an attnlab checkpoint; expected a new or "
+        "empty directory (a checkpoint replaces its directory as a whole)")
 
 
 def has_checkpoint(out: str | os.PathLike) -> bool:
     out = Path(out)
+    recover_dir(out)  # a writer killed between its two renames left the copy beside it
     return (out / STATE_JSON).exists() and (out / CONFIG_FILE).exists()
 
 
@@ -223,7 +256,8 @@ def train(
         ``{"steps", "final_loss", "eval_loss", "seconds", "tokens_per_s", "history",
         "resumed_from"}`` where history is ``[[step, train_loss, eval_loss|None], ...]``.
     """
-    rank, world = _dist_setup()
+    device = next(model.parameters()).device
+    rank, world = _dist_setup(device)
     if cfg.batch_size % world:
         raise ValueError(f"batch-size {cfg.batch_size} must be divisible by the number of "
                          f"processes ({world})")
@@ -236,14 +270,19 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
     step, history, resumed_from = 0, [], None
+    if out is not None and rank == 0:
+        check_out_dir(out)
     if resume:
         if out is None or not has_checkpoint(out):
-            raise CheckpointError(f"--resume: no checkpoint to resume in {str(out)!r}")
+            raise CheckpointError(f"--resume: no checkpoint to resume in {str(out)!r} (a run "
+                                  "stopped before its first checkpoint starts again without "
+                                  "--resume)")
         step, state = _restore(Path(out), model, optimizer, gen)
         history, resumed_from = state["history"], step
     wrapped = model
     if world > 1:
-        wrapped = nn.parallel.DistributedDataParallel(model)
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = cfg.batch_size // world
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
     bar = None

@@ -71,6 +71,11 @@ def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
     (["train", "--steps", "-3"], ["--steps", "positive"]),
     (["train", "--batch-size", "0"], ["--batch-size", "positive"]),
     (["train", "--resume", "--out", "{tmp}/none"], ["--resume", "no checkpoint"]),
+    (["train", "--resume", "--out", "{demo}", "--model", "gpt"], ["--resume", "does not fit"]),
+    (["train", "--out", "{junk}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "-1"],
+     ["temperature"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--top-p", "2"], ["top_p"]),
     (["generate", "--ckpt", "{tmp}/none", "--prompt", "ab"], ["does not exist"]),
     (["generate", "--ckpt", "{corrupt}", "--prompt", "ab"], ["model.safetensors"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "QQ!"], ["--prompt", "'Q'"]),
@@ -84,6 +89,8 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "short.txt").write_text("abcabc")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("someone's notes")
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     for name in ("config.json", "tokenizer.json"):
@@ -91,7 +98,7 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
     (corrupt / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:100])
     fill = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
             "binary": tmp_path / "binary.txt", "tmp": tmp_path, "corrupt": corrupt,
-            "demo": out}
+            "demo": out, "junk": tmp_path / "junk"}
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     done = run(*[a.format(**fill) for a in args], cwd=tmp_path)
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -99,7 +106,9 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     for w in words:
         assert w in lines[0], lines[0]
+    assert done.stdout == "", done.stdout  # nothing half-done on stdout either
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert (tmp_path / "junk" / "notes.txt").read_text() == "someone's notes"
 
 
 def test_failed_train_leaves_a_good_checkpoint_untouched(demo_dir, tmp_path):

@@ -103,6 +103,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
         while not (out / "training_state.json").exists() and time.time() < deadline:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.5))
+        assert proc.poll() is None, "the run finished before it could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         resumed = subprocess.run(_train_cmd(out, steps, "--resume"), capture_output=True,
@@ -156,3 +157,32 @@ def test_two_process_torchrun_matches_single_process(tmp_path):
     a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_resume_finds_a_checkpoint_left_beside_its_directory(tmp_path):
+    """A writer killed between its two renames leaves the complete new copy as
+    ``.<name>.ready-*`` and no ``<name>``: resuming must find it, not say there is none."""
+    from attnlab.training import has_checkpoint
+
+    model, _ = _tiny_run(0)
+    out = tmp_path / "run"
+    text = pattern_corpus(n_runs=300, seed=1)
+    cfg = TrainConfig(steps=2, batch_size=4, context=16, seed=0)
+    train(model, torch.tensor(CharTokenizer.from_text(text).encode(text)), cfg, out=out,
+          progress=False, log=None)
+    out.rename(tmp_path / ".run.ready-999-0123abcd")
+    assert has_checkpoint(out)
+    assert (out / "model.safetensors").exists()
+
+
+def test_out_dir_with_other_files_is_refused_and_kept(tmp_path):
+    model, _ = _tiny_run(0)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    text = pattern_corpus(n_runs=300, seed=1)
+    cfg = TrainConfig(steps=2, batch_size=4, context=16, seed=0)
+    with pytest.raises(ValueError, match="not an attnlab checkpoint"):
+        train(model, torch.tensor(CharTokenizer.from_text(text).encode(text)), cfg, out=out,
+              progress=False, log=None)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

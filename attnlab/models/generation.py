@@ -54,7 +54,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p):
+def check_sampling(max_new_tokens, temperature, top_k, top_p):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
         max_new_tokens < 0
     ):
@@ -89,7 +89,7 @@ class GenerationMixin:
         Finished sequences (that produced ``eos_id``) keep yielding ``eos_id``;
         the stream ends when all are finished or after ``max_new_tokens``.
         """
-        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
         device = next(self.parameters()).device
         ids, mask = _as_batch(ids, self.pad_id)
         ids = ids.to(device)
