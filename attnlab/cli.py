@@ -196,7 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
-                        json_path=args.json)
+                        json_path=args.json, case_filter=args.case)
     if args.markdown:
         print(bench.markdown_table(records, baseline=args.baseline))
     return 0
@@ -266,12 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["attention", "modules", "generate", "encode"],
                        help="suite to run (repeatable; default: all)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
+    bench.add_argument("--case", metavar="TEXT",
+                       help="only the cases whose name contains TEXT, e.g. 'T=4096 causal'")
     bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the per-case memory subprocesses")
-    bench.add_argument("--markdown", action="store_true", help="print a Markdown table at the end")
-    bench.add_argument("--baseline", default="torch-sdpa",
-                       help="implementation the Markdown ratios refer to")
+    bench.add_argument("--markdown", action="store_true",
+                       help="print Markdown tables at the end (one per suite)")
+    bench.add_argument("--baseline", metavar="IMPL",
+                       help="implementation the Markdown ratios refer to (default: each "
+                            "suite's peer: torch-sdpa, torch nn.MHA, transformers, "
+                            "sentence-transformers)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

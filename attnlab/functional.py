@@ -58,7 +58,9 @@ def attention(
             ``h // (q_heads // kv_heads)``).
         v: ``(..., kv_heads, k_len, v_dim)`` values.
         mask: bool (True = may attend) or additive float mask broadcastable to
-            ``(..., q_heads, q_len, k_len)``.
+            ``(..., q_heads, q_len, k_len)``. Float masks are added exactly: a row
+            that is one large finite value everywhere (``-1e9``) leaves the
+            weights as they were, in every dtype; only ``-inf`` forbids a key.
         causal: query at end-aligned position ``p = i + k_len - q_len`` sees keys ``j <= p``.
         window: sliding window W >= 1: keys with ``p - W < j`` (and ``j < p + W``
             when not causal).
@@ -77,6 +79,8 @@ def attention(
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
+    if mask4 is not None and mask4.dtype != torch.bool:
+        mask4 = _masks.shift_rows(mask4)  # exact additive semantics in any dtype
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     window = int(window) if window is not None else None
 
@@ -328,8 +332,10 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
             )
         else:
             empty = None
-        if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            # torch wants the mask in q's dtype, where a large finite value overflows to
+            # -inf; with the causal/window rule now in it, shift each row's top to 0 first.
+            attn_mask = _masks.shift_rows(attn_mask).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

@@ -208,6 +208,18 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return total
 
 
+def shift_rows(mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask with each row's largest finite entry moved to 0.
+
+    Softmax ignores a constant added to a row, so this changes no weight, but it
+    keeps large finite values (HF's ``finfo.min``, ``-1e9``) from swallowing the
+    scores when added in float32 or overflowing when cast to fp16/bf16. Rows that
+    are all ``-inf`` stay so. The shift carries no gradient (softmax has none there).
+    """
+    top = mask.detach().amax(dim=-1, keepdim=True)
+    return mask - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
 def describe(mask: torch.Tensor, *, max_size: int = 32) -> str:
     """A small text picture of a 2-D mask (or the first matrix of a bigger one).
 

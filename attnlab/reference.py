@@ -39,7 +39,9 @@ def attention(
     query head h reads kv head ``h // (q_heads // kv_heads)``). ``mask`` is
     bool (True = may attend) or additive float, broadcast to
     ``(..., heads, q_len, k_len)``. Causal and window rules are aligned to the
-    end when ``q_len != k_len``. Rows with nothing to attend give zeros.
+    end when ``q_len != k_len``. Rows with nothing to attend give zeros. Float
+    masks are added exactly (``-inf`` forbids a key; any finite row constant,
+    however large, changes nothing).
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -73,7 +75,12 @@ def attention(
             allowed = allowed & np.broadcast_to(mask, scores.shape)
         else:
             bias = bias + np.broadcast_to(mask.astype(np.float64), scores.shape)
-    scores = np.where(allowed, scores + bias, -np.inf)
+    # Add the bias exactly: softmax ignores a per-row constant, so take each row's
+    # largest allowed bias out first, or a bias of -1e9 would swallow the scores.
+    bias = np.where(allowed, bias, -np.inf)
+    top = np.max(bias, axis=-1, keepdims=True)
+    bias = bias - np.where(np.isfinite(top), top, 0.0)
+    scores = np.where(allowed & (bias > -np.inf), scores + bias, -np.inf)
     weights = softmax(scores, axis=-1)
     out = np.einsum("...qk,...kd->...qd", weights, v)
     return (out, weights) if return_weights else out

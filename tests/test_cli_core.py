@@ -55,7 +55,10 @@ def test_bench_records(tmp_path, monkeypatch):
         assert r["median_ms"] > 0 and r["peak_mb"] is not None
     a, b = records
     assert a["ratio_to"][b["impl"]] == pytest.approx(a["median_ms"] / b["median_ms"])
-    assert runner.markdown_table(records, baseline="torch-sdpa").count("\n") == 3
+    table = runner.markdown_table(records).splitlines()
+    assert table[0] == "| case | attnlab-auto | torch-sdpa |" and len(table) == 3
+    ratio = f"({a['ratio_to']['torch-sdpa']:.2f}x)"  # the default peer of the suite
+    assert table[2].startswith("| fwd T=64 |") and ratio in table[2]
 
 
 def test_memprobe_sees_the_step_allocate():

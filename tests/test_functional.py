@@ -101,37 +101,95 @@ def check_fp32(backend, p):
         np.testing.assert_allclose(w.numpy(), want_w, atol=1e-5, rtol=1e-5)
     assert not torch.isnan(out).any()
     np.testing.assert_allclose(out.numpy(), want_out, atol=1e-5, rtol=1e-5)
+    if backend == "auto":  # without weights auto makes its other choices (sdpa, tiled)
+        out = attnlab.attention(q, k, v, **kw)
+        np.testing.assert_allclose(out.numpy(), want_out, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
-@settings(max_examples=25, deadline=None)
+# bf16 keeps 8 bits of mantissa (output rounding ~4e-3 relative), fp16 keeps 11.
+LOW_PRECISION = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.parametrize("dtype", list(LOW_PRECISION))
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=20, deadline=None)
 @given(p=problems())
-def test_matches_reference_bf16(backend, p):
-    q, k, v, mask = make(p, torch.bfloat16)
-    want_out, _ = oracle(q, k, v, mask, p)  # the oracle sees the same bf16-rounded inputs
+def test_matches_reference_low_precision(backend, dtype, p):
+    q, k, v, mask = make(p, dtype)
+    want_out, _ = oracle(q, k, v, mask, p)  # the oracle sees the same rounded inputs
     with tiny_tiles():
         out = attnlab.attention(q, k, v, mask=mask, causal=p["causal"], window=p["window"],
                                 backend=backend)
-    assert out.dtype == torch.bfloat16
-    # bf16 keeps 8 bits of mantissa: the output's own rounding is ~4e-3 relative.
-    np.testing.assert_allclose(out.float().numpy(), want_out, atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype
+    tol = LOW_PRECISION[dtype]
+    np.testing.assert_allclose(out.float().numpy(), want_out, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("backend", ["eager", "tiled"])
-def test_low_precision_softmax_accumulates_in_float32(backend):
-    # 4096 keys of equal score: in bf16 a running sum would stall at 256
-    # (256 + 1 == 256 in bf16); float32 accumulation gives exactly 1/4096 each.
-    q = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)
-    k = torch.zeros(1, 1, 4096, 8, dtype=torch.bfloat16)
-    v = torch.ones(1, 1, 4096, 8, dtype=torch.bfloat16)
-    out, w = attnlab.attention(q, k, v, return_weights=True, backend=backend)
-    assert torch.allclose(w.float().sum(-1), torch.ones(1), atol=1e-2)
-    assert torch.allclose(out.float(), torch.ones(1), atol=1e-2)
+@pytest.mark.parametrize("dtype", list(LOW_PRECISION))
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+def test_low_precision_softmax_accumulates_in_float32(backend, dtype):
+    # 4096 keys of equal score: in bf16 a running sum would stall at 256 (256 + 1 ==
+    # 256), in fp16 at 2048; float32 accumulation gives exactly 1/4096 each.
+    q = torch.zeros(1, 1, 1, 8, dtype=dtype)
+    k = torch.zeros(1, 1, 4096, 8, dtype=dtype)
+    v = torch.ones(1, 1, 4096, 8, dtype=dtype)
+    v[..., ::2, :] = -1.0  # the mean is 0 only if every key gets the same weight
+    if backend == "sdpa":
+        out = attnlab.attention(q, k, v, backend=backend)
+    else:
+        out, w = attnlab.attention(q, k, v, return_weights=True, backend=backend)
+        assert torch.allclose(w.float().sum(-1), torch.ones(1), atol=1e-2)
+    assert torch.allclose(out.float(), torch.zeros(1), atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_finite_float_masks_are_added_exactly(backend, dtype, causal):
+    """Hugging Face masks with finfo.min (or -1e9): a key with it gets no weight,
+    and a row that has the same huge value everywhere is unchanged by it. fp16's
+    range ends at 65504, so a naive cast would turn such rows into empty ones."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g).to(dtype) for _ in range(3))
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[..., 1, :] = torch.finfo(torch.float32).min  # the whole row: no effect
+    mask[..., 2, 3:] = -1e9                           # keys 3, 4 ruled out
+    mask[..., 3, :] = -1e9
+    mask[..., 3, 0] = -1e9 - 1e3                      # only key 0 ruled out
+    mask[..., 4, :] = float("-inf")                   # empty: zeros
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), mask.double().numpy(),
+                         causal=causal)
+    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend=backend)
+    tol = LOW_PRECISION.get(dtype, 1e-5)
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
+    plain = ref.attention(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    np.testing.assert_allclose(want[..., 1, :], plain[..., 1, :], atol=1e-12)
+    assert not want[..., 4, :].any()
+
+
+def test_tiled_skips_the_tiles_a_window_rules_out(monkeypatch, small_tiles):
+    """Sliding window W: each query block (3 rows) needs keys p-W+1..p, i.e. at most
+    3 key blocks of 4; visiting more would make the cost O(seq^2) again."""
+    calls = []
+    real = _tiled._tile_scores
+    monkeypatch.setattr(_tiled, "_tile_scores",
+                        lambda *a, **kw: calls.append(a[4:8]) or real(*a, **kw))
+    seq, window = 96, 4
+    q, k, v = (torch.randn(1, 2, seq, 8, requires_grad=True) for _ in range(3))
+    out = attnlab.attention(q, k, v, causal=True, window=window, backend="tiled")
+    forward = len(calls)
+    out.sum().backward()
+    q_blocks = seq // 3
+    assert q_blocks <= forward <= 3 * q_blocks  # dense would be 32 x 24 = 768 tiles
+    assert len(calls) - forward <= 3 * q_blocks
+    for q_start, q_end, k_start, _ in calls:  # no tile lies wholly outside the window
+        assert k_start <= q_end - 1 and k_start + 4 > q_start - window
+
+
+@pytest.mark.parametrize("backend", ["tiled", "sdpa"])
 @settings(max_examples=30, deadline=None)
 @given(p=problems())
-def test_tiled_gradients_match_eager(p):
+def test_gradients_match_eager(backend, p):
     with tiny_tiles():
         q, k, v, mask = make(p, torch.float64)
         if mask is not None and mask.dtype != torch.bool:
@@ -141,7 +199,7 @@ def test_tiled_gradients_match_eager(p):
         out_e = attnlab.attention(*ins, backend="eager", **kw)
         grad = torch.randn_like(out_e)
         want = torch.autograd.grad(out_e, ins, grad)
-        got = torch.autograd.grad(attnlab.attention(*ins, backend="tiled", **kw), ins, grad)
+        got = torch.autograd.grad(attnlab.attention(*ins, backend=backend, **kw), ins, grad)
         for w, g in zip(want, got):
             assert not torch.isnan(g).any()
             torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)

@@ -37,20 +37,35 @@ def available_suites() -> list[str]:
 
 
 def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: bool = True,
-        json_path: str | Path | None = None, log: Callable[[str], None] = print) -> list[dict]:
-    """Run the named suites (all available ones by default) and return the records."""
+        json_path: str | Path | None = None, log: Callable[[str], None] = print,
+        case_filter: str | None = None) -> list[dict]:
+    """Run the named suites (all available ones by default) and return the records.
+
+    ``case_filter``: run only the cases whose name contains this text. A suite
+    module may define ``annotate(records)`` to add derived numbers (tokens/s).
+    """
     names = list(suites) if suites else available_suites()
     for name in names:
         if name not in SUITES:
             raise ValueError(f"suite must be one of {sorted(SUITES)}, got {name!r}")
-    cases: list[Case] = []
+    modules = {}
     for name in names:
         try:
-            module = importlib.import_module(SUITES[name])
+            modules[name] = importlib.import_module(SUITES[name])
         except ImportError as exc:
             raise ValueError(f"suite {name!r} is not available here: {exc}") from exc
-        cases.extend(module.cases(quick=quick))
-    records = run_cases(cases, memory=memory, log=log)
+    chosen = {name: [c for c in module.cases(quick=quick)
+                     if case_filter is None or case_filter in c.name or c.always]
+              for name, module in modules.items()}
+    if case_filter is not None and not any(case_filter in c.name
+                                           for cases in chosen.values() for c in cases):
+        raise ValueError(f"--case {case_filter!r} matches no case of the suites {names}")
+    records: list[dict] = []
+    for name, module in modules.items():
+        suite_records = run_cases(chosen[name], memory=memory, log=log)
+        if hasattr(module, "annotate"):
+            module.annotate(suite_records, log=log)
+        records.extend(suite_records)
     if json_path is not None:
         from ..io import atomic_write_text
 

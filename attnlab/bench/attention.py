@@ -2,8 +2,9 @@
 
 fp32, B=1, H=12, D=64 over sequence lengths, causal and not; sliding windows
 against SDPA given the equivalent dense mask and against FlexAttention with a
-sliding-window block mask; forward+backward at B=4, T=1024; and the memory
-cases of the issue (forward at T=16384, forward+backward at T=8192, H=4).
+sliding-window block mask; grouped-query attention (12 query heads over 2 kv
+heads) against SDPA's ``enable_gqa``; forward+backward at B=4, T=1024; and the
+memory cases of the issue (forward at T=16384, forward+backward at T=8192, H=4).
 """
 
 from __future__ import annotations
@@ -16,21 +17,25 @@ from ..functional import attention
 from .runner import Case, Impl
 
 MOD = __name__
+# The peer whose time the Markdown table divides by.
+BASELINE = "torch-sdpa"
 # The textbook path materialises (H, T, T) float32 scores several times over;
 # beyond this length it would need many GB on this machine.
 EAGER_MAX_T = 4096
 
 
-def _inputs(batch, heads, seq, dim, grad, seed=0):
+def _inputs(batch, heads, kv_heads, seq, dim, grad, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq, dim, generator=g).requires_grad_(grad)
-            for _ in range(3)]
+    return [torch.randn(batch, h, seq, dim, generator=g).requires_grad_(grad)
+            for h in (heads, kv_heads, kv_heads)]
 
 
 def make_step(impl: str, batch: int, heads: int, seq: int, dim: int = 64,
-              causal: bool = False, window: int | None = None, backward: bool = False):
+              causal: bool = False, window: int | None = None, backward: bool = False,
+              kv_heads: int | None = None):
     """Build inputs once and return a zero-argument step running ``impl`` on them."""
-    q, k, v = _inputs(batch, heads, seq, dim, backward)
+    kv_heads = heads if kv_heads is None else kv_heads
+    q, k, v = _inputs(batch, heads, kv_heads, seq, dim, backward)
     if impl.startswith("attnlab-"):
         backend = impl.removeprefix("attnlab-")
 
@@ -46,7 +51,8 @@ def make_step(impl: str, batch: int, heads: int, seq: int, dim: int = 64,
 
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
-                                                  is_causal=causal and dense is None)
+                                                  is_causal=causal and dense is None,
+                                                  enable_gqa=kv_heads != heads)
     elif impl == "torch-flex":
         fwd = _flex_step(q, k, v, seq, causal, window)
     else:
@@ -101,6 +107,10 @@ def cases(quick: bool = False) -> list[Case]:
             impls.append("torch-flex")
         out.append(_case(f"fwd T={seq} causal window={window}", impls, 3 if quick else 5,
                          batch=1, heads=12, seq=seq, causal=True, window=window))
+    gqa_seq = 1024 if quick else 4096
+    out.append(_case(f"fwd T={gqa_seq} causal GQA 12q/2kv",
+                     ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"],
+                     3 if quick else 7, batch=1, heads=12, kv_heads=2, seq=gqa_seq, causal=True))
     fb_batch = 1 if quick else 4
     out.append(_case(f"fwd+bwd B={fb_batch} T=1024 causal",
                      ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"],

@@ -9,6 +9,8 @@ import random
 from .runner import Case, Impl
 
 MOD = __name__
+# The peer whose time the Markdown table divides by.
+BASELINE = "sentence-transformers"
 WORDS = [
     "attention", "model", "token", "query", "key", "value", "head", "layer", "weight",
     "softmax", "sequence", "the", "a", "of", "to", "in", "is", "on", "for", "with", "cat",

@@ -17,6 +17,8 @@ import torch
 from .runner import Case, Impl
 
 MOD = __name__
+# The peer whose time the Markdown table divides by.
+BASELINE = "transformers"
 PROMPT_LEN = 32
 NEW_TOKENS = 128
 
@@ -92,10 +94,11 @@ def _case(shape, batch, impls, repeats, new_tokens):
 
 
 def cases(quick: bool = False) -> list[Case]:
-    if quick:
-        return [_case("tiny-llama", 1, ["attnlab", "attnlab-nocache", "transformers"], 3, 32)]
     out = [Case("generate", "copy 512 MB", [Impl("torch copy_", (MOD, "make_copy", {}))],
-                repeats=9, memory=False, extra={"bytes_moved": 2 * 512 * 2**20})]
+                repeats=9, memory=False, always=True, extra={"bytes_moved": 2 * 512 * 2**20})]
+    if quick:
+        return [*out, _case("tiny-llama", 1, ["attnlab", "attnlab-nocache", "transformers"],
+                            3, 32)]
     for batch in (1, 8):
         out.append(_case("tiny-llama", batch, ["attnlab", "attnlab-nocache", "transformers"],
                          5, NEW_TOKENS))
@@ -121,3 +124,30 @@ def weight_bytes(shape: str) -> int:
             continue
         total += p.numel() * p.element_size()
     return total
+
+
+def annotate(records: list[dict], log=print) -> None:
+    """Add ``tokens_per_s`` to every generation record and, for the decoding of one
+    sequence, the memory-bandwidth bound: a step must read every weight once, so
+    tokens/s cannot exceed copy bandwidth / weight bytes (``bound_tokens_per_s``;
+    ``of_bound`` is the measured share of it). Bandwidth comes from the copy case
+    of the same run."""
+    copy = next((r for r in records if "bytes_moved" in r and r.get("median_ms")), None)
+    bandwidth = copy["bytes_moved"] / (copy["median_ms"] / 1000.0) if copy else None
+    if copy:
+        copy["gb_per_s"] = bandwidth / 1e9
+        log(f"    memory bandwidth (copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+    weights: dict[str, int] = {}
+    for r in records:
+        if "new_tokens" not in r or not r.get("median_ms"):
+            continue
+        r["tokens_per_s"] = r["batch"] * r["new_tokens"] / (r["median_ms"] / 1000.0)
+        line = f"    {r['case']:<34s} {r['impl']:<16s} {r['tokens_per_s']:9.1f} tokens/s"
+        if bandwidth and r["batch"] == 1:
+            if r["shape"] not in weights:
+                weights[r["shape"]] = weight_bytes(r["shape"])
+            r["weight_mb"] = weights[r["shape"]] / 2**20
+            r["bound_tokens_per_s"] = bandwidth / weights[r["shape"]]
+            r["of_bound"] = r["tokens_per_s"] / r["bound_tokens_per_s"]
+            line += f"  ({r['of_bound']:.0%} of the bandwidth bound)"
+        log(line)

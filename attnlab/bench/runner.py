@@ -50,6 +50,9 @@ class Case:
     memory: bool = True
     # Extra numbers a suite wants in every record of the case (e.g. tokens per step).
     extra: dict = field(default_factory=dict)
+    # A reference measurement other cases are read against (memory bandwidth): it
+    # runs even when ``--case`` selects other cases.
+    always: bool = False
 
 
 def build(factory: Factory) -> Callable[[], object]:
@@ -144,17 +147,41 @@ def format_record(r: dict) -> str:
 
 
 def markdown_table(records: list[dict], baseline: str | None = None) -> str:
-    """A Markdown table: one row per case and implementation, ratios to ``baseline``."""
-    lines = ["| suite | case | impl | median ms | peak MB | x " + (baseline or "") + " |",
-             "|---|---|---|---:|---:|---:|"]
-    for r in records:
-        if r.get("skipped"):
-            lines.append(f"| {r['suite']} | {r['case']} | {r['impl']} | skipped | | |")
-            continue
-        ratio = r["ratio_to"].get(baseline) if baseline else None
-        mem = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
-        ratio_s = f"{ratio:.2f}" if ratio is not None else ("1.00" if r["impl"] == baseline
-                                                            else "")
-        lines.append(f"| {r['suite']} | {r['case']} | {r['impl']} | {r['median_ms']:.2f} | "
-                     f"{mem} | {ratio_s} |")
-    return "\n".join(lines)
+    """Markdown tables, one per suite: a row per case, a column per implementation.
+
+    A cell is ``median ms (time / baseline's), peak MB``, plus tokens/s where the
+    suite computed them. ``baseline`` defaults to each suite's ``BASELINE`` peer.
+    """
+    from . import SUITES  # the suite modules name their peers
+
+    tables = []
+    for suite in dict.fromkeys(r["suite"] for r in records):
+        rows = [r for r in records if r["suite"] == suite]
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        peer = baseline or getattr(importlib.import_module(SUITES[suite]), "BASELINE", None)
+        lines = [f"| case | {' | '.join(impls)} |", "|---|" + "---:|" * len(impls)]
+        for case in dict.fromkeys(r["case"] for r in rows):
+            by_impl = {r["impl"]: r for r in rows if r["case"] == case}
+            cells = [_cell(by_impl[i], peer) if i in by_impl else "" for i in impls]
+            lines.append(f"| {case} | {' | '.join(cells)} |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+def _cell(r: dict, peer: str | None) -> str:
+    if r.get("skipped"):
+        return "skipped"
+    if r.get("median_ms") is None:
+        return "-"
+    ms = r["median_ms"]
+    text = f"{ms / 1000:.2f} s" if ms >= 10_000 else f"{ms:.1f} ms"
+    ratio = r["ratio_to"].get(peer) if peer else None
+    if ratio is not None:
+        text += f" ({ratio:.2f}x)"
+    if r.get("tokens_per_s") is not None:
+        text += f", {r['tokens_per_s']:.0f} tok/s"
+    if r.get("gb_per_s") is not None:
+        text += f", {r['gb_per_s']:.1f} GB/s"
+    if r.get("peak_mb") is not None:
+        text += f", {r['peak_mb']:.0f} MB"
+    return text

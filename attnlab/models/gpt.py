@@ -104,7 +104,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
         if self.kind == "swiglu":
             pair = (self.gate, self.fc)
-            gate, up = self._fused(x, pair) if FusedLinears.usable(pair) else (
+            gate, up = self._fused(x, pair) if FusedLinears.usable(pair, x) else (
                 self.gate(x), self.fc(x))
             return self.proj(F.silu(gate) * up)
         approximate = "tanh" if self.kind == "gelu_tanh" else "none"

@@ -2,7 +2,7 @@
 
 Decoding one token at a time on a CPU is dominated by per-call overhead, so the
 Q/K/V projections (and SwiGLU's gate/up) run as a single ``F.linear`` over
-their concatenated weights when no gradient is needed. The modules keep their
+their concatenated weights when no gradient is needed and the input is small. The modules keep their
 separate ``nn.Linear`` layers (checkpoints, initialisation order and hooks are
 untouched); the concatenation is cached and rebuilt whenever a weight changes
 (its storage or version counter), and skipped while any of them has hooks.
@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Above this many input rows the matmuls dominate and three calls cost what one does,
+# so the concatenated weight copy would only add memory.
+MAX_ROWS = 512
+
 
 class FusedLinears:
     """Apply ``linears`` (same input size) to one input with one matmul when allowed."""
@@ -24,9 +28,10 @@ class FusedLinears:
         self._bias: torch.Tensor | None = None
 
     @staticmethod
-    def usable(linears: tuple[nn.Linear, ...]) -> bool:
-        return not torch.is_grad_enabled() and not any(
-            m._forward_hooks or m._forward_pre_hooks for m in linears)
+    def usable(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> bool:
+        """Inference only (no gradients, no hooks) and a small input, as in decoding."""
+        return (not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * x.shape[-1]
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in linears))
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
         tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]

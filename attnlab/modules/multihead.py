@@ -210,7 +210,7 @@ class MultiHeadAttention(nn.Module):
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
         linears = (self.W_query, self.W_key, self.W_value)
-        if kv is None and FusedLinears.usable(linears):
+        if kv is None and FusedLinears.usable(linears, x):
             q, k, v = self._fused_qkv(x, linears)  # one matmul instead of three
         else:
             q, k, v = self.W_query(x), self.W_key(src), self.W_value(src)
