@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+# Peers are test dependencies (make install): a missing one fails, it does not skip.
+from llms_from_scratch import ch03
 from torch import nn
+from transformers.models.llama import modeling_llama as llama
 
 from attnlab.cache import KVCache
 from attnlab.modules import MultiHeadAttention
-
-ch03 = pytest.importorskip("llms_from_scratch.ch03")
-llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
 INPUTS = torch.tensor([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
                        [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
@@ -285,6 +286,10 @@ def _bad_calls():
         (m, (x,), {"mask": torch.ones(3, 3, dtype=torch.bool)},
          "a 2-D mask is a key-padding mask (batch=2, k_len=3), got shape (3, 3)"),
         (m, (x,), {"positions": torch.arange(3)}, "positions is only used with rope=True"),
+        (m, (x,), {"mask": torch.ones(3, 3, 3, dtype=torch.bool)},
+         "a 3-D mask is (batch=2, q_len, k_len), got shape (3, 3, 3)"),
+        (m, (x,), {"kv": torch.randn(2, 7, 16)}, "kv of 7 tokens is longer than "
+                                                  "context_length=6"),
     ]
 
 
@@ -294,6 +299,18 @@ def test_bad_input_names_the_problem(case):
     with pytest.raises(ValueError) as err:
         m(*args, **kwargs)
     assert needle in str(err.value)
+
+
+def test_3d_mask_is_per_example_not_per_head():
+    """(batch, q_len, k_len) with batch == heads: each example keeps its own mask."""
+    m = seeded(0, MultiHeadAttention, 8, 8, 2).eval()
+    x = torch.randn(2, 3, 8)
+    mask3 = torch.ones(2, 3, 3, dtype=torch.bool)
+    mask3[1, :, 0] = False  # only example 1 may not see key 0
+    out, w = m(x, mask=mask3, return_weights=True)
+    assert torch.all(w[1, :, :, 0] == 0) and torch.all(w[0, :, :, 0] > 0)
+    for i in range(2):  # each example alone, through the peer (torch SDPA)
+        close(out[i:i + 1], peer_forward(m, x[i:i + 1], mask=mask3[i]))
 
 
 def test_cache_counts_toward_context_length():
@@ -332,17 +349,13 @@ def test_forward_goes_through_attnlab_attention(monkeypatch):
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_bench_cases_build_and_run(backward):
-    import pickle
-
     from attnlab.bench import modules as bench
 
-    dicts = bench.case_dicts(quick=True)
-    assert {d["impl"] for d in dicts} == set(bench.IMPLS)
-    assert {d["case"] for d in dicts} == {"fwd B=2 T=256", "fwd+bwd B=2 T=256"}
-    for d in dicts:
-        module, function, kwargs = d["factory"]
-        assert getattr(__import__(module, fromlist=[function]), function) is bench.make_step
-        pickle.dumps(d["make"])
+    quick = bench.cases(quick=True)
+    assert [c.name for c in quick] == ["fwd B=2 T=256", "fwd+bwd B=2 T=256"]
+    for case in quick:
+        assert [i.name for i in case.impls] == list(bench.IMPLS)
+        assert {i.factory[:2] for i in case.impls} == {(bench.MOD, "make_step")}
     full = bench.cases(quick=False)
     assert [c.name for c in full] == ["fwd B=8 T=1024", "fwd+bwd B=8 T=1024"]
     for impl in bench.IMPLS:  # every implementation runs (tiny sizes here)

@@ -20,7 +20,6 @@ zero-argument ``step``, so a runner can rebuild it in a fresh subprocess.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -136,22 +135,6 @@ def _workloads(quick: bool) -> list[tuple[str, dict, int]]:
     for backward in (False, True):
         name = f"{'fwd+bwd' if backward else 'fwd'} B={batch} T={seq}"
         out.append((name, {"batch": batch, "seq": seq, "backward": backward}, 3 if quick else 5))
-    return out
-
-
-def case_dicts(quick: bool = False) -> list[dict]:
-    """One dict per (case, implementation): ``{"suite", "case", "impl", "make", "factory"}``.
-
-    ``make`` is a picklable zero-arg callable returning the step; ``factory`` is
-    ``(module, function, kwargs)`` to rebuild it in a fresh process.
-    """
-    out = []
-    for name, kw, _ in _workloads(quick):
-        for impl in IMPLS:
-            factory = _factory(impl, **kw)
-            out.append({"suite": "modules", "case": name, "impl": impl,
-                        "make": functools.partial(make_step, **factory[2]),
-                        "factory": factory, "skip": _skip(impl)})
     return out
 
 

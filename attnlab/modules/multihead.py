@@ -165,8 +165,9 @@ class MultiHeadAttention(nn.Module):
                 None for self-attention. With ``kv`` the module is never causal.
             mask: which keys each query may see, any of:
 
-                - bool, True = may attend, broadcastable to ``(batch, heads, q_len, k_len)``
-                  given with 3 or 4 dimensions (e.g. ``(1, 1, q_len, k_len)``);
+                - bool, True = may attend: 4-D, broadcastable to
+                  ``(batch, heads, q_len, k_len)``, or 3-D ``(batch, q_len, k_len)``,
+                  one mask per example shared by all heads;
                 - a 2-D ``(batch, k_len)`` key-padding mask: bool (True = real token)
                   or integer 1/0 as tokenizers return it. **Every 2-D mask is read as
                   key padding**; give a per-query ``(q_len, k_len)`` mask as
@@ -206,6 +207,11 @@ class MultiHeadAttention(nn.Module):
         if kv is not None:
             self._check_kv(kv, b)
             src = kv
+            if self.context_length is not None and kv.shape[1] > self.context_length:
+                raise ValueError(
+                    f"kv of {kv.shape[1]} tokens is longer than "
+                    f"context_length={self.context_length}"
+                )
         s = src.shape[1]
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
@@ -286,6 +292,15 @@ class MultiHeadAttention(nn.Module):
                 )
             if mask.dtype == torch.bool or mask.dtype.is_floating_point:
                 return mask[:, None, None, :]
+        elif mask.ndim == 3:
+            # Batch first like x: (batch, q_len, k_len). Read as (heads, q_len, k_len) it
+            # would silently mix examples and heads whenever batch == heads.
+            if mask.shape[0] not in (1, b):
+                raise ValueError(
+                    f"a 3-D mask is (batch={b}, q_len, k_len), got shape {tuple(mask.shape)}; "
+                    "give a per-head mask as (batch, heads, q_len, k_len)"
+                )
+            mask = mask[:, None]
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             return _masks.from_attention_mask(mask)  # 1/0 ints -> bool (B, 1, 1, S)
         return mask
