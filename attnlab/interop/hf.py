@@ -8,6 +8,7 @@ Unsupported options raise a ValueError naming the field and its value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,8 +49,12 @@ def _load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Mo
 def gpt2_config(cfg: Mapping[str, Any]) -> GPTConfig:
     _require(cfg, "activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu"),
              "gelu_new")
-    _require(cfg, "scale_attn_by_inverse_layer_idx", (False, None), False)
-    _require(cfg, "reorder_and_upcast_attn", (False, None), False)
+    # scale_attn_weights and scale_attn_by_inverse_layer_idx are folded into
+    # W_query by gpt2_state; reorder_and_upcast_attn only changes the order and
+    # precision of the score matmul (the same numbers in float32), so it is accepted.
+    _require(cfg, "scale_attn_weights", (True, False), True)
+    _require(cfg, "scale_attn_by_inverse_layer_idx", (True, False), False)
+    _require(cfg, "reorder_and_upcast_attn", (True, False), False)
     return GPTConfig(
         vocab_size=cfg["vocab_size"], context_length=cfg["n_positions"], d_model=cfg["n_embd"],
         num_layers=cfg["n_layer"], num_heads=cfg["n_head"],
@@ -61,10 +66,30 @@ def gpt2_config(cfg: Mapping[str, Any]) -> GPTConfig:
     )
 
 
-def gpt2_state(state: Tensors, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """GPT-2's Conv1D weights are ``[in, out]``: transpose to ``nn.Linear``'s ``[out, in]``."""
+def gpt2_query_factor(hf_cfg: Mapping[str, Any], layer: int, head_dim: int) -> float:
+    """What W_query of ``layer`` is multiplied by so that attnlab's fixed 1/sqrt(head_dim)
+    scaling gives the scores GPT-2 computes with its scaling options.
+
+    GPT-2 scales q.k by ``1/sqrt(head_dim)`` only with ``scale_attn_weights`` and
+    further by ``1/(layer + 1)`` with ``scale_attn_by_inverse_layer_idx``; attnlab's
+    attention always applies ``1/sqrt(head_dim)``, and scores are linear in q.
+    """
+    factor = 1.0 if hf_cfg.get("scale_attn_weights", True) else math.sqrt(head_dim)
+    if hf_cfg.get("scale_attn_by_inverse_layer_idx", False):
+        factor /= layer + 1
+    return factor
+
+
+def gpt2_state(state: Tensors, cfg: GPTConfig,
+               hf_cfg: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """GPT-2's Conv1D weights are ``[in, out]``: transpose to ``nn.Linear``'s ``[out, in]``.
+
+    ``hf_cfg`` (the transformers config dict) carries the score-scaling options,
+    which are folded into ``W_query`` (see :func:`gpt2_query_factor`).
+    """
     s = _strip(state, "transformer.")
     d = cfg.d_model
+    hf_cfg = hf_cfg or {}
     out = {"tok_emb.weight": s["wte.weight"], "pos_emb.weight": s["wpe.weight"],
            "norm.weight": s["ln_f.weight"], "norm.bias": s["ln_f.bias"]}
     if "lm_head.weight" in state and not cfg.tie_embeddings:
@@ -75,6 +100,10 @@ def gpt2_state(state: Tensors, cfg: GPTConfig) -> dict[str, torch.Tensor]:
         for j, name in enumerate(("W_query", "W_key", "W_value")):
             out[b + f"attn.{name}.weight"] = w[:, j * d:(j + 1) * d].t()
             out[b + f"attn.{name}.bias"] = bias[j * d:(j + 1) * d]
+        factor = gpt2_query_factor(hf_cfg, i, cfg.head_dim)
+        if factor != 1.0:
+            out[b + "attn.W_query.weight"] = out[b + "attn.W_query.weight"] * factor
+            out[b + "attn.W_query.bias"] = out[b + "attn.W_query.bias"] * factor
         out[b + "attn.out_proj.weight"] = s[h + "attn.c_proj.weight"].t()
         out[b + "attn.out_proj.bias"] = s[h + "attn.c_proj.bias"]
         out[b + "mlp.fc.weight"] = s[h + "mlp.c_fc.weight"].t()
@@ -180,7 +209,7 @@ def gpt_from_hf(model: Any) -> GPT:
     kind = cfg.get("model_type")
     if kind == "gpt2":
         gcfg = gpt2_config(cfg)
-        state = gpt2_state(model.state_dict(), gcfg)
+        state = gpt2_state(model.state_dict(), gcfg, cfg)
     elif kind == "llama":
         gcfg = llama_config(cfg)
         state = llama_state(model.state_dict(), gcfg)

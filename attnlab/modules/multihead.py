@@ -126,6 +126,10 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
         self._fused_qkv = FusedLinears()
+        # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
+        # on the (batch, heads, len, head_dim) tensors exactly as attention receives
+        # them (after RoPE, before the cache), so ablations see the real scores.
+        self.qkv_hook = None
 
     def extra_repr(self) -> str:
         parts = [f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}",
@@ -234,6 +238,8 @@ class MultiHeadAttention(nn.Module):
             k = rot.rotate(k, cos, sin)
         elif positions is not None:
             raise ValueError("positions is only used with rope=True; this module has rope=False")
+        if self.qkv_hook is not None:
+            q, k, v = self.qkv_hook(q, k, v)
         if mask is not None:
             mask = self._key_mask(mask, b, past + s)
         if cache is not None:

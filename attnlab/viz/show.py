@@ -43,10 +43,15 @@ def capture(model: Any, tokenizer: Any, text: str) -> tuple[list[str], list]:
 
 
 def _pick(n: int, value: int | None, name: str) -> list[int]:
+    """All ``n`` indices, or just ``value``; errors name both the keyword and the
+    ``attnlab show`` option, since this is where a bad ``--layer``/``--head`` lands."""
     if value is None:
         return list(range(n))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} (--{name}) must be an int or None, got {value!r}")
     if not 0 <= value < n:
-        raise ValueError(f"{name} must be in [0, {n - 1}], got {value}")
+        raise ValueError(f"{name} (--{name}) must be in [0, {n - 1}] (the model has {n} "
+                         f"{name}s), got {value}")
     return [value]
 
 
