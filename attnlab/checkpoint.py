@@ -98,11 +98,29 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
 
 
 def load_checkpoint_tokenizer(directory: str | os.PathLike):
-    """The tokenizer saved beside the model, or None."""
+    """The tokenizer saved beside the model, or None.
+
+    A tokenizer with more ids than the model's vocabulary is refused here: the
+    model would fail on the extra ids deep inside its embedding (an IndexError)
+    instead of saying which file is wrong.
+    """
     from .text import load_tokenizer
 
-    path = Path(directory) / TOKENIZER_FILE
-    return load_tokenizer(path) if path.exists() else None
+    directory = Path(directory)
+    recover_dir(directory)
+    path = directory / TOKENIZER_FILE
+    if not path.exists():
+        return None
+    tokenizer = load_tokenizer(path)
+    if (directory / CONFIG_FILE).exists():
+        config = read_config(directory).get("config")
+        vocab = config.get("vocab_size") if isinstance(config, dict) else None
+        if isinstance(vocab, int) and tokenizer.vocab_size > vocab:
+            raise CheckpointError(
+                f"{str(path)!r} has {tokenizer.vocab_size} tokens but the model in "
+                f"{str(directory / CONFIG_FILE)!r} has vocab_size {vocab}; expected at most "
+                f"{vocab} (the tokenizer does not belong to this model)")
+    return tokenizer
 
 
 @torch.no_grad()

@@ -31,6 +31,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    # The range torch.manual_seed accepts without wrapping around, minus the
+    # negative half (a negative seed is a typo, not a choice).
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -72,11 +84,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .checkpoint import load_checkpoint_tokenizer
     from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from .text import CharTokenizer
-    from .training import TrainConfig, train
+    from .training import (
+        TrainConfig,
+        check_out_dir,
+        check_out_writable,
+        default_checkpoint_every,
+        train,
+        train_device,
+    )
 
+    # Before anything is read or trained: a bad --out is known at once.
+    check_out_dir(args.out)
+    check_out_writable(args.out)
     text = _read_text(args.text)
+    every = args.checkpoint_every or default_checkpoint_every(args.steps)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,
-                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                      lr=args.lr, seed=args.seed, checkpoint_every=every,
                       eval_every=max(1, min(100, args.steps // 5)))
     tokenizer = load_checkpoint_tokenizer(args.out) if args.resume else None
     tokenizer = tokenizer or CharTokenizer.from_text(text)
@@ -88,6 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
                               d_model=128, num_layers=4, num_heads=4, dropout=0.0))
+    model.to(train_device())
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
     rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
     if rank0 and summary["resumed_from"] == summary["steps"]:
@@ -210,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "it learned")
     demo.add_argument("--out", default="attnlab-demo", help="output directory")
     demo.add_argument("--steps", type=_positive_int, default=400)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument("--worked-example", action="store_true",
                       help="print the 2x2 worked example of attention, step by step, instead")
     demo.set_defaults(func=cmd_demo)
@@ -223,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, default=32)
     train.add_argument("--context", type=_positive_int, default=128)
     train.add_argument("--lr", type=_positive_float, default=3e-3)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed, default=0)
     train.add_argument("--out", default="attnlab-train", help="checkpoint directory")
-    train.add_argument("--checkpoint-every", type=_positive_int, default=None)
+    train.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                       help="steps between checkpoints (default: a tenth of --steps), so a "
+                            "killed run can --resume")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
     train.set_defaults(func=cmd_train)
@@ -237,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--top-k", type=_positive_int, default=None)
     generate.add_argument("--top-p", type=_positive_float, default=None)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=_seed, default=0)
     generate.set_defaults(func=cmd_generate)
 
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "

@@ -101,9 +101,12 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     from .models import ToyAttnLM, ToyConfig
     from .text import CharTokenizer
     from .text.corpus import PATTERNS, pattern_corpus
-    from .training import TrainConfig, train
+    from .training import TrainConfig, check_out_dir, check_out_writable, train
     from .viz import show_attention
 
+    # Before the banner: a refused --out is one line, with nothing printed before it.
+    check_out_dir(out)
+    check_out_writable(out)
     text = pattern_corpus(seed=seed)
     tokenizer = CharTokenizer.from_text(text)
     cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,

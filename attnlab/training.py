@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CONFIG_FILE, write_model_files
+from .checkpoint import CONFIG_FILE, FORMAT, MODEL_FILE, TOKENIZER_FILE, write_model_files
 from .io import (
     CheckpointError,
     atomic_dir,
@@ -69,11 +71,27 @@ class TrainConfig:
                              f"{self.checkpoint_every!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
+        # torch.manual_seed takes any int64, but a negative seed is a typo more often
+        # than a choice; the range is what every seed of the CLI accepts.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+            0 <= self.seed < 2**63
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def default_checkpoint_every(steps: int) -> int:
+    """Checkpoint interval when none is given: every tenth of the run.
+
+    A kill then loses at most ~10% of the work, and the ~10 checkpoints (a few MB
+    of safetensors each for the CLI's models) cost little next to the training
+    steps between them.
+    """
+    return max(1, steps // 10)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -129,6 +147,14 @@ def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
 # ------------------------------------------------------------------ distributed
 
 
+def train_device() -> torch.device:
+    """Where a CLI run trains: under torchrun with GPUs, this process's own GPU
+    (``LOCAL_RANK``); otherwise the CPU, as before."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _dist_setup(device: torch.device) -> tuple[int, int]:
     """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -136,6 +162,10 @@ def _dist_setup(device: torch.device) -> tuple[int, int]:
         return 0, 1
     import torch.distributed as dist
 
+    if device.type == "cuda":
+        # nccl binds each rank to the current device; without this every rank
+        # would talk through cuda:0.
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world
@@ -157,6 +187,13 @@ def _mean_across(value: torch.Tensor, world: int) -> float:
 
 def _save(out: Path, model, optimizer, gen, step, cfg, history, tokenizer, meta):
     tensors = {"rng.torch": torch.get_rng_state(), "rng.batches": gen.get_state()}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        # Dropout on a GPU draws from that device's generator. Only this device's
+        # state: under torchrun every rank uses its own GPU the same way, so rank 0's
+        # state is each rank's, while the other devices' states in this process
+        # were never used.
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     opt = optimizer.state_dict()
     for index, state in opt["state"].items():
         for key, value in state.items():
@@ -169,7 +206,40 @@ def _save(out: Path, model, optimizer, gen, step, cfg, history, tokenizer, meta)
                                              "param_groups": groups, "history": history})
 
 
-def _restore(out: Path, model, optimizer, gen) -> tuple[int, dict]:
+# Settings a resume may change: ``steps`` is the new total, ``checkpoint_every``
+# only decides when state is written, and ``eval_every`` only which steps also get
+# an eval loss (its generator is its own; the CLI derives it from ``steps``).
+# Everything else changes the weights, so a resume with another value would not
+# continue the run it claims to.
+RESUMABLE_CHANGES = frozenset({"steps", "checkpoint_every", "eval_every"})
+
+
+def _check_same_settings(saved, cfg: TrainConfig, out: Path) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"train_config must be a JSON object, got {type(saved).__name__}")
+    now = asdict(cfg)
+    changed = [f"--{name.replace('_', '-')} {saved.get(name, 'missing')!r} in the checkpoint, "
+               f"{value!r} now" for name, value in now.items()
+               if name not in RESUMABLE_CHANGES and saved.get(name, "missing") != value]
+    if changed:
+        raise CheckpointError(
+            f"--resume: the run in {str(out)!r} was trained with other settings ("
+            f"{'; '.join(changed)}); resume with the same settings (only --steps and "
+            "--checkpoint-every may change) or choose another --out")
+
+
+def _check_history(history, step) -> list:
+    """One ``[step, train_loss, eval_loss|None]`` per step done, as ``_save`` writes it."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if not isinstance(history, list) or len(history) != step or not all(
+            isinstance(h, list) and len(h) == 3 for h in history):
+        raise ValueError(f"history must be a list of {step} [step, loss, eval] entries, "
+                         f"got {str(history)[:60]}")
+    return history
+
+
+def _restore(out: Path, model, optimizer, gen, cfg: TrainConfig) -> tuple[int, list]:
     from .checkpoint import load_checkpoint
 
     saved = load_checkpoint(out)
@@ -184,42 +254,118 @@ def _restore(out: Path, model, optimizer, gen) -> tuple[int, dict]:
     state = read_json(out / STATE_JSON)
     tensors = load_tensors(out / STATE_TENSORS)
     per_param: dict[int, dict] = {}
-    for name, value in tensors.items():
-        if name.startswith("optim."):
-            _, index, key = name.split(".", 2)
-            per_param.setdefault(int(index), {})[key] = value
     try:
+        _check_same_settings(state["train_config"], cfg, out)
+        step = state["step"]
+        history = _check_history(state["history"], step)
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                _, index, key = name.split(".", 2)
+                per_param.setdefault(int(index), {})[key] = value
         optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
         torch.set_rng_state(tensors["rng.torch"])
         gen.set_state(tensors["rng.batches"])
-        return int(state["step"]), state
+        device = next(model.parameters()).device
+        if device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
+        return step, history
+    except CheckpointError:
+        raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
                               f"incomplete ({type(exc).__name__}: {exc})") from None
+
+
+# What attnlab itself writes into a checkpoint directory: the checkpoint, the
+# demo's and summary's files, and the temp files an atomic write killed by
+# SIGKILL leaves beside them (".<name>.<random>.tmp").
+OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
+                       "summary.json", "attention.png", "attention.html"})
+_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
+
+
+def _is_own_file(entry: Path) -> bool:
+    return entry.is_file() and not entry.is_symlink() and (
+        entry.name in OWN_FILES or _OWN_TEMP.fullmatch(entry.name) is not None)
+
+
+def _not_ours(out: Path, why: str) -> ValueError:
+    return ValueError(
+        f"--out {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
+        "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
 
 
 def check_out_dir(out: str | os.PathLike) -> None:
     """Refuse an ``out`` that holds anything but an attnlab checkpoint.
 
     A checkpoint replaces its directory as a whole (atomically), so writing one
-    into a folder of other files would delete them.
+    into a folder of other files would delete them. A ``config.json`` alone
+    proves nothing (a Hugging Face model has one too): it must be attnlab's, and
+    every other entry a file attnlab writes there.
     """
     out = Path(out)
     if not out.exists():
         return
     if not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; expected a directory for the checkpoint")
-    if (out / CONFIG_FILE).exists() or not any(out.iterdir()):
+    entries = list(out.iterdir())
+    if not entries:
         return
-    raise ValueError(
-        f"--out {str(out)!r} holds files that are not an attnlab checkpoint; expected a new or "
-        "empty directory (a checkpoint replaces its directory as a whole)")
+    if not (out / CONFIG_FILE).is_file():
+        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0].name!r}")
+    try:
+        config = read_json(out / CONFIG_FILE)
+    except CheckpointError as exc:
+        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}") from None
+    if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
+        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type")
+    foreign = sorted(e.name for e in entries if not _is_own_file(e))
+    if foreign:
+        raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
+                        + (" ..." if len(foreign) > 3 else ""))
+
+
+def check_out_writable(out: str | os.PathLike) -> None:
+    """Fail now, not after training, when the checkpoint could not be written.
+
+    The checkpoint is built in a temp folder beside ``out`` and renamed into
+    place, so its parent must exist (it is created, as the writer would) and
+    accept new entries.
+    """
+    parent = Path(os.path.abspath(out)).parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"--out {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
+                         "expected a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} cannot be written: {exc.strerror or exc} "
+                         f"(in {str(parent)!r})") from None
 
 
 def has_checkpoint(out: str | os.PathLike) -> bool:
     out = Path(out)
     recover_dir(out)  # a writer killed between its two renames left the copy beside it
     return (out / STATE_JSON).exists() and (out / CONFIG_FILE).exists()
+
+
+def _nothing_to_resume(out, log) -> None:
+    """A run killed before its first checkpoint left nothing to resume: start it again.
+
+    That is the same run (training is deterministic), so it is a note, not an
+    error. A model saved without training state is an error: training it from
+    step 0 would replace it.
+    """
+    if out is None:
+        raise CheckpointError("--resume needs --out, the directory holding the checkpoint")
+    if (Path(out) / CONFIG_FILE).exists():
+        raise CheckpointError(f"--resume: {str(out)!r} holds a model but no training state "
+                              f"({STATE_JSON}); train into another --out")
+    if log is not None:
+        print(f"note: --resume: no checkpoint in {str(out)!r} yet; starting from step 0",
+              file=sys.stderr)
 
 
 # ------------------------------------------------------------------ the loop
@@ -245,8 +391,11 @@ def train(
         tokens: ``(n,)`` token ids; the last 10% are held out for eval loss.
         cfg: hyperparameters; ``cfg.steps`` is the total number of steps.
         out: checkpoint directory (written every ``cfg.checkpoint_every`` steps and
-            at the end); None = no checkpoints.
-        resume: continue from the checkpoint in ``out``.
+            at the end; see :func:`default_checkpoint_every`); None = no checkpoints.
+            An existing ``out`` must be empty or attnlab's (:func:`check_out_dir`).
+        resume: continue from the checkpoint in ``out``; with none there yet (a run
+            killed before its first checkpoint) start from step 0, with a note on
+            stderr. The saved settings must match ``cfg`` (see RESUMABLE_CHANGES).
         tokenizer: saved beside the model as ``tokenizer.json``.
         progress: show a tqdm bar (on a terminal, rank 0).
         log: where eval lines go (rank 0); None for silence.
@@ -272,13 +421,13 @@ def train(
     step, history, resumed_from = 0, [], None
     if out is not None and rank == 0:
         check_out_dir(out)
+        check_out_writable(out)
     if resume:
-        if out is None or not has_checkpoint(out):
-            raise CheckpointError(f"--resume: no checkpoint to resume in {str(out)!r} (a run "
-                                  "stopped before its first checkpoint starts again without "
-                                  "--resume)")
-        step, state = _restore(Path(out), model, optimizer, gen)
-        history, resumed_from = state["history"], step
+        if out is not None and has_checkpoint(out):
+            step, history = _restore(Path(out), model, optimizer, gen, cfg)
+            resumed_from = step
+        elif rank == 0:
+            _nothing_to_resume(out, log)
     wrapped = model
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(

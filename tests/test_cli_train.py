@@ -63,6 +63,46 @@ def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
                             "uniform_attention", "dropout_placement"}
 
 
+TOY = ["--model", "toy", "--context", "16", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def train_dir(tmp_path_factory):
+    """A finished ``attnlab train`` checkpoint (with training state) of the TOY settings."""
+    out = tmp_path_factory.mktemp("cli") / "train"
+    done = run("train", *TOY, "--steps", "4", "--out", out)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _damaged_copies(src, tmp_path) -> dict:
+    """Copies of the checkpoint ``src``, each with one file damaged."""
+    damage = {
+        "badconfig": ("config.json", b"{not json"),
+        "badtok": ("tokenizer.json", b'{"type": "char", "chars": '),
+        "hftok": ("tokenizer.json", json.dumps({"type": "hf", "tokenizer": "{not json"}).encode()),
+        "bigtok": ("tokenizer.json", json.dumps({"type": "char",
+                                                 "chars": list("abcdefghijklmnopqrstuvwxyz ")})
+                   .encode()),
+        "badstate": ("training_state.json", b'{"step": '),
+        "nohistory": ("training_state.json", None),
+        "badtensors": ("training_state.safetensors", b"\x00" * 20),
+    }
+    dirs = {}
+    for key, (name, data) in damage.items():
+        d = tmp_path / key
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        if data is None:  # the training state without its history
+            state = json.loads((d / name).read_text())
+            state["history"] = None
+            data = json.dumps(state).encode()
+        (d / name).write_bytes(data)
+        dirs[key] = d
+    return dirs
+
+
 @pytest.mark.parametrize("args, words", [
     (["train", "--text", "/no/such/file"], ["--text", "cannot be read"]),
     (["train", "--text", "{empty}"], ["--text", "empty"]),
@@ -70,7 +110,39 @@ def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
     (["train", "--text", "{binary}"], ["not UTF-8"]),
     (["train", "--steps", "-3"], ["--steps", "positive"]),
     (["train", "--batch-size", "0"], ["--batch-size", "positive"]),
-    (["train", "--resume", "--out", "{tmp}/none"], ["--resume", "no checkpoint"]),
+    (["train", "--context", "0"], ["--context", "positive"]),
+    (["train", "--lr", "0"], ["--lr", "positive"]),
+    (["train", "--lr", "nan"], ["--lr", "positive"]),
+    (["train", "--checkpoint-every", "0"], ["--checkpoint-every", "positive"]),
+    (["train", "--seed", "-1"], ["--seed"]),
+    (["train", "--seed", str(2**63)], ["--seed"]),
+    (["demo", "--seed", "-3"], ["--seed"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--seed", "-1"], ["--seed"]),
+    (["train", "--out", "{hf}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
+    (["demo", "--out", "{hf}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
+    (["demo", "--out", "{afile}", "--steps", "2"], ["--out", "is a file"]),
+    (["demo", "--out", "{afile}/sub", "--steps", "2"], ["--out", "cannot be written"]),
+    (["train", "--out", "{afile}/sub", "--steps", "2"], ["--out", "cannot be written"]),
+    (["train", "--resume", "--out", "{train}", *TOY, "--lr", "0.01", "--steps", "8"],
+     ["--resume", "other settings", "--lr 0.003", "0.01"]),
+    (["train", "--resume", "--out", "{badconfig}", *TOY, "--steps", "8"], ["config.json"]),
+    (["train", "--resume", "--out", "{badtok}", *TOY, "--steps", "8"], ["tokenizer.json"]),
+    (["train", "--resume", "--out", "{hftok}", *TOY, "--steps", "8"], ["tokenizer.json"]),
+    (["train", "--resume", "--out", "{badstate}", *TOY, "--steps", "8"],
+     ["training_state.json"]),
+    (["train", "--resume", "--out", "{nohistory}", *TOY, "--steps", "8"],
+     ["training state", "damaged"]),
+    (["train", "--resume", "--out", "{badtensors}", *TOY, "--steps", "8"],
+     ["training_state.safetensors"]),
+    (["generate", "--ckpt", "{badconfig}", "--prompt", "ab"], ["config.json"]),
+    (["generate", "--ckpt", "{badtok}", "--prompt", "ab"], ["tokenizer.json"]),
+    (["generate", "--ckpt", "{hftok}", "--prompt", "ab"], ["tokenizer.json", "Hugging Face"]),
+    (["generate", "--ckpt", "{bigtok}", "--prompt", "ab"], ["tokenizer.json", "vocab_size"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "nan"],
+     ["temperature", "finite"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "inf"],
+     ["temperature", "finite"]),
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--top-k", "0"], ["--top-k"]),
     (["train", "--resume", "--out", "{demo}", "--model", "gpt"], ["--resume", "does not fit"]),
     (["train", "--out", "{junk}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "-1"],
@@ -84,8 +156,13 @@ def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
     (["show", "hello"], ["--ckpt"]),
     (["show", "abq", "--ckpt", "{demo}"], ["'q'"]),
 ])
-def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
+def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, train_dir, tmp_path):
     out, _ = demo_dir
+    hf = tmp_path / "hf"  # a Hugging Face model folder: it has a config.json too
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (hf / "pytorch_model.bin").write_bytes(b"weights")
+    (tmp_path / "afile").write_text("a file")
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "short.txt").write_text("abcabc")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
@@ -98,8 +175,11 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
     (corrupt / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:100])
     fill = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
             "binary": tmp_path / "binary.txt", "tmp": tmp_path, "corrupt": corrupt,
-            "demo": out, "junk": tmp_path / "junk"}
+            "demo": out, "junk": tmp_path / "junk", "hf": hf, "afile": tmp_path / "afile",
+            "train": train_dir, **_damaged_copies(train_dir, tmp_path)}
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    mine = {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *train_dir.iterdir()]
+            if p.is_file()}
     done = run(*[a.format(**fill) for a in args], cwd=tmp_path)
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
@@ -109,6 +189,9 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, tmp_path):
     assert done.stdout == "", done.stdout  # nothing half-done on stdout either
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert (tmp_path / "junk" / "notes.txt").read_text() == "someone's notes"
+    # Nothing already on disk was touched, and nothing was added.
+    assert {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *train_dir.iterdir()]
+            if p.is_file()} == mine
 
 
 def test_failed_train_leaves_a_good_checkpoint_untouched(demo_dir, tmp_path):
@@ -118,3 +201,32 @@ def test_failed_train_leaves_a_good_checkpoint_untouched(demo_dir, tmp_path):
     done = run("train", "--text", tmp_path / "tiny.txt", "--out", out, "--context", "16")
     assert done.returncode == 2
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_resume_before_any_checkpoint_notes_it_and_starts_from_step_0(tmp_path):
+    """A run killed before its first checkpoint is resumed by starting it again
+    (deterministic, so the same run): a one-line note, not an error."""
+    fresh = run("train", *TOY, "--steps", "3", "--out", tmp_path / "fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        done = run("train", *TOY, "--steps", "3", "--out", out, "--resume")
+        assert done.returncode == 0, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "starting from step 0" in lines[0], done.stderr
+        assert (out / "model.safetensors").read_bytes() == (
+            tmp_path / "fresh" / "model.safetensors").read_bytes()
+
+
+def test_resume_of_a_saved_model_without_training_state_is_refused(demo_dir, tmp_path):
+    from attnlab.checkpoint import load_checkpoint, save_checkpoint
+
+    out, _ = demo_dir
+    saved = tmp_path / "saved"
+    save_checkpoint(load_checkpoint(out), saved)
+    before = {p.name: p.read_bytes() for p in saved.iterdir()}
+    done = run("train", "--resume", "--out", saved, "--steps", "2")
+    assert done.returncode == 2 and "no training state" in done.stderr, done.stderr
+    assert {p.name: p.read_bytes() for p in saved.iterdir()} == before
+

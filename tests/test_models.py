@@ -115,6 +115,11 @@ def test_encoder_ignores_padding():
     (lambda m: m.generate(torch.tensor([[1] * 40]), 20), ["context_length=48", "60"]),
     (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=-1), ["temperature"]),
     (lambda m: m.generate(torch.tensor([[1]]), 5, top_p=0), ["top_p"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=float("nan")), ["temperature"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=float("inf")), ["temperature"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, top_p=float("nan")), ["top_p"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, top_p=float("inf")), ["top_p"]),
+    (lambda m: m.generate(torch.tensor([[1]]), 5, top_k=0), ["top_k"]),
     (lambda m: m(torch.zeros(2, 3)), ["ids", "integer"]),
     (lambda m: m(torch.zeros(1, 49, dtype=torch.long)), ["49", "context_length=48"]),
     (lambda m: GPTConfig(mlp="relu"), ["mlp", "relu"]),
@@ -124,3 +129,42 @@ def test_bad_input(call, words):
         call(make("gpt2-like"))
     for w in words:
         assert w in str(info.value)
+
+
+def _first_tokens(model, prompt, n, **sampling):
+    """The first sampled token of ``n`` copies of ``prompt``, as a set."""
+    out = model.generate(prompt.expand(n, -1), 1, generator=torch.Generator().manual_seed(0),
+                         **sampling)
+    return set(out[:, -1].tolist())
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["gpt2-like"]).eval()  # unsharpened: many tokens are likely
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        logits = model(prompt)[0, -1]
+    order = logits.argsort(descending=True).tolist()
+    assert logits[order[2]] > logits[order[3]]  # no tie at the edge of the top 3
+    allowed = set(order[:3])
+    assert _first_tokens(model, prompt, 600, temperature=1.0, top_k=3) == allowed
+
+
+def test_top_p_samples_only_the_nucleus():
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["gpt2-like"]).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    temperature, p = 0.7, 0.5
+    with torch.no_grad():
+        probs = torch.softmax(model(prompt)[0, -1].double() / temperature, dim=-1)
+    # By hand: most likely first, keep tokens while the mass before them is < p.
+    allowed, mass = set(), 0.0
+    for i in probs.argsort(descending=True).tolist():
+        if mass >= p:
+            break
+        assert abs(mass - p) > 1e-4  # not on the edge, where float32 could decide otherwise
+        allowed.add(i)
+        mass += float(probs[i])
+    assert 1 < len(allowed) < 40
+    seen = _first_tokens(model, prompt, 600, temperature=temperature, top_p=p)
+    assert seen == allowed, (seen, allowed)  # each kept token is ~5% of 600 draws

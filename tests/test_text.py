@@ -395,3 +395,19 @@ def test_load_errors(tmp_path):
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match="invalid JSON"):
         CharTokenizer.load(path)
+
+
+@pytest.mark.parametrize("inner", ["{not json", '{"model": 1}', ""])
+def test_saved_hf_tokenizer_with_a_corrupt_inner_file_names_the_file(tmp_path, inner):
+    """tokenizers raises a bare Exception for bad JSON; it must come out as the
+    project's checkpoint error (a ValueError) that names the file."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"type": "hf", "version": 1, "tokenizer": inner}))
+    with pytest.raises(CheckpointError, match=re.escape(repr(str(path)))):
+        load_tokenizer(path)
+    with pytest.raises(CheckpointError, match="not a valid Hugging Face tokenizer.json"):
+        HFTokenizer.load(path)
+    with pytest.raises(ValueError, match="json_str: not a valid Hugging Face tokenizer.json"):
+        HFTokenizer.from_str(inner)
+    with pytest.raises(TypeError, match="json_str: expected str"):
+        HFTokenizer.from_str(None)

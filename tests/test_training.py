@@ -78,43 +78,92 @@ def test_deterministic_given_seed():
 
 
 def _train_cmd(out: Path, steps: int, *extra: str) -> list[str]:
+    # No --checkpoint-every: the default (a tenth of --steps) is what a killed run
+    # must be able to resume from.
     return [sys.executable, "-m", "attnlab", "train", "--model", "gpt", "--steps", str(steps),
-            "--context", "32", "--batch-size", "16", "--checkpoint-every", "5",
-            "--out", str(out), "--seed", "7", *extra]
+            "--context", "32", "--batch-size", "16", "--out", str(out), "--seed", "7", *extra]
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _checkpointed_step(out: Path) -> int | None:
+    import json
+
+    try:
+        return json.loads((out / "training_state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None  # not written yet, or being swapped in right now
+
+
+def _resume_and_compare(out: Path, ref: Path, steps: int, *extra: str) -> str:
+    resumed = subprocess.run(_train_cmd(out, steps, "--resume", *extra), capture_output=True,
+                             text=True, env=_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    got, want = load_tensors(out / "model.safetensors"), load_tensors(ref / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert sorted(p.suffix for p in out.iterdir() if p.is_file()) == sorted(
+        p.suffix for p in ref.iterdir() if p.is_file())
+    return resumed.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt_ref(tmp_path_factory):
+    """An uninterrupted 60-step run (default checkpoints: every 6 steps)."""
+    ref = tmp_path_factory.mktemp("ref") / "ref"
+    subprocess.run(_train_cmd(ref, 60), check=True, capture_output=True, env=_env(),
+                   timeout=300)
+    return ref
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    steps = 60
-    ref = tmp_path / "ref"
-    subprocess.run(_train_cmd(ref, steps), check=True, capture_output=True, env=_env(),
-                   timeout=300)
-    want = load_tensors(ref / "model.safetensors")
+def test_sigkill_then_resume_is_bit_identical(tmp_path, gpt_ref):
+    steps, ref = 60, gpt_ref
+    import json
+
+    ref_seconds = json.loads((ref / "summary.json").read_text())["seconds"]
+    # Kill 1: the moment the first checkpoint (step 6 of 60) appears, so 54 steps
+    # remain: certainly before the end, on any machine. Kill 2: a random moment up
+    # to 30% of the run later; if a very fast machine finished by then, the
+    # resume of a finished run must still match.
     rng = random.Random(0)
-    for attempt in range(2):
+    for attempt, delay in enumerate([0.0, rng.uniform(0.0, 0.3 * ref_seconds)]):
         out = tmp_path / f"killed{attempt}"
         proc = subprocess.Popen(_train_cmd(out, steps), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=_env())
         deadline = time.time() + 120
-        while not (out / "training_state.json").exists() and time.time() < deadline:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 1.5))
-        assert proc.poll() is None, "the run finished before it could be killed"
+        while _checkpointed_step(out) is None and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay)
+        if attempt == 0:
+            assert proc.poll() is None, "the run finished before it could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        resumed = subprocess.run(_train_cmd(out, steps, "--resume"), capture_output=True,
-                                 text=True, env=_env(), timeout=300)
-        assert resumed.returncode == 0, resumed.stderr
-        got = load_tensors(out / "model.safetensors")
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), name
-        assert sorted(p.suffix for p in out.iterdir() if p.is_file()) == sorted(
-            p.suffix for p in ref.iterdir() if p.is_file())
+        if attempt == 0:
+            assert _checkpointed_step(out) < steps
+        _resume_and_compare(out, ref, steps)
+
+
+@pytest.mark.slow
+def test_sigkill_before_the_first_checkpoint_then_resume_starts_over(tmp_path, gpt_ref):
+    """Killed mid-training with no checkpoint on disk yet: --resume notes it and
+    trains from step 0, which (training being deterministic) is the same run."""
+    steps, ref = 60, gpt_ref
+    out = tmp_path / "killed"
+    late = ("--checkpoint-every", "40")  # first checkpoint at step 40
+    proc = subprocess.Popen(_train_cmd(out, steps, *late), stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.DEVNULL, env=_env())
+    first = proc.stdout.readline()  # the eval line of step 12: training is under way
+    assert first.startswith("step    12"), first
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    assert not (out / "training_state.json").exists()
+    stderr = _resume_and_compare(out, ref, steps, *late)
+    assert "no checkpoint" in stderr and "starting from step 0" in stderr, stderr
 
 
 def test_resuming_a_finished_run_changes_nothing(tmp_path):
@@ -186,3 +235,209 @@ def test_out_dir_with_other_files_is_refused_and_kept(tmp_path):
         train(model, torch.tensor(CharTokenizer.from_text(text).encode(text)), cfg, out=out,
               progress=False, log=None)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+# ------------------------------------------------------------------ --out and --resume checks
+
+
+def _toy_setup(dropout: float = 0.0, seed: int = 0):
+    text = pattern_corpus(n_runs=300, seed=1)
+    tok = CharTokenizer.from_text(text)
+    torch.manual_seed(seed)
+    model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=16, d_model=16,
+                                dropout=dropout))
+    return model, torch.tensor(tok.encode(text)), tok
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("entries", [
+    # A Hugging Face model folder: its config.json is not attnlab's.
+    {"config.json": '{"architectures": ["GPT2LMHeadModel"]}', "pytorch_model.bin": "weights"},
+    {"config.json": "{not json", "model.safetensors": "x"},
+    {"config.json": '{"format": 1, "model_type": "toy", "config": {}}', "notes.txt": "mine"},
+    {"attention.png": "x"},  # attnlab's name, but no attnlab config: not provably ours
+])
+def test_out_dir_that_is_not_an_attnlab_checkpoint_is_refused_and_kept(tmp_path, entries):
+    out = tmp_path / "model"
+    out.mkdir()
+    for name, text in entries.items():
+        (out / name).write_text(text)
+    before = _files(out)
+    model, tokens, _ = _toy_setup()
+    with pytest.raises(ValueError, match="not an attnlab checkpoint"):
+        train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16), out=out,
+              progress=False, log=None)
+    assert _files(out) == before
+
+
+def test_out_dir_attnlab_wrote_is_accepted(tmp_path):
+    """A checkpoint plus the demo's files and a temp file left by a killed atomic write."""
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    cfg = TrainConfig(steps=2, batch_size=4, context=16)
+    train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
+    for name in ("summary.json", "attention.png", "attention.html",
+                 ".summary.json.abc123.tmp", ".attention.png.77.0a1b2c3d.tmp"):
+        (out / name).write_text("x")
+    train(model, tokens, TrainConfig(steps=3, batch_size=4, context=16), out=out,
+          progress=False, log=None)
+    assert load_checkpoint(out) is not None
+
+
+def test_unwritable_out_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    model, tokens, _ = _toy_setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="--out .* cannot be written"):
+        train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16),
+              out=tmp_path / "afile" / "run", progress=False, log=None)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_resume_with_no_checkpoint_yet_starts_from_step_0(tmp_path, capsys):
+    model, tokens, _ = _toy_setup()
+    cfg = TrainConfig(steps=4, batch_size=4, context=16)
+    summary = train(model, tokens, cfg, out=tmp_path / "new", resume=True, progress=False,
+                    log=lambda _m: None)
+    assert summary["steps"] == 4 and summary["resumed_from"] is None
+    assert "starting from step 0" in capsys.readouterr().err
+    fresh, _, _ = _toy_setup()
+    train(fresh, tokens, cfg, progress=False, log=None)
+    assert same_weights(model, fresh)
+
+
+def test_resume_of_a_model_without_training_state_is_refused(tmp_path):
+    from attnlab.checkpoint import save_checkpoint
+
+    model, tokens, _ = _toy_setup()
+    save_checkpoint(model, tmp_path / "saved")
+    before = _files(tmp_path / "saved")
+    with pytest.raises(ValueError, match="no training state"):
+        train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16),
+              out=tmp_path / "saved", resume=True, progress=False, log=None)
+    assert _files(tmp_path / "saved") == before
+
+
+def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch):
+    """Without --checkpoint-every a killed run must still have something to resume."""
+    import attnlab.training as training
+    from attnlab.cli import main
+
+    saved_at = []
+    real_save = training._save
+
+    def spy(out, model, optimizer, gen, step, *rest):
+        saved_at.append(step)
+        real_save(out, model, optimizer, gen, step, *rest)
+
+    monkeypatch.setattr(training, "_save", spy)
+    assert main(["train", "--model", "toy", "--steps", "20", "--context", "16",
+                 "--batch-size", "4", "--out", str(tmp_path / "run")]) == 0
+    assert saved_at == list(range(2, 21, 2))
+    assert training.default_checkpoint_every(5) == 1
+    assert training.default_checkpoint_every(500) == 50
+
+
+def _interrupted_run(out: Path, cfg: TrainConfig, stop_after: int, dropout: float):
+    """Train into ``out`` and die right after the checkpoint of ``stop_after``."""
+    import attnlab.training as training
+
+    real_save = training._save
+
+    class Killed(BaseException):
+        pass
+
+    def save_then_die(out_, model, optimizer, gen, step, *rest):
+        real_save(out_, model, optimizer, gen, step, *rest)
+        if step == stop_after:
+            raise Killed
+
+    model, tokens, tok = _toy_setup(dropout)
+    training._save = save_then_die
+    try:
+        with pytest.raises(Killed):
+            train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
+    finally:
+        training._save = real_save
+
+
+def test_resume_with_dropout_is_bit_identical(tmp_path):
+    """Dropout draws from torch's RNG: the checkpoint must carry its state."""
+    cfg = TrainConfig(steps=12, batch_size=4, context=16, checkpoint_every=4, eval_every=5)
+    ref, tokens, tok = _toy_setup(dropout=0.2)
+    want = train(ref, tokens, cfg, progress=False, log=None)
+    _interrupted_run(tmp_path / "run", cfg, stop_after=8, dropout=0.2)
+    model, _, _ = _toy_setup(dropout=0.2, seed=123)  # its weights come from the checkpoint
+    got = train(model, tokens, cfg, out=tmp_path / "run", resume=True, tokenizer=tok,
+                progress=False, log=None)
+    assert got["resumed_from"] == 8
+    assert same_weights(model, ref)
+    assert got["history"] == want["history"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"lr": 0.01}, ["--lr", "0.003", "0.01"]),
+    ({"batch_size": 8, "seed": 3}, ["--batch-size 4", "8 now", "--seed 0", "3 now"]),
+    ({"warmup": 5}, ["--warmup"]),
+])
+def test_resume_with_other_settings_is_refused(tmp_path, change, words):
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    base = dict(steps=3, batch_size=4, context=16, lr=3e-3)
+    train(model, tokens, TrainConfig(**base), out=out, tokenizer=tok, progress=False, log=None)
+    before = _files(out)
+    with pytest.raises(ValueError) as info:
+        train(model, tokens, TrainConfig(**{**base, "steps": 6, **change}), out=out,
+              resume=True, progress=False, log=None)
+    assert "other settings" in str(info.value)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert _files(out) == before
+
+
+def test_resume_may_change_steps_and_checkpoint_interval(tmp_path):
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    train(model, tokens, TrainConfig(steps=3, batch_size=4, context=16, checkpoint_every=1),
+          out=out, tokenizer=tok, progress=False, log=None)
+    got = train(model, tokens, TrainConfig(steps=5, batch_size=4, context=16,
+                                           checkpoint_every=2, eval_every=2),
+                out=out, resume=True, progress=False, log=None)
+    assert got["resumed_from"] == 3 and got["steps"] == 5
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: s.pop("history"),
+    lambda s: s.update(history=None),
+    lambda s: s.update(history=s["history"][:-1]),
+    lambda s: s.update(step="3"),
+    lambda s: s.pop("train_config"),
+    lambda s: s.update(param_groups=[]),
+])
+def test_damaged_training_state_is_a_checkpoint_error(tmp_path, damage):
+    import json
+
+    from attnlab.io import CheckpointError
+
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    cfg = TrainConfig(steps=3, batch_size=4, context=16)
+    train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
+    state = json.loads((out / "training_state.json").read_text())
+    damage(state)
+    (out / "training_state.json").write_text(json.dumps(state))
+    before = _files(out)
+    with pytest.raises(CheckpointError, match="training state .* damaged"):
+        train(model, tokens, TrainConfig(steps=6, batch_size=4, context=16), out=out,
+              resume=True, progress=False, log=None)
+    assert _files(out) == before
+
+
+def test_negative_or_huge_seed_is_refused():
+    for seed in (-1, 2**63):
+        with pytest.raises(ValueError, match="seed"):
+            TrainConfig(seed=seed)
+    TrainConfig(seed=2**63 - 1)

@@ -8,6 +8,7 @@ sequence's positions count only its real tokens, so padding changes nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -59,12 +60,19 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p):
         max_new_tokens < 0
     ):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    # nan passes every comparison-based check and inf divides the logits into nan;
+    # either would only fail inside torch.multinomial, after the prompt was echoed.
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or (
+        temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                         f"{temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_p is not None and not (
+        isinstance(top_p, (int, float)) and math.isfinite(top_p) and 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p must be a finite number in (0, 1] or None, got {top_p!r}")
 
 
 class GenerationMixin:

@@ -418,7 +418,12 @@ class HFTokenizer(Tokenizer):
         """Build from the JSON text of a ``tokenizer.json``."""
         from tokenizers import Tokenizer as _HFTok
 
-        return cls(_HFTok.from_str(_check_text(json_str, "json_str")))
+        _check_text(json_str, "json_str")
+        try:
+            raw = _HFTok.from_str(json_str)
+        except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
+            raise ValueError(f"json_str: not a valid Hugging Face tokenizer.json: {exc}") from exc
+        return cls(raw)
 
     @property
     def backend(self) -> Any:
