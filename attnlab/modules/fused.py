@@ -1,17 +1,19 @@
 """Fused projections for inference: several ``nn.Linear`` applied as one matmul.
 
-Decoding one token at a time on a CPU is dominated by per-call overhead, so the
-Q/K/V projections (and SwiGLU's gate/up) run as a single ``F.linear`` over
-their concatenated weights when no gradient is needed and the input is small. The modules keep their
-separate ``nn.Linear`` layers (checkpoints, initialisation order and hooks are
-untouched); the concatenation is cached and rebuilt whenever a weight changes
-(its storage or version counter), and skipped while any of them has hooks.
+Decoding one token at a time on a CPU is dominated by per-call overhead and by
+reading the weights, so the Q/K/V projections (and SwiGLU's gate/up) run as one
+``x @ W`` over their concatenated weights, stored transposed and contiguous
+(``(in, out)``: a one-row product then streams the weights in order, about 20%
+faster than ``F.linear``'s ``(out, in)`` on this CPU), when no gradient is needed
+and the input is small. The modules keep their separate ``nn.Linear`` layers
+(checkpoints, initialisation order and hooks are untouched); the fused copy is
+cached and rebuilt whenever a weight changes (its storage or version counter),
+and skipped while any of them has hooks.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Above this many input rows the matmuls dominate and three calls cost what one does,
@@ -42,12 +44,14 @@ class FusedLinears:
         if key != self._key:
             # A normal tensor even under inference_mode: it is kept across calls.
             with torch.inference_mode(False), torch.no_grad():
-                self._weight = torch.cat([m.weight for m in linears])
+                self._weight = torch.cat([m.weight for m in linears]).t().contiguous()
                 biases = [m.bias if m.bias is not None else
                           torch.zeros(m.out_features, dtype=m.weight.dtype,
                                       device=m.weight.device) for m in linears]
                 has_bias = any(m.bias is not None for m in linears)
                 self._bias = torch.cat(biases) if has_bias else None
             self._key = key
-        out = F.linear(x, self._weight, self._bias)
+        out = x @ self._weight  # (..., in) @ (in, sum of out)
+        if self._bias is not None:
+            out += self._bias
         return list(out.split([m.out_features for m in linears], dim=-1))
