@@ -7,6 +7,8 @@ directory replaces the old one in a rename), read without pickle.
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,9 @@ from .io import (
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+# Written beside the model by training, for --resume.
+STATE_TENSORS = "training_state.safetensors"
+STATE_JSON = "training_state.json"
 FORMAT = 1
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
@@ -121,6 +126,84 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
                 f"{str(directory / CONFIG_FILE)!r} has vocab_size {vocab}; expected at most "
                 f"{vocab} (the tokenizer does not belong to this model)")
     return tokenizer
+
+
+# ------------------------------------------------------------------ output directories
+
+
+# What attnlab itself writes into a checkpoint directory: the checkpoint, the
+# demo's and summary's files, and the temp files an atomic write killed by
+# SIGKILL leaves beside them (".<name>.<random>.tmp").
+OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
+                       "summary.json", "attention.png", "attention.html"})
+_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
+
+
+def _is_own_file(entry: Path) -> bool:
+    return entry.is_file() and not entry.is_symlink() and (
+        entry.name in OWN_FILES or _OWN_TEMP.fullmatch(entry.name) is not None)
+
+
+def _not_ours(out: Path, why: str) -> ValueError:
+    return ValueError(
+        f"--out {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
+        "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
+
+
+def check_out_dir(out: str | os.PathLike) -> None:
+    """Refuse an ``out`` that holds anything but an attnlab checkpoint.
+
+    A checkpoint replaces its directory as a whole (atomically), so writing one
+    into a folder of other files would delete them. A ``config.json`` alone
+    proves nothing (a Hugging Face model has one too): it must be attnlab's, and
+    every other entry a file attnlab writes there.
+    """
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; expected a directory for the checkpoint")
+    entries = list(out.iterdir())
+    if not entries:
+        return
+    if not (out / CONFIG_FILE).is_file():
+        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0].name!r}")
+    try:
+        config = read_json(out / CONFIG_FILE)
+    except CheckpointError as exc:
+        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}") from None
+    if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
+        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type")
+    foreign = sorted(e.name for e in entries if not _is_own_file(e))
+    if foreign:
+        raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
+                        + (" ..." if len(foreign) > 3 else ""))
+
+
+def check_out_writable(out: str | os.PathLike) -> None:
+    """Fail now, not after training, when the checkpoint could not be written.
+
+    The checkpoint is built in a temp folder beside ``out`` and renamed into
+    place, so its parent must exist (it is created, as the writer would) and
+    accept new entries.
+    """
+    parent = Path(os.path.abspath(out)).parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"--out {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
+                         "expected a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} cannot be written: {exc.strerror or exc} "
+                         f"(in {str(parent)!r})") from None
+
+
+def has_checkpoint(out: str | os.PathLike) -> bool:
+    out = Path(out)
+    recover_dir(out)  # a writer killed between its two renames left the copy beside it
+    return (out / STATE_JSON).exists() and (out / CONFIG_FILE).exists()
 
 
 @torch.no_grad()

@@ -81,17 +81,10 @@ def _read_text(path: str | None) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import load_checkpoint_tokenizer
+    from .checkpoint import check_out_dir, check_out_writable, load_checkpoint_tokenizer
     from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from .text import CharTokenizer
-    from .training import (
-        TrainConfig,
-        check_out_dir,
-        check_out_writable,
-        default_checkpoint_every,
-        train,
-        train_device,
-    )
+    from .training import TrainConfig, default_checkpoint_every, train, train_device
 
     # Before anything is read or trained: a bad --out is known at once.
     check_out_dir(args.out)
@@ -301,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print Markdown tables at the end (one per suite)")
     bench.add_argument("--baseline", metavar="IMPL",
                        help="implementation the Markdown ratios refer to (default: each "
-                            "suite's peer: torch-sdpa, torch nn.MHA, transformers, "
+                            "suite's peer: torch-sdpa, book PyTorchMHA, transformers, "
                             "sentence-transformers)")
     bench.set_defaults(func=cmd_bench)
     return parser

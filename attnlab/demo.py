@@ -97,11 +97,12 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     """
     from pathlib import Path
 
+    from .checkpoint import check_out_dir, check_out_writable
     from .io import atomic_write_json
     from .models import ToyAttnLM, ToyConfig
     from .text import CharTokenizer
     from .text.corpus import PATTERNS, pattern_corpus
-    from .training import TrainConfig, check_out_dir, check_out_writable, train
+    from .training import TrainConfig, train
     from .viz import show_attention
 
     # Before the banner: a refused --out is one line, with nothing printed before it.
