@@ -146,7 +146,9 @@ def _forward(ctx, q, k, v, mask):
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if ctx.dropout_p > 0:
                 p = p * _keep_mask(ctx, qi, ki, p.shape, p.device)
-            acc.mul_(alpha).add_(torch.matmul(p, v[:, :, ks:ke].to(c).unsqueeze(2)))
+            # (B, Hkv, G*bq, bk) @ (B, Hkv, bk, Dv): the group rides along the rows, as
+            # in the scores; broadcasting V over G would copy it G times per tile.
+            acc.mul_(alpha).add_((_fold(p) @ v[:, :, ks:ke].to(c)).view_as(acc))
             m = m_new
         empty = l == 0
         out[:, :, :, qs:qe] = acc / l.masked_fill(empty, 1.0)
@@ -167,25 +169,26 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
         if hi <= lo:
             continue
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale
-        do_blk = gg[:, :, :, qs:qe].to(c)
+        do_blk = _fold(gg[:, :, :, qs:qe].to(c))  # (B, Hkv, G*bq, Dv), once per query block
         lse_blk = lse[:, :, :, qs:qe].unsqueeze(-1)
         d_blk = delta[:, :, :, qs:qe]
         dq_blk = torch.zeros_like(q_blk)
         for ki, ks in enumerate(range(lo, hi, BLOCK_K)):
             ke = min(ks + BLOCK_K, hi)
             k_blk = k[:, :, ks:ke].to(c)  # (B, Hkv, bk, D)
-            v_blk = v[:, :, ks:ke].to(c).unsqueeze(2)  # (B, Hkv, 1, bk, Dv)
+            v_blk = v[:, :, ks:ke].to(c)  # (B, Hkv, bk, Dv)
             p = _tile_scores(q_blk, k_blk, mask, ctx, qs, qe, ks, ke).sub_(lse_blk).exp_()
-            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))  # (B, Hkv, G, bq, bk)
+            # Folded (B, Hkv, G*bq, .) products, as in the forward: no copies of K/V per head.
+            dp = (do_blk @ v_blk.transpose(-1, -2)).view_as(p)  # (B, Hkv, G, bq, bk)
             p_used = p
             if ctx.dropout_p > 0:
                 keep = _keep_mask(ctx, qi, ki, p.shape, p.device)
                 p_used = p * keep
                 dp = dp * keep
             # Sum over the group and the rows at once: (B, Hkv, bk, G*bq) @ (B, Hkv, G*bq, Dv)
-            dv[:, :, ks:ke] += _fold(p_used).transpose(-1, -2) @ _fold(do_blk)
+            dv[:, :, ks:ke] += _fold(p_used).transpose(-1, -2) @ do_blk
             ds = p.mul_(dp.sub_(d_blk))
-            dq_blk += torch.matmul(ds, k_blk.unsqueeze(2))
+            dq_blk += (_fold(ds) @ k_blk).view_as(dq_blk)
             dk[:, :, ks:ke] += _fold(ds).transpose(-1, -2) @ _fold(q_blk)
         dq[:, :, :, qs:qe] = dq_blk * ctx.scale
     return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
