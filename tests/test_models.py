@@ -168,3 +168,38 @@ def test_top_p_samples_only_the_nucleus():
     assert 1 < len(allowed) < 40
     seen = _first_tokens(model, prompt, 600, temperature=temperature, top_p=p)
     assert seen == allowed, (seen, allowed)  # each kept token is ~5% of 600 draws
+
+
+def _tiny_models():
+    torch.manual_seed(0)
+    return {
+        "toy": ToyAttnLM(ToyConfig(vocab_size=40, context_length=48, d_model=16)),
+        "gpt-learned": GPT(CONFIGS["gpt2-like"]),
+        "gpt-rope": GPT(CONFIGS["llama-like"]),
+        "encoder": Encoder(EncoderConfig(vocab_size=40, context_length=16, d_model=16,
+                                         num_layers=1, num_heads=2)),
+    }
+
+
+@pytest.mark.parametrize("name", ["toy", "gpt-learned", "gpt-rope", "encoder"])
+def test_embed_turns_ids_into_hidden_states_and_starts_forward(name):
+    """embed(ids) -> (batch, seq, d_model), read off the embedding tables by hand."""
+    model = _tiny_models()[name].eval()
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(3))
+    tok = model.tok_emb.weight[ids]
+    if name == "encoder":
+        types = torch.tensor([[0, 0, 1, 1, 1]] * 2)
+        raw = tok + model.pos_emb.weight[:5] + model.type_emb.weight[types]
+        want = torch.nn.functional.layer_norm(raw, (16,), model.emb_norm.weight,
+                                              model.emb_norm.bias, model.emb_norm.eps)
+        got = model.embed(ids, token_type_ids=types)
+    else:
+        want = tok if name == "gpt-rope" else tok + model.pos_emb.weight[3:8]
+        got = model.embed(ids, past=3)  # positions continue after 3 cached tokens
+    assert got.shape == (2, 5, model.config.d_model)
+    torch.testing.assert_close(got, want)
+    # forward starts from embed: with it replaced, the output no longer depends on ids
+    model.embed = lambda ids, **kw: torch.zeros(*ids.shape, model.config.d_model)
+    other = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(4))
+    out = model(ids)
+    torch.testing.assert_close(out, model(other))

@@ -102,6 +102,18 @@ class Encoder(nn.Module):
 
         return encoder_from_hf(model)
 
+    def embed(self, ids: torch.Tensor, *,
+              token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """BERT's embedding block: token ids ``(batch, seq)`` to hidden states
+        ``(batch, seq, d_model)``, the LayerNorm of token + position + segment
+        embeddings (segment 0 unless ``token_type_ids`` is given). Dropout is applied
+        by :meth:`forward`."""
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.emb_norm(self.tok_emb(ids) + self.pos_emb(positions)
+                             + self.type_emb(token_type_ids))
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -128,11 +140,7 @@ class Encoder(nn.Module):
         if seq > self.context_length:
             raise ValueError(f"sequence of {seq} tokens is longer than context_length="
                              f"{self.context_length}")
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(ids)
-        positions = torch.arange(seq, device=ids.device)
-        x = self.tok_emb(ids) + self.pos_emb(positions) + self.type_emb(token_type_ids)
-        x = self.drop(self.emb_norm(x))  # (B, T, d_model)
+        x = self.drop(self.embed(ids, token_type_ids=token_type_ids))  # (B, T, d_model)
         mask = None
         if attention_mask is not None:
             mask = _masks.from_attention_mask(attention_mask.to(ids.device))  # (B, 1, 1, T)

@@ -212,13 +212,9 @@ class GPT(GenerationMixin, nn.Module):
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "
                              f"got {len(caches)}")
-        x = self.tok_emb(ids)  # (B, T, d_model)
+        x = self.drop(self.embed(ids, positions=positions, past=past))  # (B, T, d_model)
         if self.pos_emb is not None:
-            pos = positions if positions is not None else torch.arange(
-                past, past + seq, device=ids.device)
-            x = x + self.pos_emb(pos)
-            positions = None  # learned positions are added here, not rotated
-        x = self.drop(x)
+            positions = None  # learned positions were added by embed, not rotated
         attentions = []
         for i, block in enumerate(self.blocks):
             x, w = block(x, attention_mask, None if caches is None else caches[i], positions,
@@ -227,6 +223,28 @@ class GPT(GenerationMixin, nn.Module):
                 attentions.append(w)
         logits = self.lm_head(self.norm(x))
         return (logits, attentions) if output_attentions else logits
+
+    def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+              past: int = 0) -> torch.Tensor:
+        """The first step of the model: token ids to hidden states.
+
+        Args:
+            ids: ``(batch, seq)`` token ids.
+            positions: ``(batch, seq)`` or ``(seq,)`` positions for the learned position
+                embedding (default ``past .. past + seq - 1``).
+            past: tokens already cached before ``ids``.
+
+        Returns:
+            ``(batch, seq, d_model)``: the token embedding, plus the position embedding
+            when ``positions="learned"`` (rotary models add none here: their attention
+            rotates queries and keys). Dropout is applied by :meth:`forward`.
+        """
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            if positions is None:
+                positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+            x = x + self.pos_emb(positions)
+        return x
 
     @classmethod
     def from_hf(cls, model) -> GPT:

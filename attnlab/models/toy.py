@@ -64,6 +64,14 @@ class ToyAttnLM(GenerationMixin, nn.Module):
     def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
         return [self.attn.new_cache(batch_size, max_seq_len)]
 
+    def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+              past: int = 0) -> torch.Tensor:
+        """Token ids ``(batch, seq)`` to hidden states ``(batch, seq, d_model)``: token
+        plus position embedding, positions ``past .. past + seq - 1`` unless given."""
+        if positions is None:
+            positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+        return self.tok_emb(ids) + self.pos_emb(positions)
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -85,9 +93,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
                 f"sequence of {past + seq} tokens is longer than context_length="
                 f"{self.context_length}"
             )
-        if positions is None:
-            positions = torch.arange(past, past + seq, device=ids.device)
-        x = self.tok_emb(ids) + self.pos_emb(positions)  # (B, T, d_model)
+        x = self.embed(ids, positions=positions, past=past)  # (B, T, d_model)
         a = self.attn(x, mask=attention_mask, cache=caches[0] if caches else None,
                       return_weights=output_attentions)
         if output_attentions:
