@@ -151,13 +151,15 @@ def _not_ours(out: Path, why: str) -> ValueError:
 
 
 def check_out_dir(out: str | os.PathLike) -> None:
-    """Refuse an ``out`` that holds anything but an attnlab checkpoint.
+    """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
 
     A checkpoint replaces its directory as a whole (atomically), so writing one
     into a folder of other files would delete them. A ``config.json`` alone
     proves nothing (a Hugging Face model has one too): it must be attnlab's, and
-    every other entry a file attnlab writes there.
+    every other entry a file attnlab writes there. And the folder the checkpoint
+    is built in must accept new entries, or training would fail only at its end.
     """
+    _check_parent_writable(out)
     out = Path(out)
     if not out.exists():
         return
@@ -180,13 +182,10 @@ def check_out_dir(out: str | os.PathLike) -> None:
                         + (" ..." if len(foreign) > 3 else ""))
 
 
-def check_out_writable(out: str | os.PathLike) -> None:
-    """Fail now, not after training, when the checkpoint could not be written.
-
-    The checkpoint is built in a temp folder beside ``out`` and renamed into
+def _check_parent_writable(out: str | os.PathLike) -> None:
+    """The checkpoint is built in a temp folder beside ``out`` and renamed into
     place, so its parent must exist (it is created, as the writer would) and
-    accept new entries.
-    """
+    accept new entries."""
     parent = Path(os.path.abspath(out)).parent
     blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():

@@ -81,14 +81,13 @@ def _read_text(path: str | None) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import check_out_dir, check_out_writable, load_checkpoint_tokenizer
+    from .checkpoint import check_out_dir, load_checkpoint_tokenizer
     from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from .text import CharTokenizer
     from .training import TrainConfig, default_checkpoint_every, train, train_device
 
     # Before anything is read or trained: a bad --out is known at once.
     check_out_dir(args.out)
-    check_out_writable(args.out)
     text = _read_text(args.text)
     every = args.checkpoint_every or default_checkpoint_every(args.steps)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,

@@ -97,7 +97,7 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     """
     from pathlib import Path
 
-    from .checkpoint import check_out_dir, check_out_writable
+    from .checkpoint import check_out_dir
     from .io import atomic_write_json
     from .models import ToyAttnLM, ToyConfig
     from .text import CharTokenizer
@@ -107,7 +107,6 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
 
     # Before the banner: a refused --out is one line, with nothing printed before it.
     check_out_dir(out)
-    check_out_writable(out)
     text = pattern_corpus(seed=seed)
     tokenizer = CharTokenizer.from_text(text)
     cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,

@@ -332,10 +332,8 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
             )
         else:
             empty = None
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-            # torch wants the mask in q's dtype, where a large finite value overflows to
-            # -inf; with the causal/window rule now in it, shift each row's top to 0 first.
-            attn_mask = _masks.shift_rows(attn_mask).to(q.dtype)
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(q.dtype)  # rows already shifted by attention()
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

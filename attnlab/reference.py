@@ -79,8 +79,7 @@ def attention(
     # largest allowed bias out first, or a bias of -1e9 would swallow the scores.
     bias = np.where(allowed, bias, -np.inf)
     top = np.max(bias, axis=-1, keepdims=True)
-    bias = bias - np.where(np.isfinite(top), top, 0.0)
-    scores = np.where(allowed & (bias > -np.inf), scores + bias, -np.inf)
+    scores = scores + (bias - np.where(np.isfinite(top), top, 0.0))  # -inf: not allowed
     weights = softmax(scores, axis=-1)
     out = np.einsum("...qk,...kd->...qd", weights, v)
     return (out, weights) if return_weights else out

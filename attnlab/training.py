@@ -31,7 +31,6 @@ from .checkpoint import (
     STATE_JSON,
     STATE_TENSORS,
     check_out_dir,
-    check_out_writable,
     has_checkpoint,
     write_model_files,
 )
@@ -348,7 +347,6 @@ def train(
     step, history, resumed_from = 0, [], None
     if out is not None and rank == 0:
         check_out_dir(out)
-        check_out_writable(out)
     if resume:
         if out is not None and has_checkpoint(out):
             step, history = _restore(Path(out), model, optimizer, gen, cfg)

@@ -28,6 +28,7 @@ class FusedLinears:
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
+        self._sizes: list[int] = []  # out_features of each linear, to split the result
 
     @staticmethod
     def usable(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> bool:
@@ -50,8 +51,9 @@ class FusedLinears:
                                       device=m.weight.device) for m in linears]
                 has_bias = any(m.bias is not None for m in linears)
                 self._bias = torch.cat(biases) if has_bias else None
+                self._sizes = [m.out_features for m in linears]
             self._key = key
         out = x @ self._weight  # (..., in) @ (in, sum of out)
         if self._bias is not None:
             out += self._bias
-        return list(out.split([m.out_features for m in linears], dim=-1))
+        return list(out.split(self._sizes, dim=-1))
