@@ -383,6 +383,28 @@ def test_refused_call_leaves_the_cache_unchanged():
     assert cache.seq_len == 4
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(4, 4), (4, 2), (4, 1)]), st.integers(1, 4), st.booleans(),
+       st.booleans())
+def test_decoding_path_equals_the_training_path(heads, new_len, qkv_bias, explicit_pos):
+    """Without gradients, self-attention projects q|k|v with one matmul and rotates q
+    and k together; it must give what the three projections and two rotations give,
+    cache, RoPE, GQA and explicit positions included."""
+    num_heads, num_kv_heads = heads
+    m = seeded(0, MultiHeadAttention, 16, 16, num_heads, num_kv_heads=num_kv_heads,
+               causal=True, rope=True, qkv_bias=qkv_bias)
+    prompt, more = torch.randn(2, 3, 16), torch.randn(2, new_len, 16)
+    pos = torch.arange(3, 3 + new_len).expand(2, new_len) + 1 if explicit_pos else None
+    outs = []
+    for grad in (True, False):
+        cache = m.new_cache(2, 8)
+        with torch.set_grad_enabled(grad):
+            m(prompt, cache=cache)
+            outs.append((m(more, cache=cache, positions=pos), cache.get()[0].clone()))
+    close(outs[0][0], outs[1][0])
+    close(outs[0][1], outs[1][1])  # the cached (rotated) keys too
+
+
 def test_inference_fused_projections_follow_the_weights():
     """Without gradients Q/K/V run as one cached matmul; it must track weight updates
     and work for modules whose parameters were made under inference_mode."""

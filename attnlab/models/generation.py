@@ -134,7 +134,8 @@ class GenerationMixin:
             yield nxt
             if eos_id is not None and bool(done.all()):
                 return
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            if not use_cache:  # the cache holds the past; only the window re-reads it
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
             if seq_mask is not None:
                 seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
             step_ids = nxt[:, None]

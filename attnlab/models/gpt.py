@@ -103,9 +103,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
         if self.kind == "swiglu":
-            pair = (self.gate, self.fc)
-            gate, up = self._fused(x, pair) if FusedLinears.usable(pair, x) else (
-                self.gate(x), self.fc(x))
+            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul when decoding
             return self.proj(F.silu(gate) * up)
         approximate = "tanh" if self.kind == "gelu_tanh" else "none"
         return self.proj(F.gelu(self.fc(x), approximate=approximate))
@@ -133,8 +131,10 @@ class Block(nn.Module):
         if output_attentions:
             a, weights = a
         x = x + a
-        x = x + self.drop(self.mlp(self.norm2(x)))
-        return x, weights
+        h = self.mlp(self.norm2(x))
+        if self.training:  # dropout is the identity in eval; skip its call when decoding
+            h = self.drop(h)
+        return x + h, weights
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -212,7 +212,9 @@ class GPT(GenerationMixin, nn.Module):
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "
                              f"got {len(caches)}")
-        x = self.drop(self.embed(ids, positions=positions, past=past))  # (B, T, d_model)
+        x = self.embed(ids, positions=positions, past=past)  # (B, T, d_model)
+        if self.training:
+            x = self.drop(x)
         if self.pos_emb is not None:
             positions = None  # learned positions were added by embed, not rotated
         attentions = []

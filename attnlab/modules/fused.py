@@ -7,8 +7,8 @@ reading the weights, so the Q/K/V projections (and SwiGLU's gate/up) run as one
 faster than ``F.linear``'s ``(out, in)`` on this CPU), when no gradient is needed
 and the input is small. The modules keep their separate ``nn.Linear`` layers
 (checkpoints, initialisation order and hooks are untouched); the fused copy is
-cached and rebuilt whenever a weight changes (its storage or version counter),
-and skipped while any of them has hooks.
+cached and rebuilt whenever a weight changes (its storage, dtype, device or
+version counter), and skipped while any of them has hooks.
 """
 
 from __future__ import annotations
@@ -22,26 +22,27 @@ MAX_ROWS = 512
 
 
 class FusedLinears:
-    """Apply ``linears`` (same input size) to one input with one matmul when allowed."""
+    """``[m(x) for m in linears]`` (same input size), as one matmul when allowed."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._key: list | None = None
         self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         self._sizes: list[int] = []  # out_features of each linear, to split the result
 
-    @staticmethod
-    def usable(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> bool:
-        """Inference only (no gradients, no hooks) and a small input, as in decoding."""
-        return (not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * x.shape[-1]
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in linears))
-
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-        tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
-        # Inference tensors have no version counter (and cannot be changed in place
-        # outside inference mode); their storage identifies them.
-        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype, t.device)
-                    for t in tensors)
+        out = self.joint(x, linears)
+        if out is None:
+            return [m(x) for m in linears]
+        return out.split_with_sizes(self._sizes, dim=-1)
+
+    def joint(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
+        """All outputs side by side ``(..., sum of out_features)``, from one matmul; or
+        None where fusing is not allowed: with gradients, hooks, or a large input."""
+        if (torch.is_grad_enabled() or x.numel() > MAX_ROWS * x.shape[-1]
+                or any(m._forward_hooks or m._forward_pre_hooks for m in linears)):
+            return None
+        key = _weights_key(linears)
         if key != self._key:
             # A normal tensor even under inference_mode: it is kept across calls.
             with torch.inference_mode(False), torch.no_grad():
@@ -56,4 +57,21 @@ class FusedLinears:
         out = x @ self._weight  # (..., in) @ (in, sum of out)
         if self._bias is not None:
             out += self._bias
-        return list(out.split(self._sizes, dim=-1))
+        return out
+
+
+def _weights_key(linears: tuple[nn.Linear, ...]) -> list:
+    """What identifies the current weights and biases: storage, dtype, device, version.
+
+    Read from ``_parameters`` directly: ``nn.Module.__getattr__`` costs about half a
+    microsecond a name, and this runs for every decoded token. Inference tensors have
+    no version counter (and cannot be changed in place outside inference mode); their
+    storage identifies them.
+    """
+    key = []
+    for m in linears:
+        for t in m._parameters.values():  # weight, bias (None without one)
+            if t is not None:
+                key += (t.data_ptr(), t.dtype, t.device,
+                        -1 if t.is_inference() else t._version)
+    return key

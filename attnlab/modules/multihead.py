@@ -218,26 +218,35 @@ class MultiHeadAttention(nn.Module):
                 )
         s = src.shape[1]
 
-        # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
-        linears = (self.W_query, self.W_key, self.W_value)
-        if kv is None and FusedLinears.usable(linears, x):
-            q, k, v = self._fused_qkv(x, linears)  # one matmul instead of three
-        else:
-            q, k, v = self.W_query(x), self.W_key(src), self.W_value(src)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.rotary is not None:
-            rot = self.rotary
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        rot = self.rotary
+        if rot is not None:
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
             cos, sin = rot.factors(t, past if positions is None else positions,
-                                   device=q.device, dtype=dtype)  # (T, D) or (B, 1, T, D)
-            q = rot.rotate(q, cos, sin)
-            if kv is not None:  # the other sequence has its own positions 0..S-1
-                cos, sin = rot.factors(s, 0, device=q.device, dtype=dtype)
-            k = rot.rotate(k, cos, sin)
+                                   device=x.device, dtype=dtype)  # (T, D) or (B, 1, T, D)
         elif positions is not None:
             raise ValueError("positions is only used with rope=True; this module has rope=False")
+
+        # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
+        qkv = None if kv is not None else self._fused_qkv.joint(
+            x, (self.W_query, self.W_key, self.W_value))
+        if qkv is not None:
+            # Self-attention without gradients (decoding): one matmul instead of three,
+            # and the heads of q|k|v lie side by side, so RoPE rotates q and k at once.
+            qk, v = qkv.view(b, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split_with_sizes(
+                [heads + kv_heads, kv_heads], dim=1)
+            if rot is not None:
+                qk = rot.rotate(qk, cos, sin)
+            q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
+        else:
+            q = self.W_query(x).view(b, t, heads, head_dim).transpose(1, 2)
+            k = self.W_key(src).view(b, s, kv_heads, head_dim).transpose(1, 2)
+            v = self.W_value(src).view(b, s, kv_heads, head_dim).transpose(1, 2)
+            if rot is not None:
+                q = rot.rotate(q, cos, sin)
+                if kv is not None:  # the other sequence has its own positions 0..S-1
+                    cos, sin = rot.factors(s, 0, device=x.device, dtype=dtype)
+                k = rot.rotate(k, cos, sin)
         if self.qkv_hook is not None:
             q, k, v = self.qkv_hook(q, k, v)
         if mask is not None:
