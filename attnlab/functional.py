@@ -126,6 +126,7 @@ def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, back
             )
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    lead = q.shape[:-3]
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; expected one dtype")
@@ -136,7 +137,7 @@ def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, back
                 f"{name} has shape {_shape(t)} but q has {_shape(q)}; expected the same "
                 "number of dimensions"
             )
-        if t.shape[:-3] != q.shape[:-3]:
+        if t.shape[:-3] != lead:
             raise ValueError(
                 f"{name} has batch dimensions {_shape(t)[:-3]} but q has {_shape(q)[:-3]}; "
                 "expected them equal"
@@ -320,7 +321,7 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
         pass  # end-aligned: the one query (the newest token) sees every key
     else:
         struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    attn_mask = _masks.combine(struct, mask)
+    attn_mask = mask if struct is None else _masks.combine(struct, mask)
     empty = None
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")

@@ -138,7 +138,7 @@ class RotaryEmbedding(nn.Module):
                     self._angles(torch.arange(offset, end, device=device)))
                 return cos.to(dtype), sin.to(dtype)
             self._ensure(end, device)
-            return self._cos[offset:end], self._sin[offset:end]  # (T, D) views
+            return self._cos.narrow(0, offset, seq_len), self._sin.narrow(0, offset, seq_len)
         if not isinstance(positions, torch.Tensor):
             raise TypeError(
                 f"positions must be None, an int offset or an integer tensor, got "

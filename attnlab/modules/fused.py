@@ -39,10 +39,11 @@ class FusedLinears:
     def joint(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
         """All outputs side by side ``(..., sum of out_features)``, from one matmul; or
         None where fusing is not allowed: with gradients, hooks, or a large input."""
-        if (torch.is_grad_enabled() or x.numel() > MAX_ROWS * x.shape[-1]
-                or any(m._forward_hooks or m._forward_pre_hooks for m in linears)):
+        if torch.is_grad_enabled() or x.numel() > MAX_ROWS * x.shape[-1]:
             return None
         key = _weights_key(linears)
+        if key is None:
+            return None
         if key != self._key:
             # A normal tensor even under inference_mode: it is kept across calls.
             with torch.inference_mode(False), torch.no_grad():
@@ -60,8 +61,9 @@ class FusedLinears:
         return out
 
 
-def _weights_key(linears: tuple[nn.Linear, ...]) -> list:
-    """What identifies the current weights and biases: storage, dtype, device, version.
+def _weights_key(linears: tuple[nn.Linear, ...]) -> list | None:
+    """What identifies the current weights and biases: storage, dtype, device, version;
+    None while a layer has forward hooks, which must see that layer run.
 
     Read from ``_parameters`` directly: ``nn.Module.__getattr__`` costs about half a
     microsecond a name, and this runs for every decoded token. Inference tensors have
@@ -70,6 +72,8 @@ def _weights_key(linears: tuple[nn.Linear, ...]) -> list:
     """
     key = []
     for m in linears:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
         for t in m._parameters.values():  # weight, bias (None without one)
             if t is not None:
                 key += (t.data_ptr(), t.dtype, t.device,
