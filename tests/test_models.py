@@ -203,3 +203,22 @@ def test_embed_turns_ids_into_hidden_states_and_starts_forward(name):
     other = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(4))
     out = model(ids)
     torch.testing.assert_close(out, model(other))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_decoding_output_layer_copy_follows_the_weights(tie):
+    """Without gradients the output layer runs from a cached (d_model, vocab) copy; it
+    must give F.linear's logits and follow in-place updates (tied or not)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, d_model=16, num_layers=1, num_heads=2,
+                          positions="rope", norm="rmsnorm", mlp="swiglu",
+                          tie_embeddings=tie)).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        copied = model(ids)
+    torch.testing.assert_close(copied, model(ids), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # an optimizer step, as training between samples
+        updated = model(ids)
+    torch.testing.assert_close(updated, model(ids), rtol=0, atol=1e-5)
+    assert not torch.allclose(updated, copied)

@@ -159,6 +159,7 @@ class GPT(GenerationMixin, nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self._fused_head = FusedLinears()
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -223,7 +224,12 @@ class GPT(GenerationMixin, nn.Module):
                          output_attentions)
             if output_attentions:
                 attentions.append(w)
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
+        # Decoding reads the output layer as a cached (d_model, vocab) copy: one-row
+        # products stream it in order, which is much faster than F.linear's rows here.
+        logits = self._fused_head.joint(x, (self.lm_head,))
+        if logits is None:
+            logits = self.lm_head(x)
         return (logits, attentions) if output_attentions else logits
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,

@@ -2,10 +2,14 @@
 
 Decoding one token at a time on a CPU is dominated by per-call overhead and by
 reading the weights, so the Q/K/V projections (and SwiGLU's gate/up) run as one
-``x @ W`` over their concatenated weights, stored transposed and contiguous
-(``(in, out)``: a one-row product then streams the weights in order, about 20%
-faster than ``F.linear``'s ``(out, in)`` on this CPU), when no gradient is needed
-and the input is small. The modules keep their separate ``nn.Linear`` layers
+``x @ W`` over their concatenated weights, stored transposed and contiguous, when
+no gradient is needed and the input is small. The ``(in, out)`` layout matters on
+its own for wide layers: a one-row product then streams the weights in order, and
+MKL's kernel for it is 1.3x-1.8x faster than ``F.linear``'s ``(out, in)`` rows
+when ``out >= in`` (measured on this 2-core EPYC: SmolLM's 576 -> 49152 output
+layer 6.3 ms against 11.2 ms), which is why the models also read their output
+layer this way. The price is memory: the copies hold those weights a second time.
+The modules keep their separate ``nn.Linear`` layers
 (checkpoints, initialisation order and hooks are untouched); the fused copy is
 cached and rebuilt whenever a weight changes (its storage, dtype, device or
 version counter), and skipped while any of them has hooks.
