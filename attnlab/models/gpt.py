@@ -103,7 +103,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
         if self.kind == "swiglu":
-            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul when decoding
+            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul for one row
             return self.proj(F.silu(gate) * up)
         approximate = "tanh" if self.kind == "gelu_tanh" else "none"
         return self.proj(F.gelu(self.fc(x), approximate=approximate))
@@ -225,8 +225,8 @@ class GPT(GenerationMixin, nn.Module):
             if output_attentions:
                 attentions.append(w)
         x = self.norm(x)
-        # Decoding reads the output layer as a cached (d_model, vocab) copy: one-row
-        # products stream it in order, which is much faster than F.linear's rows here.
+        # Decoding one sequence reads the output layer from a cached (d_model, vocab)
+        # copy: a one-row product streams it in order, much faster than F.linear's rows.
         logits = self._fused_head.joint(x, (self.lm_head,))
         if logits is None:
             logits = self.lm_head(x)

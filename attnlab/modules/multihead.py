@@ -231,7 +231,7 @@ class MultiHeadAttention(nn.Module):
         qkv = None if kv is not None else self._fused_qkv.joint(
             x, (self.W_query, self.W_key, self.W_value))
         if qkv is not None:
-            # Self-attention without gradients (decoding): one matmul instead of three,
+            # Decoding one sequence (one row, no gradients): one matmul instead of three,
             # and the heads of q|k|v lie side by side, so RoPE rotates q and k at once.
             qk, v = qkv.view(b, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split_with_sizes(
                 [heads + kv_heads, kv_heads], dim=1)
