@@ -32,15 +32,13 @@ def _positive_float(text: str) -> float:
 
 
 def _seed(text: str) -> int:
-    # The range torch.manual_seed accepts without wrapping around, minus the
-    # negative half (a negative seed is a typo, not a choice).
+    from .training import check_seed
+
     try:
-        value = int(text)
+        return check_seed(int(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value}")
-    return value
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [0, 2**63), got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -44,6 +44,15 @@ from .io import (
 )
 
 
+def check_seed(seed: object) -> int:
+    """``seed`` if it is an int in ``[0, 2**63)``, else ValueError: the one rule for
+    every seed (TrainConfig and the CLI). torch.manual_seed takes any int64, but a
+    negative seed is a typo more often than a choice."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return seed
+
+
 @dataclass
 class TrainConfig:
     """Hyperparameters of a run. ``steps`` is the total, also when resuming."""
@@ -72,12 +81,7 @@ class TrainConfig:
                              f"{self.checkpoint_every!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
-        # torch.manual_seed takes any int64, but a negative seed is a typo more often
-        # than a choice; the range is what every seed of the CLI accepts.
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
-            0 <= self.seed < 2**63
-        ):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        check_seed(self.seed)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
