@@ -87,18 +87,19 @@ def test_supported_config_options_give_equal_logits(name):
     assert_same_logits(hf)
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # 1: the one-row decoding path (fused copies)
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
-def test_cached_greedy_generation_follows_transformers_logits(name):
+def test_cached_greedy_generation_follows_transformers_logits(name, batch):
     hf = HF_MODELS[name]()
     ours = GPT.from_hf(hf)
     with torch.no_grad():  # sharpen, so that most steps are not near-ties
         ours.lm_head.weight.mul_(8)
         hf.lm_head.weight.copy_(ours.lm_head.weight)
-    prompt = torch.randint(1, 120, (2, 5), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(1, 120, (batch, 5), generator=torch.Generator().manual_seed(2))
     seq = ours.generate(prompt, 20, temperature=0)
     with torch.no_grad():
         hf_logits = hf(seq).logits
-        caches = ours.new_cache(2, seq.shape[1])
+        caches = ours.new_cache(batch, seq.shape[1])
         steps = [ours(seq[:, :5], caches=caches)[:, -1]]
         steps += [ours(seq[:, t:t + 1], caches=caches)[:, -1] for t in range(5, seq.shape[1] - 1)]
     ours_logits = torch.stack(steps, 1)  # the logits that chose tokens 5..
