@@ -116,12 +116,18 @@ class KVCache:
             ValueError: wrong shapes, or more new positions than remain (nothing is
                 written then).
         """
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.ndim == 4
-                and k.shape == v.shape):
-            self._refuse(k, v)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.ndim != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be (batch, num_kv_heads, seq, head_dim), got {shape}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(
+                f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; expected them equal"
+            )
         b, h, t, d = k.shape
-        if b != self.batch_size or h != self.num_kv_heads or d != self.head_dim:
-            self.check_layout(b, h, d, who="k/v")
+        self.check_layout(b, h, d, who="k/v")
         start = self._len
         if t > self.max_seq_len - start:
             raise ValueError(
@@ -136,19 +142,6 @@ class KVCache:
         self.v.narrow(2, start, t).copy_(v)
         self._len = end
         return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
-
-    @staticmethod
-    def _refuse(k, v) -> None:
-        """Raise the ValueError that says what is wrong with ``k``/``v``."""
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.ndim != 4:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"{name} must be (batch, num_kv_heads, seq, head_dim), got {shape}"
-                )
-        raise ValueError(
-            f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; expected them equal"
-        )
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(B, Hkv, seq_len, D)`` of the keys and values filled so far."""

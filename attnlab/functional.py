@@ -321,7 +321,7 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
         pass  # end-aligned: the one query (the newest token) sees every key
     else:
         struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    attn_mask = mask if struct is None else _masks.combine(struct, mask)
+    attn_mask = _masks.combine(struct, mask)
     empty = None
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")

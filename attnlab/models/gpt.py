@@ -227,9 +227,7 @@ class GPT(GenerationMixin, nn.Module):
         x = self.norm(x)
         # Decoding one sequence reads the output layer from a cached (d_model, vocab)
         # copy: a one-row product streams it in order, much faster than F.linear's rows.
-        logits = self._fused_head.joint(x, (self.lm_head,))
-        if logits is None:
-            logits = self.lm_head(x)
+        (logits,) = self._fused_head(x, (self.lm_head,))
         return (logits, attentions) if output_attentions else logits
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
