@@ -16,6 +16,12 @@ import torch
 from torch import nn
 
 from .io import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    OWN_FILES,
+    STATE_JSON,
+    STATE_TENSORS,
+    TOKENIZER_FILE,
     CheckpointError,
     atomic_dir,
     atomic_write_json,
@@ -25,12 +31,6 @@ from .io import (
     save_tensors,
 )
 
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-# Written beside the model by training, for --resume.
-STATE_TENSORS = "training_state.safetensors"
-STATE_JSON = "training_state.json"
 FORMAT = 1
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
@@ -131,11 +131,9 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
 # ------------------------------------------------------------------ output directories
 
 
-# What attnlab itself writes into a checkpoint directory: the checkpoint, the
-# demo's and summary's files, and the temp files an atomic write killed by
-# SIGKILL leaves beside them (".<name>.<random>.tmp").
-OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
-                       "summary.json", "attention.png", "attention.html"})
+# What attnlab itself writes into a checkpoint directory (io.OWN_FILES) and the
+# temp files an atomic write killed by SIGKILL leaves beside them
+# (".<name>.<random>.tmp").
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
 
 

@@ -76,6 +76,22 @@ class CheckpointError(ValueError):
     """A checkpoint file or directory is missing, unreadable or corrupt."""
 
 
+# The names of every file attnlab writes into a directory of its own (a
+# checkpoint, the demo's or ``show``'s output). Writers take their names from
+# here, and the output-directory rules (checkpoint.check_out_dir) recognise
+# exactly these as attnlab's.
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+STATE_TENSORS = "training_state.safetensors"  # written by training, for --resume
+STATE_JSON = "training_state.json"
+SUMMARY_FILE = "summary.json"
+HEATMAP_FILE = "attention.png"
+EXPLORER_FILE = "attention.html"
+OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
+                       SUMMARY_FILE, HEATMAP_FILE, EXPLORER_FILE})
+
+
 # --------------------------------------------------------------------------- files
 
 

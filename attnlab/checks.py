@@ -1,0 +1,83 @@
+"""Argument checks shared by the whole package: one rule and one wording each.
+
+Every public function validates its plain arguments through these helpers, so
+an error always reads ``"<name> must be <what was expected>, got <what came>"``
+and names the argument. ``bool`` is refused where an ``int`` is expected
+(``True`` is an ``int`` to Python, but ``window=True`` is a typo, not a choice).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["positive_int", "non_negative_int", "optional_positive_int", "probability",
+           "boolean", "finite_float", "one_of", "is_int"]
+
+
+def is_int(value: object) -> bool:
+    """True for a Python (or NumPy) integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` as an int ``>= 1``, else ValueError naming ``name``."""
+    if not is_int(value) or int(value) < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """``value`` as an int ``>= 0``, else ValueError naming ``name``."""
+    if not is_int(value) or int(value) < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: object) -> int | None:
+    """None, or ``value`` as an int ``>= 1``."""
+    if value is None:
+        return None
+    if not is_int(value) or int(value) < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
+def probability(name: str, value: object) -> float:
+    """``value`` as a float in ``[0, 1]``, else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def boolean(name: str, value: object) -> bool:
+    """``value`` if it is a bool, else TypeError: ``"no"`` or ``1`` is not silently true."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def finite_float(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite float (``> 0`` with ``positive``); NaN and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def one_of(name: str, value: T, options: Sequence[T]) -> T:
+    """``value`` if it is one of ``options``, else ValueError listing them."""
+    try:
+        ok = value in options
+    except TypeError:  # an unhashable value against a set or dict
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+    return value
