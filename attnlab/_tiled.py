@@ -24,31 +24,6 @@ BLOCK_K = 512
 _NEG_INF = float("-inf")
 
 
-def _key_range(q_start, q_end, k_len, offset, causal, window):
-    """Half-open range of keys any query in ``[q_start, q_end)`` may see."""
-    p_min, p_max = q_start + offset, q_end - 1 + offset
-    lo, hi = 0, k_len
-    if causal:
-        hi = min(hi, p_max + 1)
-    if window is not None:
-        lo = max(lo, p_min - window + 1)
-        if not causal:
-            hi = min(hi, p_max + window)
-    return lo, max(lo, hi)
-
-
-def _fully_allowed(q_start, q_end, k_start, k_end, offset, causal, window):
-    p_min, p_max = q_start + offset, q_end - 1 + offset
-    if causal and k_end - 1 > p_min:
-        return False
-    if window is not None:
-        if k_start <= p_max - window:
-            return False
-        if not causal and k_end - 1 >= p_min + window:
-            return False
-    return True
-
-
 def _slice_mask(mask, q_start, q_end, k_start, k_end):
     """Slice a broadcastable 4-D mask to one tile, leaving size-1 dims alone."""
     while mask.ndim < 4:
@@ -75,7 +50,7 @@ def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
     b, hkv, g, bq, d = q_blk.shape
     s = torch.matmul(q_blk.reshape(b, hkv, g * bq, d), k_blk.transpose(-1, -2))
     s = s.view(b, hkv, g, bq, k_end - k_start)
-    if not _fully_allowed(q_start, q_end, k_start, k_end, ctx.offset, ctx.causal, ctx.window):
+    if not _masks.fully_allowed(q_start, q_end, k_start, k_end, ctx.offset, ctx.causal, ctx.window):
         rule = _masks.block_rule(q_start, q_end - q_start, k_start, k_end - k_start,
                                  offset=ctx.offset, causal=ctx.causal, window=ctx.window,
                                  device=s.device)
@@ -126,7 +101,7 @@ def _forward(ctx, q, k, v, mask):
     lse = torch.full((ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len), float("inf"),
                      dtype=c, device=q.device)
     for qi, (qs, qe) in enumerate(ctx.blocks(ctx.q_len, BLOCK_Q)):
-        lo, hi = _key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
+        lo, hi = _masks.key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
         if hi <= lo:
             continue  # every query here has nothing to attend: zeros
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale
@@ -138,7 +113,7 @@ def _forward(ctx, q, k, v, mask):
             s = _tile_scores(q_blk, k[:, :, ks:ke].to(c), mask, ctx, qs, qe, ks, ke)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = m_new
-            if mask is not None or not _fully_allowed(qs, qe, lo, ke, ctx.offset, ctx.causal,
+            if mask is not None or not _masks.fully_allowed(qs, qe, lo, ke, ctx.offset, ctx.causal,
                                                       ctx.window):
                 m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows masked so far
             p = s.sub_(m_safe).exp_()
@@ -165,7 +140,7 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
     # D_i = sum_d dO_i * O_i (uses the dropped-out output, as FlashAttention does)
     delta = (gg.to(c) * og.to(c)).sum(dim=-1, keepdim=True)
     for qi, (qs, qe) in enumerate(ctx.blocks(ctx.q_len, BLOCK_Q)):
-        lo, hi = _key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
+        lo, hi = _masks.key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
         if hi <= lo:
             continue
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .checks import is_int
+from .checks import positive_int as _positive
+
 __all__ = ["KVCache"]
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class KVCache:
@@ -150,7 +147,7 @@ class KVCache:
     def crop(self, n: int) -> None:
         """Keep only the first ``n`` positions (``0 <= n <= seq_len``), e.g. to roll
         back rejected speculative tokens or to reuse a shared prompt."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._len:
+        if not is_int(n) or not 0 <= n <= self._len:
             raise ValueError(f"crop length must be an int in [0, seq_len={self._len}], got {n!r}")
         self._len = n
 

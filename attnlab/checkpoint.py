@@ -1,13 +1,17 @@
 """Checkpoints: ``model.safetensors`` + ``config.json`` (+ ``tokenizer.json``) in one directory.
 
-Written atomically through :func:`attnlab.io.atomic_dir` (a finished
-directory replaces the old one in a rename), read without pickle.
+The one home of the checkpoint directory: its files (names in :mod:`attnlab.io`),
+the model and the training state a run resumes from, and the rules for an
+output directory (attnlab replaces only folders it wrote). Written atomically
+through :func:`attnlab.io.atomic_dir` (a finished directory replaces the old
+one in a rename), read without pickle.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import non_negative_int
 from .io import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -30,6 +35,7 @@ from .io import (
     recover_dir,
     save_tensors,
 )
+from .io.weights import load_state
 
 FORMAT = 1
 
@@ -92,13 +98,7 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
     state = load_tensors(directory / MODEL_FILE, device=map_location)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        raise CheckpointError(
-            f"{str(directory / MODEL_FILE)!r} does not match its config: {first}"
-        ) from exc
+    load_state(model, state, source=f"{str(directory / MODEL_FILE)!r}")
     return model.to(map_location).eval()
 
 
@@ -208,3 +208,118 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
     """True when two models hold bit-identical parameters and buffers."""
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ------------------------------------------------------------------ training state
+
+
+def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        gen: torch.Generator, *, step: int, train_config: dict,
+                        history: list, tokenizer=None, meta: dict | None = None) -> None:
+    """Write the checkpoint ``out`` of a run at ``step``: the model files and everything
+    that makes the next step depend on the steps so far (AdamW moments, the batch
+    sampler's generator, torch's RNG, the settings and the loss history), atomically."""
+    tensors = {"rng.torch": torch.get_rng_state(), "rng.batches": gen.get_state()}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        # Dropout on a GPU draws from that device's generator. Only this device's
+        # state: under torchrun every rank uses its own GPU the same way, so rank 0's
+        # state is each rank's, while the other devices' states in this process
+        # were never used.
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+    opt = optimizer.state_dict()
+    for index, state in opt["state"].items():
+        for key, value in state.items():
+            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
+    groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
+    with atomic_dir(out) as tmp:
+        write_model_files(tmp, model, tokenizer=tokenizer, **(meta or {}))
+        save_tensors(tmp / STATE_TENSORS, tensors)
+        atomic_write_json(tmp / STATE_JSON, {"step": step, "train_config": train_config,
+                                             "param_groups": groups, "history": history})
+
+
+# Settings a resume may change: ``steps`` is the new total, ``checkpoint_every``
+# only decides when state is written, and ``eval_every`` only which steps also get
+# an eval loss (its generator is its own; the CLI derives it from ``steps``).
+# Everything else changes the weights, so a resume with another value would not
+# continue the run it claims to.
+RESUMABLE_CHANGES = frozenset({"steps", "checkpoint_every", "eval_every"})
+
+
+def _check_same_settings(saved, now: dict, out: Path) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"train_config must be a JSON object, got {type(saved).__name__}")
+    changed = [f"--{name.replace('_', '-')} {saved.get(name, 'missing')!r} in the checkpoint, "
+               f"{value!r} now" for name, value in now.items()
+               if name not in RESUMABLE_CHANGES and saved.get(name, "missing") != value]
+    if changed:
+        raise CheckpointError(
+            f"--resume: the run in {str(out)!r} was trained with other settings ("
+            f"{'; '.join(changed)}); resume with the same settings (only --steps and "
+            "--checkpoint-every may change) or choose another --out")
+
+
+def _check_history(history, step) -> list:
+    """One ``[step, train_loss, eval_loss|None]`` per step done, as ``_save`` writes it."""
+    non_negative_int("step", step)
+    if not isinstance(history, list) or len(history) != step or not all(
+            isinstance(h, list) and len(h) == 3 for h in history):
+        raise ValueError(f"history must be a list of {step} [step, loss, eval] entries, "
+                         f"got {str(history)[:60]}")
+    return history
+
+
+def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           gen: torch.Generator, train_config: dict) -> tuple[int, list]:
+    """Load the run saved in ``out`` into ``model``, ``optimizer`` and ``gen`` (and
+    torch's RNG); return ``(step, history)``. The saved settings must equal
+    ``train_config`` except for :data:`RESUMABLE_CHANGES`."""
+    meta = read_config(out)
+    if meta.get("model_type") != getattr(model, "model_type", None):
+        raise CheckpointError(
+            f"--resume: the checkpoint in {str(out)!r} is a {meta.get('model_type')!r} model "
+            f"and does not fit the {type(model).__name__} being trained; resume with the "
+            "model it was trained with, or choose another --out")
+    load_state(model, load_tensors(out / MODEL_FILE),
+               source=f"--resume: the checkpoint in {str(out)!r}")
+    state = read_json(out / STATE_JSON)
+    tensors = load_tensors(out / STATE_TENSORS)
+    per_param: dict[int, dict] = {}
+    try:
+        _check_same_settings(state["train_config"], train_config, out)
+        step = state["step"]
+        history = _check_history(state["history"], step)
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                _, index, key = name.split(".", 2)
+                per_param.setdefault(int(index), {})[key] = value
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        torch.set_rng_state(tensors["rng.torch"])
+        gen.set_state(tensors["rng.batches"])
+        device = next(model.parameters()).device
+        if device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
+        return step, history
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
+                              f"incomplete ({type(exc).__name__}: {exc})") from None
+
+
+def nothing_to_resume(out, log) -> None:
+    """A run killed before its first checkpoint left nothing to resume: start it again.
+
+    That is the same run (training is deterministic), so it is a note, not an
+    error. A model saved without training state is an error: training it from
+    step 0 would replace it.
+    """
+    if out is None:
+        raise CheckpointError("--resume needs --out, the directory holding the checkpoint")
+    if (Path(out) / CONFIG_FILE).exists():
+        raise CheckpointError(f"--resume: {str(out)!r} holds a model but no training state "
+                              f"({STATE_JSON}); train into another --out")
+    if log is not None:
+        print(f"note: --resume: no checkpoint in {str(out)!r} yet; starting from step 0",
+              file=sys.stderr)

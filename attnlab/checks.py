@@ -8,15 +8,16 @@ and names the argument. ``bool`` is refused where an ``int`` is expected
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "probability",
-           "boolean", "finite_float", "one_of", "is_int"]
+           "boolean", "finite_float", "one_of", "is_int", "Config"]
 
 
 def is_int(value: object) -> bool:
@@ -43,7 +44,7 @@ def optional_positive_int(name: str, value: object) -> int | None:
     if value is None:
         return None
     if not is_int(value) or int(value) < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        raise ValueError(f"{name} must be a positive int >= 1 or None, got {value!r}")
     return int(value)
 
 
@@ -67,7 +68,7 @@ def finite_float(name: str, value: object, *, positive: bool = False) -> float:
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value) or (positive and value <= 0):
-        what = "a finite number > 0" if positive else "a finite number"
+        what = "a positive finite number" if positive else "a finite number"
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return value
 
@@ -81,3 +82,26 @@ def one_of(name: str, value: T, options: Sequence[T]) -> T:
     if not ok:
         raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
     return value
+
+
+class Config:
+    """Base of the dataclass configs (model and training): one way to and from a dict.
+
+    ``from_dict`` refuses unknown keys, naming them: a typo in a ``config.json``
+    must not silently fall back to a default.
+    """
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{cls.__name__}: expected a dict of fields, got "
+                            f"{type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ValueError(f"{cls.__name__} got unknown fields {unknown}; expected some of "
+                             f"{known}")
+        return cls(**data)

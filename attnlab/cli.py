@@ -10,25 +10,26 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from .checks import finite_float, positive_int
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+def _option(parse, check):
+    """An argparse type: ``parse`` the text, then apply the library's own rule
+    (:mod:`attnlab.checks`), so an option says what the argument it feeds says."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text  # the check then names what came
+        try:
+            return check("", value)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc).strip()) from None
+    return convert
+
+
+_positive_int = _option(int, positive_int)
+_positive_float = _option(float, lambda name, value: finite_float(name, value, positive=True))
 
 
 def _seed(text: str) -> int:
@@ -107,9 +108,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if rank0 and summary["resumed_from"] == summary["steps"]:
         print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
     elif rank0:
-        from .io import atomic_write_json
+        from .io import SUMMARY_FILE, atomic_write_json
 
-        atomic_write_json(f"{args.out}/summary.json", summary)
+        atomic_write_json(f"{args.out}/{SUMMARY_FILE}", summary)
         print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
               f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/")
     return 0

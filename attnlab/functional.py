@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import masks as _masks
 from ._tiled import tiled_attention, tiled_weights
+from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
 __all__ = ["attention", "BACKENDS"]
 
@@ -162,20 +163,12 @@ def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, back
             f"q has {q_heads} heads and k/v have {kv_heads}; expected q heads to be a "
             "multiple of kv heads (grouped-query attention)"
         )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
-        0.0 <= dropout_p <= 1.0
-    ):
-        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    one_of("backend", backend, BACKENDS)
+    probability("dropout_p", dropout_p)
+    optional_positive_int("window", window)
+    boolean("causal", causal)
+    if scale is not None:
+        finite_float("scale", scale)
     if mask is not None:
         _check_mask(mask, q, k)
     return _check_rows(return_weights, q, backend)

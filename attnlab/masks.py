@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import positive_int
+
 __all__ = [
     "causal",
     "padding",
@@ -24,13 +26,10 @@ __all__ = [
     "from_attention_mask",
     "describe",
     "structural",
+    "as_attention_mask",
+    "key_range",
+    "fully_allowed",
 ]
-
-
-def _check_len(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def structural(q_len: int, k_len: int, *, causal: bool = False, window: int | None = None,
@@ -66,6 +65,37 @@ def rule_at(
         if not causal:
             allowed &= j < p + window
     return allowed
+
+
+def key_range(q_start: int, q_end: int, k_len: int, offset: int, causal: bool,
+              window: int | None) -> tuple[int, int]:
+    """Half-open range ``[lo, hi)`` of keys that any query of ``[q_start, q_end)`` may see
+    (:func:`rule_at` for a block of queries at positions ``q + offset``); empty when
+    ``hi == lo``. Tiled kernels visit only these keys."""
+    p_min, p_max = q_start + offset, q_end - 1 + offset
+    lo, hi = 0, k_len
+    if causal:
+        hi = min(hi, p_max + 1)
+    if window is not None:
+        lo = max(lo, p_min - window + 1)
+        if not causal:
+            hi = min(hi, p_max + window)
+    return lo, max(lo, hi)
+
+
+def fully_allowed(q_start: int, q_end: int, k_start: int, k_end: int, offset: int,
+                  causal: bool, window: int | None) -> bool:
+    """True when :func:`rule_at` allows every (query, key) pair of the tile
+    ``[q_start, q_end) x [k_start, k_end)``, so a kernel need not mask it."""
+    p_min, p_max = q_start + offset, q_end - 1 + offset
+    if causal and k_end - 1 > p_min:
+        return False
+    if window is not None:
+        if k_start <= p_max - window:
+            return False
+        if not causal and k_end - 1 >= p_min + window:
+            return False
+    return True
 
 
 def block_rule(
@@ -106,8 +136,8 @@ def causal(q_len: int, k_len: int | None = None, *, device=None) -> torch.Tensor
     >>> causal(3).int().tolist()
     [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     """
-    q_len = _check_len("q_len", q_len)
-    k_len = q_len if k_len is None else _check_len("k_len", k_len)
+    q_len = positive_int("q_len", q_len)
+    k_len = q_len if k_len is None else positive_int("k_len", k_len)
     return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=True, window=None,
                       device=device)
 
@@ -118,9 +148,9 @@ def sliding_window(q_len: int, k_len: int, window: int, *, device=None) -> torch
     Combine with :func:`causal` for the usual causal sliding window
     (``p - window < j <= p``). Positions are end-aligned like :func:`causal`.
     """
-    q_len = _check_len("q_len", q_len)
-    k_len = _check_len("k_len", k_len)
-    window = _check_len("window", window)
+    q_len = positive_int("q_len", q_len)
+    k_len = positive_int("k_len", k_len)
+    window = positive_int("window", window)
     return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=False, window=window,
                       device=device)
 
@@ -130,7 +160,7 @@ def padding(lengths: Sequence[int] | torch.Tensor, seq_len: int, *, device=None)
 
     Broadcasts against ``(batch, heads, q_len, k_len)``.
     """
-    seq_len = _check_len("seq_len", seq_len)
+    seq_len = positive_int("seq_len", seq_len)
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(
@@ -176,6 +206,46 @@ def from_attention_mask(attention_mask: torch.Tensor, *, masked_is_true: bool = 
     if m.ndim == 2:
         m = m[:, None, None, :]
     return m
+
+
+def as_attention_mask(mask: torch.Tensor | None, batch: int, k_len: int
+                      ) -> torch.Tensor | None:
+    """A mask as modules and models take it, in :func:`attnlab.attention`'s convention.
+
+    The one conversion at the module/model boundary:
+
+    - 2-D ``(batch, k_len)``: key padding, bool (True = real token) or 1/0
+      integers as tokenizers return them -> ``(batch, 1, 1, k_len)``;
+    - 3-D ``(batch, q_len, k_len)``: one mask per example shared by all heads ->
+      ``(batch, 1, q_len, k_len)`` (never read as per-head: that would silently
+      mix examples and heads whenever batch == heads);
+    - 4-D: as it is. Integer 1/0 masks become bool; float masks stay additive.
+
+    Bool and float 4-D masks pass through without any work, so a model converts
+    once and its layers pay nothing for the mask they are handed.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.ndim == 2:
+        if mask.shape[1] != k_len or mask.shape[0] not in (1, batch):
+            raise ValueError(
+                f"a 2-D mask is a key-padding mask (batch={batch}, k_len={k_len}), got shape "
+                f"{tuple(mask.shape)}; give a per-query (q_len, k_len) mask as mask[None, None]"
+            )
+        if mask.dtype == torch.bool or mask.dtype.is_floating_point:
+            return mask[:, None, None, :]
+    elif mask.ndim == 3:
+        if mask.shape[0] not in (1, batch):
+            raise ValueError(
+                f"a 3-D mask is (batch={batch}, q_len, k_len), got shape {tuple(mask.shape)}; "
+                "give a per-head mask as (batch, heads, q_len, k_len)"
+            )
+        mask = mask[:, None]
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return from_attention_mask(mask)  # 1/0 ints -> bool
+    return mask
 
 
 def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:

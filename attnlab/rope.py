@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .checks import finite_float, is_int
+
 __all__ = ["RotaryEmbedding", "rotate_half"]
 
 # Positions below this are served from the cached table ((TABLE_MAX, head_dim) x 2 in
@@ -56,11 +58,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or (
-            head_dim % 2
-        ):
+        if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be an even int >= 2 for RoPE, got {head_dim!r}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1.0:
+        if finite_float("base", base) <= 1.0:
             raise ValueError(f"base must be a number > 1, got {base!r}")
         self.head_dim = head_dim
         self.base = float(base)

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,34 +27,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import (
-    CONFIG_FILE,
-    STATE_JSON,
-    STATE_TENSORS,
     check_out_dir,
     has_checkpoint,
-    write_model_files,
+    nothing_to_resume,
+    restore_training_state,
+    save_training_state,
 )
-from .io import (
-    CheckpointError,
-    atomic_dir,
-    atomic_write_json,
-    load_tensors,
-    read_json,
-    save_tensors,
-)
+from .checks import Config, finite_float, is_int, optional_positive_int, positive_int
 
 
 def check_seed(seed: object) -> int:
     """``seed`` if it is an int in ``[0, 2**63)``, else ValueError: the one rule for
     every seed (TrainConfig and the CLI). torch.manual_seed takes any int64, but a
     negative seed is a typo more often than a choice."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    if not is_int(seed) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     return seed
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Config):
     """Hyperparameters of a run. ``steps`` is the total, also when resuming."""
 
     steps: int = 300
@@ -71,22 +63,12 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # Named as the CLI options, where these values usually come from.
         for name in ("steps", "batch_size", "context", "eval_every", "eval_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, "
-                                 f"got {value!r}")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint-every must be a positive integer, got "
-                             f"{self.checkpoint_every!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr!r}")
+            positive_int(name.replace("_", "-"), getattr(self, name))
+        optional_positive_int("checkpoint-every", self.checkpoint_every)
+        finite_float("lr", self.lr, positive=True)
         check_seed(self.seed)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def default_checkpoint_every(steps: int) -> int:
@@ -187,117 +169,6 @@ def _mean_across(value: torch.Tensor, world: int) -> float:
     return float(value)
 
 
-# ------------------------------------------------------------------ checkpoint state
-
-
-def _save(out: Path, model, optimizer, gen, step, cfg, history, tokenizer, meta):
-    tensors = {"rng.torch": torch.get_rng_state(), "rng.batches": gen.get_state()}
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        # Dropout on a GPU draws from that device's generator. Only this device's
-        # state: under torchrun every rank uses its own GPU the same way, so rank 0's
-        # state is each rank's, while the other devices' states in this process
-        # were never used.
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-    opt = optimizer.state_dict()
-    for index, state in opt["state"].items():
-        for key, value in state.items():
-            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
-    groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
-    with atomic_dir(out) as tmp:
-        write_model_files(tmp, model, tokenizer=tokenizer, **meta)
-        save_tensors(tmp / STATE_TENSORS, tensors)
-        atomic_write_json(tmp / STATE_JSON, {"step": step, "train_config": asdict(cfg),
-                                             "param_groups": groups, "history": history})
-
-
-# Settings a resume may change: ``steps`` is the new total, ``checkpoint_every``
-# only decides when state is written, and ``eval_every`` only which steps also get
-# an eval loss (its generator is its own; the CLI derives it from ``steps``).
-# Everything else changes the weights, so a resume with another value would not
-# continue the run it claims to.
-RESUMABLE_CHANGES = frozenset({"steps", "checkpoint_every", "eval_every"})
-
-
-def _check_same_settings(saved, cfg: TrainConfig, out: Path) -> None:
-    if not isinstance(saved, dict):
-        raise ValueError(f"train_config must be a JSON object, got {type(saved).__name__}")
-    now = asdict(cfg)
-    changed = [f"--{name.replace('_', '-')} {saved.get(name, 'missing')!r} in the checkpoint, "
-               f"{value!r} now" for name, value in now.items()
-               if name not in RESUMABLE_CHANGES and saved.get(name, "missing") != value]
-    if changed:
-        raise CheckpointError(
-            f"--resume: the run in {str(out)!r} was trained with other settings ("
-            f"{'; '.join(changed)}); resume with the same settings (only --steps and "
-            "--checkpoint-every may change) or choose another --out")
-
-
-def _check_history(history, step) -> list:
-    """One ``[step, train_loss, eval_loss|None]`` per step done, as ``_save`` writes it."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an integer >= 0, got {step!r}")
-    if not isinstance(history, list) or len(history) != step or not all(
-            isinstance(h, list) and len(h) == 3 for h in history):
-        raise ValueError(f"history must be a list of {step} [step, loss, eval] entries, "
-                         f"got {str(history)[:60]}")
-    return history
-
-
-def _restore(out: Path, model, optimizer, gen, cfg: TrainConfig) -> tuple[int, list]:
-    from .checkpoint import load_checkpoint
-
-    saved = load_checkpoint(out)
-    try:
-        model.load_state_dict(saved.state_dict())
-    except RuntimeError as exc:
-        detail = str(exc).splitlines()[-1].strip() if str(exc) else ""
-        raise CheckpointError(
-            f"--resume: the {type(saved).__name__} checkpoint in {str(out)!r} does not fit the "
-            f"{type(model).__name__} being trained ({detail}); resume with the model and "
-            "context it was trained with, or choose another --out") from None
-    state = read_json(out / STATE_JSON)
-    tensors = load_tensors(out / STATE_TENSORS)
-    per_param: dict[int, dict] = {}
-    try:
-        _check_same_settings(state["train_config"], cfg, out)
-        step = state["step"]
-        history = _check_history(state["history"], step)
-        for name, value in tensors.items():
-            if name.startswith("optim."):
-                _, index, key = name.split(".", 2)
-                per_param.setdefault(int(index), {})[key] = value
-        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-        torch.set_rng_state(tensors["rng.torch"])
-        gen.set_state(tensors["rng.batches"])
-        device = next(model.parameters()).device
-        if device.type == "cuda" and "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
-        return step, history
-    except CheckpointError:
-        raise
-    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
-                              f"incomplete ({type(exc).__name__}: {exc})") from None
-
-
-def _nothing_to_resume(out, log) -> None:
-    """A run killed before its first checkpoint left nothing to resume: start it again.
-
-    That is the same run (training is deterministic), so it is a note, not an
-    error. A model saved without training state is an error: training it from
-    step 0 would replace it.
-    """
-    if out is None:
-        raise CheckpointError("--resume needs --out, the directory holding the checkpoint")
-    if (Path(out) / CONFIG_FILE).exists():
-        raise CheckpointError(f"--resume: {str(out)!r} holds a model but no training state "
-                              f"({STATE_JSON}); train into another --out")
-    if log is not None:
-        print(f"note: --resume: no checkpoint in {str(out)!r} yet; starting from step 0",
-              file=sys.stderr)
-
-
 # ------------------------------------------------------------------ the loop
 
 
@@ -353,10 +224,10 @@ def train(
         check_out_dir(out)
     if resume:
         if out is not None and has_checkpoint(out):
-            step, history = _restore(Path(out), model, optimizer, gen, cfg)
+            step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
             resumed_from = step
         elif rank == 0:
-            _nothing_to_resume(out, log)
+            nothing_to_resume(out, log)
     wrapped = model
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(
@@ -396,7 +267,9 @@ def train(
             bar.update(1)
         due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
-            _save(Path(out), model, optimizer, gen, step, cfg, history, tokenizer, meta)
+            save_training_state(Path(out), model, optimizer, gen, step=step,
+                                train_config=asdict(cfg), history=history,
+                                tokenizer=tokenizer, meta=meta)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start

@@ -13,14 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .runner import Case, format_record, markdown_table, run_cases
-
-SUITES = {
-    "attention": "attnlab.bench.attention",
-    "modules": "attnlab.bench.modules",
-    "generate": "attnlab.bench.generate",
-    "encode": "attnlab.bench.encode",
-}
+from .runner import SUITES, Case, format_record, markdown_table, run_cases
 
 __all__ = ["SUITES", "run", "Case", "format_record", "markdown_table"]
 

@@ -31,6 +31,14 @@ from dataclasses import dataclass, field
 
 Factory = tuple[str, str, dict]
 
+# Suite name -> the module whose ``cases(quick)`` lists its cases.
+SUITES = {
+    "attention": "attnlab.bench.attention",
+    "modules": "attnlab.bench.modules",
+    "generate": "attnlab.bench.generate",
+    "encode": "attnlab.bench.encode",
+}
+
 
 @dataclass
 class Impl:
@@ -152,8 +160,6 @@ def markdown_table(records: list[dict], baseline: str | None = None) -> str:
     A cell is ``median ms (time / baseline's), peak MB``, plus tokens/s where the
     suite computed them. ``baseline`` defaults to each suite's ``BASELINE`` peer.
     """
-    from . import SUITES  # the suite modules name their peers
-
     tables = []
     for suite in dict.fromkeys(r["suite"] for r in records):
         rows = [r for r in records if r["suite"] == suite]

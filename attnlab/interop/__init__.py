@@ -1,9 +1,10 @@
 """Real weights: Hugging Face layouts (GPT-2, Llama, BERT) and the bundled MiniLM.
 
-``GPT.from_hf(model)``, ``Encoder.from_hf(model)`` (see :mod:`.hf`) and
-:mod:`.minilm` (``load()``, ``embed(sentences)``).
+:mod:`.hf` maps transformers configs and state dicts to attnlab's (plain data,
+no model classes): ``GPT.from_hf(model)`` and ``Encoder.from_hf(model)`` build
+from it. :mod:`.minilm` loads the bundled encoder (``load()``, ``embed(sentences)``).
 """
 
-from .hf import encoder_from_hf, gpt_from_hf
+from .hf import encoder_layout, gpt_layout
 
-__all__ = ["gpt_from_hf", "encoder_from_hf"]
+__all__ = ["gpt_layout", "encoder_layout"]

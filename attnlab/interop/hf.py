@@ -1,9 +1,13 @@
-"""Hugging Face layouts -> attnlab models: GPT-2, Llama (-> GPT) and BERT (-> Encoder).
+"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama (-> GPT) and BERT (-> Encoder).
 
-Each converter maps a state dict and a config dict, so it serves a live
-``transformers`` model (``model.state_dict()``, ``model.config.to_dict()``)
-and checkpoint files read without transformers (the bundled MiniLM) alike.
-Unsupported options raise a ValueError naming the field and its value.
+Plain data in, plain data out: each converter maps a transformers config dict
+to attnlab config values (a dict for ``GPTConfig``/``EncoderConfig``) and a
+transformers state dict to an attnlab state dict. So it serves a live
+``transformers`` model (``model.state_dict()``, ``model.config.to_dict()``) and
+checkpoint files read without transformers (the bundled MiniLM) alike, and it
+imports nothing from :mod:`attnlab.models`: the model classes build and load
+(``GPT.from_hf``, ``Encoder.from_hf``). Unsupported options and missing fields
+raise a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -14,39 +18,47 @@ from typing import Any
 
 import torch
 
-from ..models import GPT, Encoder, EncoderConfig, GPTConfig
-
 Tensors = Mapping[str, torch.Tensor]
+Config = dict[str, Any]
 
 
-def _strip(state: Tensors, prefix: str) -> dict[str, torch.Tensor]:
+class _Named(dict):
+    """A state dict whose missing key is a ValueError naming it, not a KeyError."""
+
+    def __missing__(self, key: str):
+        raise ValueError(f"weights have no {key!r}, which this layout needs")
+
+
+def _strip(state: Tensors, prefix: str) -> _Named:
     """Keys without ``prefix`` where every key that matters has it (``bert.``, ``model.``)."""
     if any(k.startswith(prefix) for k in state):
-        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    return dict(state)
+        return _Named({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    return _Named(state)
 
 
 def _require(cfg: Mapping[str, Any], key: str, allowed, default=None):
     value = cfg.get(key, default)
-    if value not in allowed:
+    try:
+        ok = value in allowed
+    except TypeError:  # an unhashable value
+        ok = False
+    if not ok:
         raise ValueError(f"config {key}={value!r} is not supported (expected one of {allowed})")
     return value
 
 
-def _load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("lm_head.") or
-               not getattr(model.config, "tie_embeddings", False)]
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the layout: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    return model.eval()
+def _field(cfg: Mapping[str, Any], key: str) -> Any:
+    """A field the layout cannot do without: a ValueError naming it when absent."""
+    if key not in cfg or cfg[key] is None:
+        kind = cfg.get("model_type", "this")
+        raise ValueError(f"config has no {key!r}, which a {kind} config needs")
+    return cfg[key]
 
 
 # ------------------------------------------------------------------------- GPT-2
 
 
-def gpt2_config(cfg: Mapping[str, Any]) -> GPTConfig:
+def gpt2_config(cfg: Mapping[str, Any]) -> Config:
     _require(cfg, "activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu"),
              "gelu_new")
     # scale_attn_weights and scale_attn_by_inverse_layer_idx are folded into
@@ -55,10 +67,11 @@ def gpt2_config(cfg: Mapping[str, Any]) -> GPTConfig:
     _require(cfg, "scale_attn_weights", (True, False), True)
     _require(cfg, "scale_attn_by_inverse_layer_idx", (True, False), False)
     _require(cfg, "reorder_and_upcast_attn", (True, False), False)
-    return GPTConfig(
-        vocab_size=cfg["vocab_size"], context_length=cfg["n_positions"], d_model=cfg["n_embd"],
-        num_layers=cfg["n_layer"], num_heads=cfg["n_head"],
-        d_ff=cfg.get("n_inner") or 4 * cfg["n_embd"], positions="learned", norm="layernorm",
+    d_model = _field(cfg, "n_embd")
+    return dict(
+        vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "n_positions"),
+        d_model=d_model, num_layers=_field(cfg, "n_layer"), num_heads=_field(cfg, "n_head"),
+        d_ff=cfg.get("n_inner") or 4 * d_model, positions="learned", norm="layernorm",
         norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         mlp="gelu" if cfg.get("activation_function") == "gelu" else "gelu_tanh",
         tie_embeddings=cfg.get("tie_word_embeddings", True), qkv_bias=True, out_bias=True,
@@ -80,7 +93,7 @@ def gpt2_query_factor(hf_cfg: Mapping[str, Any], layer: int, head_dim: int) -> f
     return factor
 
 
-def gpt2_state(state: Tensors, cfg: GPTConfig,
+def gpt2_state(state: Tensors, cfg: Config,
                hf_cfg: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """GPT-2's Conv1D weights are ``[in, out]``: transpose to ``nn.Linear``'s ``[out, in]``.
 
@@ -88,19 +101,20 @@ def gpt2_state(state: Tensors, cfg: GPTConfig,
     which are folded into ``W_query`` (see :func:`gpt2_query_factor`).
     """
     s = _strip(state, "transformer.")
-    d = cfg.d_model
+    d = cfg["d_model"]
+    head_dim = d // cfg["num_heads"]
     hf_cfg = hf_cfg or {}
     out = {"tok_emb.weight": s["wte.weight"], "pos_emb.weight": s["wpe.weight"],
            "norm.weight": s["ln_f.weight"], "norm.bias": s["ln_f.bias"]}
-    if "lm_head.weight" in state and not cfg.tie_embeddings:
+    if "lm_head.weight" in state and not cfg["tie_embeddings"]:
         out["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(cfg.num_layers):
+    for i in range(cfg["num_layers"]):
         h, b = f"h.{i}.", f"blocks.{i}."
         w, bias = s[h + "attn.c_attn.weight"], s[h + "attn.c_attn.bias"]  # [d, 3d], [3d]
         for j, name in enumerate(("W_query", "W_key", "W_value")):
             out[b + f"attn.{name}.weight"] = w[:, j * d:(j + 1) * d].t()
             out[b + f"attn.{name}.bias"] = bias[j * d:(j + 1) * d]
-        factor = gpt2_query_factor(hf_cfg, i, cfg.head_dim)
+        factor = gpt2_query_factor(hf_cfg, i, head_dim)
         if factor != 1.0:
             out[b + "attn.W_query.weight"] = out[b + "attn.W_query.weight"] * factor
             out[b + "attn.W_query.bias"] = out[b + "attn.W_query.bias"] * factor
@@ -128,17 +142,19 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def llama_config(cfg: Mapping[str, Any]) -> GPTConfig:
+def llama_config(cfg: Mapping[str, Any]) -> Config:
     _require(cfg, "hidden_act", ("silu",), "silu")
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    hidden, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
         raise ValueError(f"config head_dim={head_dim} with {heads} heads does not make "
                          f"hidden_size={hidden}; not supported")
-    return GPTConfig(
-        vocab_size=cfg["vocab_size"], context_length=cfg["max_position_embeddings"],
-        d_model=hidden, num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads, d_ff=cfg["intermediate_size"],
+    return dict(
+        vocab_size=_field(cfg, "vocab_size"),
+        context_length=_field(cfg, "max_position_embeddings"),
+        d_model=hidden, num_layers=_field(cfg, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        d_ff=_field(cfg, "intermediate_size"),
         positions="rope", rope_base=_rope_theta(cfg), norm="rmsnorm",
         norm_eps=cfg.get("rms_norm_eps", 1e-6), mlp="swiglu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -148,16 +164,16 @@ def llama_config(cfg: Mapping[str, Any]) -> GPTConfig:
     )
 
 
-def llama_state(state: Tensors, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     s = _strip(state, "model.")
     out = {"tok_emb.weight": s["embed_tokens.weight"], "norm.weight": s["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
+    if not cfg["tie_embeddings"]:
+        out["lm_head.weight"] = _Named(state)["lm_head.weight"]
     names = {"self_attn.q_proj": "attn.W_query", "self_attn.k_proj": "attn.W_key",
              "self_attn.v_proj": "attn.W_value", "self_attn.o_proj": "attn.out_proj",
              "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.fc", "mlp.down_proj": "mlp.proj",
              "input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
-    for i in range(cfg.num_layers):
+    for i in range(cfg["num_layers"]):
         for src, dst in names.items():
             for kind in ("weight", "bias"):
                 key = f"layers.{i}.{src}.{kind}"
@@ -169,20 +185,21 @@ def llama_state(state: Tensors, cfg: GPTConfig) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------- BERT
 
 
-def bert_config(cfg: Mapping[str, Any]) -> EncoderConfig:
+def bert_config(cfg: Mapping[str, Any]) -> Config:
     _require(cfg, "position_embedding_type", ("absolute",), "absolute")
     act = _require(cfg, "hidden_act", ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"))
-    return EncoderConfig(
-        vocab_size=cfg["vocab_size"], context_length=cfg["max_position_embeddings"],
-        d_model=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
-        num_heads=cfg["num_attention_heads"], d_ff=cfg["intermediate_size"],
+    return dict(
+        vocab_size=_field(cfg, "vocab_size"),
+        context_length=_field(cfg, "max_position_embeddings"),
+        d_model=_field(cfg, "hidden_size"), num_layers=_field(cfg, "num_hidden_layers"),
+        num_heads=_field(cfg, "num_attention_heads"), d_ff=_field(cfg, "intermediate_size"),
         type_vocab_size=cfg.get("type_vocab_size", 2), norm_eps=cfg.get("layer_norm_eps", 1e-12),
         activation={"gelu": "gelu", "relu": "relu"}.get(act, "gelu_tanh"),
         pad_id=cfg.get("pad_token_id") or 0,
     )
 
 
-def bert_state(state: Tensors, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+def bert_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     s = _strip(state, "bert.")
     e = "embeddings."
     out = {"tok_emb.weight": s[e + "word_embeddings.weight"],
@@ -191,41 +208,53 @@ def bert_state(state: Tensors, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
            "emb_norm.weight": s[e + "LayerNorm.weight"], "emb_norm.bias": s[e + "LayerNorm.bias"]}
     names = {"attention.self.query": "attn.W_query", "attention.self.key": "attn.W_key",
              "attention.self.value": "attn.W_value", "attention.output.dense": "attn.out_proj",
-             "attention.output.LayerNorm": "norm1", "intermediate.dense": "fc",
-             "output.dense": "proj", "output.LayerNorm": "norm2"}
-    for i in range(cfg.num_layers):
+             "attention.output.LayerNorm": "norm1", "intermediate.dense": "mlp.fc",
+             "output.dense": "mlp.proj", "output.LayerNorm": "norm2"}
+    for i in range(cfg["num_layers"]):
         for src, dst in names.items():
             for kind in ("weight", "bias"):
-                out[f"layers.{i}.{dst}.{kind}"] = s[f"encoder.layer.{i}.{src}.{kind}"]
+                out[f"blocks.{i}.{dst}.{kind}"] = s[f"encoder.layer.{i}.{src}.{kind}"]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------- entry points
 
 
-def gpt_from_hf(model: Any) -> GPT:
-    """An attnlab :class:`GPT` with the weights of a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``."""
-    cfg = model.config.to_dict()
+def _parts(model: Any) -> tuple[Config, Tensors, torch.dtype]:
+    """(config dict, state dict, dtype) of a live transformers model."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict") or not hasattr(model, "state_dict"):
+        raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
+    params = next(iter(model.parameters()), None)
+    return config.to_dict(), model.state_dict(), (
+        params.dtype if params is not None else torch.float32)
+
+
+GPT_LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama"}
+ENCODER_LAYOUTS = {"bert": "BERT"}
+
+
+def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor], torch.dtype]:
+    """GPTConfig values, the attnlab state dict and the dtype of a ``GPT2LMHeadModel``
+    or ``LlamaForCausalLM``."""
+    cfg, state, dtype = _parts(model)
     kind = cfg.get("model_type")
     if kind == "gpt2":
-        gcfg = gpt2_config(cfg)
-        state = gpt2_state(model.state_dict(), gcfg, cfg)
-    elif kind == "llama":
-        gcfg = llama_config(cfg)
-        state = llama_state(model.state_dict(), gcfg)
-    else:
-        raise ValueError(f"model.config.model_type={kind!r} is not supported (expected 'gpt2' "
-                         "or 'llama')")
-    dtype = next(model.parameters()).dtype
-    return _load(GPT(gcfg).to(dtype), state)
+        config = gpt2_config(cfg)
+        return config, gpt2_state(state, config, cfg), dtype
+    if kind == "llama":
+        config = llama_config(cfg)
+        return config, llama_state(state, config), dtype
+    raise ValueError(f"model.config.model_type={kind!r} is not supported (expected one of "
+                     f"{sorted(GPT_LAYOUTS)})")
 
 
-def encoder_from_hf(model: Any) -> Encoder:
-    """An attnlab :class:`Encoder` with the weights of a ``BertModel`` (or one with ``.bert``)."""
-    cfg = model.config.to_dict()
-    if cfg.get("model_type") != "bert":
+def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor], torch.dtype]:
+    """EncoderConfig values, the attnlab state dict and the dtype of a ``BertModel``
+    (or a model with ``.bert``)."""
+    cfg, state, dtype = _parts(model)
+    if cfg.get("model_type") not in ENCODER_LAYOUTS:
         raise ValueError(f"model.config.model_type={cfg.get('model_type')!r} is not supported "
-                         "(expected 'bert')")
-    ecfg = bert_config(cfg)
-    dtype = next(model.parameters()).dtype
-    return _load(Encoder(ecfg).to(dtype), bert_state(model.state_dict(), ecfg))
+                         f"(expected one of {sorted(ENCODER_LAYOUTS)})")
+    config = bert_config(cfg)
+    return config, bert_state(state, config), dtype

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..io import load_tensors
-from ..models import Encoder
+from ..checks import positive_int
+from ..io import MODEL_FILE, load_tensors
+from ..io.weights import load_state
+from ..models import Encoder, EncoderConfig
 from ..text import HFTokenizer
 from .hf import bert_config, bert_state
 
@@ -54,9 +56,9 @@ def load() -> tuple[Encoder, HFTokenizer]:
 
 def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     cfg = bert_config(json.loads((folder / "config.json").read_text()))
-    encoder = Encoder(cfg)
-    state = bert_state(load_tensors(folder / "model.safetensors"), cfg)
-    encoder.load_state_dict(state, strict=True)
+    encoder = Encoder(EncoderConfig.from_dict(cfg))
+    state = bert_state(load_tensors(folder / MODEL_FILE), cfg)
+    load_state(encoder, state, source=f"{str(folder / MODEL_FILE)!r}")
     return encoder.eval(), HFTokenizer(folder / "tokenizer.json"), _max_seq_length(folder)
 
 
@@ -68,8 +70,7 @@ def embed(sentences: str | Sequence[str], batch_size: int = 32) -> torch.Tensor:
     """
     if isinstance(sentences, str):
         sentences = [sentences]
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    positive_int("batch_size", batch_size)
     encoder, tokenizer = load()
     max_len = _LOADED[2]
     if not sentences:

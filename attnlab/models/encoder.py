@@ -7,18 +7,21 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import masks as _masks
+from ..checks import Config, one_of, positive_int
+from ..interop.hf import encoder_layout
+from ..io.weights import load_state
 from ..modules import MultiHeadAttention
+from ..modules.layers import MLP, dropout
 
 
 @dataclass
-class EncoderConfig:
+class EncoderConfig(Config):
     vocab_size: int = 30522
     context_length: int = 512
     d_model: int = 384
@@ -35,45 +38,29 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads",
                      "d_ff", "type_vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EncoderConfig.{name} must be a positive int, got {value!r}")
-        if self.activation not in ("gelu", "gelu_tanh", "relu"):
-            raise ValueError(f"EncoderConfig.activation must be gelu, gelu_tanh or relu, got "
-                             f"{self.activation!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> EncoderConfig:
-        return cls(**d)
+            positive_int(f"EncoderConfig.{name}", getattr(self, name))
+        one_of("EncoderConfig.activation", self.activation, ("gelu", "gelu_tanh", "relu"))
 
 
-class EncoderLayer(nn.Module):
+class EncoderBlock(nn.Module):
+    """Post-norm BERT layer; parameters named as GPT's blocks (attn, norm1, mlp, norm2)."""
+
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.attn = MultiHeadAttention(cfg.d_model, cfg.d_model, cfg.num_heads, qkv_bias=True,
                                        dropout=cfg.dropout, backend=cfg.backend)
         self.norm1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.activation)
         self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.activation = cfg.activation
-
-    def _act(self, x):
-        if self.activation == "relu":
-            return F.relu(x)
-        return F.gelu(x, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        self.dropout = cfg.dropout
 
     def forward(self, x, mask, output_attentions):
         a = self.attn(x, mask=mask, return_weights=output_attentions)
         weights = None
         if output_attentions:
             a, weights = a
-        x = self.norm1(x + self.drop(a))
-        x = self.norm2(x + self.drop(self.proj(self._act(self.fc(x)))))
+        x = self.norm1(x + dropout(a, self.dropout, self.training))
+        x = self.norm2(x + dropout(self.mlp(x), self.dropout, self.training))
         return x, weights
 
 
@@ -92,15 +79,14 @@ class Encoder(nn.Module):
         self.pos_emb = nn.Embedding(config.context_length, config.d_model)
         self.type_emb = nn.Embedding(config.type_vocab_size, config.d_model)
         self.emb_norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
-        self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
 
     @classmethod
     def from_hf(cls, model) -> Encoder:
         """Copy a ``transformers`` ``BertModel``."""
-        from ..interop.hf import encoder_from_hf
-
-        return encoder_from_hf(model)
+        config, state, dtype = encoder_layout(model)
+        encoder = cls(EncoderConfig.from_dict(config)).to(dtype)
+        return load_state(encoder, state, source=f"the {type(model).__name__}").eval()
 
     def embed(self, ids: torch.Tensor, *,
               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,13 +126,14 @@ class Encoder(nn.Module):
         if seq > self.context_length:
             raise ValueError(f"sequence of {seq} tokens is longer than context_length="
                              f"{self.context_length}")
-        x = self.drop(self.embed(ids, token_type_ids=token_type_ids))  # (B, T, d_model)
-        mask = None
+        x = dropout(self.embed(ids, token_type_ids=token_type_ids), self.config.dropout,
+                    self.training)  # (B, T, d_model)
         if attention_mask is not None:
-            mask = _masks.from_attention_mask(attention_mask.to(ids.device))  # (B, 1, 1, T)
+            attention_mask = attention_mask.to(ids.device)
+        mask = _masks.as_attention_mask(attention_mask, batch, seq)  # (B, 1, 1, T)
         attentions = []
-        for layer in self.layers:
-            x, w = layer(x, mask, output_attentions)
+        for block in self.blocks:
+            x, w = block(x, mask, output_attentions)
             if output_attentions:
                 attentions.append(w)
         return (x, attentions) if output_attentions else x

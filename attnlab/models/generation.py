@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..checks import non_negative_int, optional_positive_int
+
 
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(batch, seq)`` ids and a 1/0 mask (None when no padding is needed)."""
@@ -56,10 +58,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-        max_new_tokens < 0
-    ):
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    non_negative_int("max_new_tokens", max_new_tokens)
     # nan passes every comparison-based check and inf divides the logits into nan;
     # either would only fail inside torch.multinomial, after the prompt was echoed.
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or (
@@ -67,8 +66,7 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p):
     ):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
                          f"{temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    optional_positive_int("top_k", top_k)
     if top_p is not None and not (
         isinstance(top_p, (int, float)) and math.isfinite(top_p) and 0 < top_p <= 1
     ):

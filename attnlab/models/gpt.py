@@ -8,15 +8,19 @@ through ``attnlab.attention``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import masks as _masks
 from ..cache import KVCache
+from ..checks import Config, one_of, positive_int
+from ..interop.hf import gpt_layout
+from ..io.weights import load_state
 from ..modules import MultiHeadAttention
 from ..modules.fused import FusedLinears
+from ..modules.layers import MLP, dropout, make_norm
 from .generation import GenerationMixin
 
 _CHOICES = {
@@ -27,7 +31,7 @@ _CHOICES = {
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Config):
     """Shape and flavour of a :class:`GPT`.
 
     ``d_ff`` defaults to ``4 * d_model`` (GELU) or ``8/3 * d_model`` rounded up to a
@@ -56,14 +60,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+            positive_int(f"GPTConfig.{name}", getattr(self, name))
         for name, options in _CHOICES.items():
-            if getattr(self, name) not in options:
-                raise ValueError(
-                    f"GPTConfig.{name} must be one of {options}, got {getattr(self, name)!r}"
-                )
+            one_of(f"GPTConfig.{name}", getattr(self, name), options)
         if self.d_ff is None:
             self.d_ff = (4 * self.d_model if self.mlp != "swiglu"
                          else -(-(8 * self.d_model // 3) // 64) * 64)
@@ -71,42 +70,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GPTConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"GPTConfig got unknown fields {unknown}")
-        return cls(**d)
-
-
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    return nn.RMSNorm(dim, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
-
-
-class MLP(nn.Module):
-    """Position-wise feed-forward: GELU (``fc -> gelu -> proj``) or SwiGLU."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.kind = cfg.mlp
-        bias = cfg.mlp_bias
-        if cfg.mlp == "swiglu":
-            self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
-        self._fused = FusedLinears()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
-        if self.kind == "swiglu":
-            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul for one row
-            return self.proj(F.silu(gate) * up)
-        approximate = "tanh" if self.kind == "gelu_tanh" else "none"
-        return self.proj(F.gelu(self.fc(x), approximate=approximate))
 
 
 class Block(nn.Module):
@@ -121,8 +84,8 @@ class Block(nn.Module):
             backend=cfg.backend,
         )
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.mlp, bias=cfg.mlp_bias)
+        self.dropout = cfg.dropout
 
     def forward(self, x, mask, cache, positions, output_attentions):
         a = self.attn(self.norm1(x), mask=mask, cache=cache, positions=positions,
@@ -131,10 +94,7 @@ class Block(nn.Module):
         if output_attentions:
             a, weights = a
         x = x + a
-        h = self.mlp(self.norm2(x))
-        if self.training:  # dropout is the identity in eval; skip its call when decoding
-            h = self.drop(h)
-        return x + h, weights
+        return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training), weights
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -152,7 +112,6 @@ class GPT(GenerationMixin, nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = (nn.Embedding(config.context_length, config.d_model)
                         if config.positions == "learned" else None)
-        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -213,14 +172,15 @@ class GPT(GenerationMixin, nn.Module):
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "
                              f"got {len(caches)}")
-        x = self.embed(ids, positions=positions, past=past)  # (B, T, d_model)
-        if self.training:
-            x = self.drop(x)
+        x = dropout(self.embed(ids, positions=positions, past=past), self.config.dropout,
+                    self.training)  # (B, T, d_model)
         if self.pos_emb is not None:
             positions = None  # learned positions were added by embed, not rotated
+        # Converted once here, not again in every layer for every decoded token.
+        mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
         attentions = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, attention_mask, None if caches is None else caches[i], positions,
+            x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
             if output_attentions:
                 attentions.append(w)
@@ -255,9 +215,11 @@ class GPT(GenerationMixin, nn.Module):
     @classmethod
     def from_hf(cls, model) -> GPT:
         """Copy a ``transformers`` ``GPT2LMHeadModel`` or ``LlamaForCausalLM``."""
-        from ..interop.hf import gpt_from_hf
-
-        return gpt_from_hf(model)
+        config, state, dtype = gpt_layout(model)
+        gpt = cls(GPTConfig.from_dict(config)).to(dtype)
+        tied = ["lm_head.weight"] if gpt.config.tie_embeddings else []
+        return load_state(gpt, state, source=f"the {type(model).__name__}",
+                          allow_missing=tied).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

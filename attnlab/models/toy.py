@@ -8,18 +8,20 @@ layer. No MLP, no norm: what it learns, it learns in the attention weights
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .. import masks as _masks
 from ..cache import KVCache
+from ..checks import Config, positive_int
 from ..modules import MultiHeadAttention
 from .generation import GenerationMixin
 
 
 @dataclass
-class ToyConfig:
+class ToyConfig(Config):
     vocab_size: int = 32
     context_length: int = 32
     d_model: int = 32
@@ -28,16 +30,7 @@ class ToyConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ToyConfig.{name} must be a positive int, got {value!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ToyConfig:
-        return cls(**d)
+            positive_int(f"ToyConfig.{name}", getattr(self, name))
 
 
 class ToyAttnLM(GenerationMixin, nn.Module):
@@ -94,7 +87,8 @@ class ToyAttnLM(GenerationMixin, nn.Module):
                 f"{self.context_length}"
             )
         x = self.embed(ids, positions=positions, past=past)  # (B, T, d_model)
-        a = self.attn(x, mask=attention_mask, cache=caches[0] if caches else None,
+        mask = _masks.as_attention_mask(attention_mask, ids.shape[0], past + seq)
+        a = self.attn(x, mask=mask, cache=caches[0] if caches else None,
                       return_weights=output_attentions)
         if output_attentions:
             a, w = a

@@ -7,28 +7,17 @@ It projects, splits heads, rotates (RoPE), appends to the cache and calls
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
+from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
 from ..functional import BACKENDS, attention
 from ..rope import RotaryEmbedding
 from .fused import FusedLinears
+from .layers import dropout
 
 __all__ = ["MultiHeadAttention"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _probability(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
 
 
 def _shape(t: object) -> object:
@@ -86,11 +75,11 @@ class MultiHeadAttention(nn.Module):
         rope_base: float = 10000.0,
     ) -> None:
         super().__init__()
-        _positive_int("d_in", d_in)
-        _positive_int("d_out", d_out)
-        _positive_int("num_heads", num_heads)
+        positive_int("d_in", d_in)
+        positive_int("d_out", d_out)
+        positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _positive_int("num_kv_heads", num_kv_heads)
+        positive_int("num_kv_heads", num_kv_heads)
         if d_out % num_heads:
             raise ValueError(
                 f"d_out={d_out} must be divisible by num_heads={num_heads} "
@@ -101,21 +90,18 @@ class MultiHeadAttention(nn.Module):
                 f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads} "
                 "(each key/value head serves a whole group of query heads)"
             )
-        if context_length is not None:
-            _positive_int("context_length", context_length)
-        if window is not None:
-            _positive_int("window", window)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        optional_positive_int("context_length", context_length)
+        optional_positive_int("window", window)
+        one_of("backend", backend, BACKENDS)
         self.d_in, self.d_out = d_in, d_out
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got d_out/num_heads={self.head_dim}")
         self.context_length = context_length
-        self.causal = bool(causal)
-        self.dropout = _probability("dropout", dropout)
-        self.resid_dropout = _probability("resid_dropout", resid_dropout)
+        self.causal = boolean("causal", causal)
+        self.dropout = probability("dropout", dropout)
+        self.resid_dropout = probability("resid_dropout", resid_dropout)
         self.window = window
         self.backend = backend
 
@@ -249,8 +235,7 @@ class MultiHeadAttention(nn.Module):
                 k = rot.rotate(k, cos, sin)
         if self.qkv_hook is not None:
             q, k, v = self.qkv_hook(q, k, v)
-        if mask is not None:
-            mask = self._key_mask(mask, b, past + s)
+        mask = _masks.as_attention_mask(mask, b, past + s)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, past + T, D) views
         try:
@@ -267,8 +252,7 @@ class MultiHeadAttention(nn.Module):
         if return_weights is not False and return_weights is not None:
             out, weights = out
         out = self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
-        if self.resid_dropout and self.training:
-            out = F.dropout(out, self.resid_dropout)
+        out = dropout(out, self.resid_dropout, self.training)
         return out if weights is None else (out, weights)
 
     def _check_x(self, x) -> tuple[int, int]:
@@ -292,33 +276,6 @@ class MultiHeadAttention(nn.Module):
                 f"kv has shape {tuple(kv.shape)} but expected (batch={b}, k_seq, "
                 f"features={self.d_in})"
             )
-
-    @staticmethod
-    def _key_mask(mask, b: int, k_len: int) -> torch.Tensor:
-        """Bring a user mask to attnlab's convention (bool True = may attend, or additive)."""
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.ndim == 2:
-            if mask.shape[1] != k_len or mask.shape[0] not in (1, b):
-                raise ValueError(
-                    f"a 2-D mask is a key-padding mask (batch={b}, k_len={k_len}), got shape "
-                    f"{tuple(mask.shape)}; give a per-query (q_len, k_len) mask as "
-                    "mask[None, None]"
-                )
-            if mask.dtype == torch.bool or mask.dtype.is_floating_point:
-                return mask[:, None, None, :]
-        elif mask.ndim == 3:
-            # Batch first like x: (batch, q_len, k_len). Read as (heads, q_len, k_len) it
-            # would silently mix examples and heads whenever batch == heads.
-            if mask.shape[0] not in (1, b):
-                raise ValueError(
-                    f"a 3-D mask is (batch={b}, q_len, k_len), got shape {tuple(mask.shape)}; "
-                    "give a per-head mask as (batch, heads, q_len, k_len)"
-                )
-            mask = mask[:, None]
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            return _masks.from_attention_mask(mask)  # 1/0 ints -> bool (B, 1, 1, S)
-        return mask
 
     # ------------------------------------------------------------------ interop
 

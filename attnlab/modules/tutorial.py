@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from ..checks import positive_int, probability
 from ..functional import attention
 
 __all__ = [
@@ -193,16 +194,8 @@ class CausalAttention(SelfAttentionV2):
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0,
                  qkv_bias: bool = False) -> None:
         super().__init__(d_in, d_out, qkv_bias)
-        if isinstance(context_length, bool) or not isinstance(context_length, int) or (
-            context_length < 1
-        ):
-            raise ValueError(f"context_length must be a positive int, got {context_length!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
-            0.0 <= dropout <= 1.0
-        ):
-            raise ValueError(f"dropout must be a number in [0, 1], got {dropout!r}")
-        self.context_length = context_length
-        self.dropout = float(dropout)
+        self.context_length = positive_int("context_length", context_length)
+        self.dropout = probability("dropout", dropout)
 
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
@@ -234,8 +227,7 @@ class MultiHeadAttentionWrapper(nn.Module):
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False) -> None:
         super().__init__()
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        positive_int("num_heads", num_heads)
         self.heads = nn.ModuleList(
             [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
              for _ in range(num_heads)]

@@ -1,0 +1,203 @@
+"""Atomic checkpoint directories: write a whole folder, swap it in with renames.
+
+See :mod:`attnlab.io` for the steps and the crash windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .files import PathLike, _fsync_dir
+
+try:  # POSIX only; on other systems the directory lock is a no-op.
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+
+_LOCKS: dict[str, list[Any]] = {}  # parent -> [RLock, depth, fd or None]
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parent_lock(parent: Path) -> Iterator[None]:
+    """Exclusive lock on ``parent``: a thread lock within this process, plus an
+    ``flock`` on the directory across processes (released when the process dies).
+
+    Re-entrant within one thread, so a nested :func:`atomic_dir` for a sibling
+    directory does not deadlock. Without fcntl, or if the directory cannot be
+    opened, only the in-process lock is taken.
+    """
+    with _LOCKS_GUARD:
+        entry = _LOCKS.setdefault(str(parent), [threading.RLock(), 0, None])
+    with entry[0]:
+        if entry[1] == 0 and fcntl is not None:
+            try:
+                fd = os.open(parent, os.O_RDONLY)
+            except OSError:
+                fd = None
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            entry[2] = fd
+        entry[1] += 1
+        try:
+            yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0 and entry[2] is not None:
+                os.close(entry[2])  # closing the descriptor releases the flock
+                entry[2] = None
+
+
+def _leftovers(final: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(old copies, complete ready copies, partial temp copies) next to ``final``."""
+    name = re.escape(final.name)
+    patterns = (
+        re.compile(rf"{name}\.old-\d+"),
+        re.compile(rf"\.{name}\.ready-\d+-[0-9a-f]{{8}}"),
+        re.compile(rf"\.{name}\.tmp-\d+-[0-9a-f]{{8}}"),
+    )
+    old: list[Path] = []
+    ready: list[Path] = []
+    tmp: list[Path] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in final.parent.iterdir():
+            for pattern, bucket in zip(patterns, (old, ready, tmp)):
+                if pattern.fullmatch(entry.name):
+                    bucket.append(entry)
+
+    def newest_first(paths: list[Path]) -> list[Path]:
+        return sorted(paths, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
+
+    return newest_first(old), newest_first(ready), tmp
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _discard(path: Path, final: Path) -> None:
+    """Delete a complete copy without ever leaving a half-deleted "complete" copy:
+    it is first renamed to the partial-temp pattern, which is never restored."""
+    trash = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.rename(path, trash)
+    except OSError:
+        trash = path
+    _remove(trash)
+
+
+def _recover_locked(final: Path) -> bool:
+    old, ready, tmp = _leftovers(final)
+    restored = False
+    if not final.exists():
+        for candidate in ready + old:  # newest complete copy first
+            if candidate.is_dir():
+                os.rename(candidate, final)
+                _fsync_dir(final.parent)
+                restored = True
+                break
+    for p in old + ready:
+        if p.exists():
+            _discard(p, final)
+    for p in tmp:
+        _remove(p)
+    return restored
+
+
+def recover_dir(final_dir: PathLike) -> bool:
+    """Repair what an interrupted :func:`atomic_dir` left behind; True if it restored.
+
+    If ``final_dir`` is missing but a complete copy exists next to it (a
+    ``.<name>.ready-*`` new copy, else a ``<name>.old-*`` old copy), that copy
+    is renamed to ``final_dir``. Leftover old, ready and partial temp folders
+    are then removed. Cheap when there is nothing to do (no lock is taken);
+    safe to call while another process writes (it waits for the writer's lock).
+    """
+    final = Path(os.path.abspath(final_dir))
+    old, ready, tmp = _leftovers(final)
+    if not (old or ready or tmp):
+        return False
+    with _parent_lock(final.parent):
+        return _recover_locked(final)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for fn in filenames:
+            p = os.path.join(dirpath, fn)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+@contextlib.contextmanager
+def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
+    """Write a whole directory atomically: ``with atomic_dir(d) as tmp: <write into tmp>``.
+
+    Yields a fresh temp directory next to ``final_dir`` (same parent, so the
+    renames stay on one file system). When the block ends normally, every file
+    is fsynced and the temp directory replaces ``final_dir`` (see the module
+    docstring for the exact steps and crash windows). When the block raises,
+    the temp directory is removed and an existing ``final_dir`` is untouched.
+    Not for several writers of the same ``final_dir`` without the POSIX lock.
+    """
+    final = Path(os.path.abspath(final_dir))
+    if not final.name or final.name in (".", ".."):
+        raise ValueError(f"final_dir: expected a directory path with a name, got {final_dir!r}")
+    if final.exists() and not final.is_dir():
+        raise ValueError(f"final_dir: {str(final)!r} exists and is not a directory")
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+    with _parent_lock(parent):
+        _recover_locked(final)
+        suffix = f"{pid}-{secrets.token_hex(4)}"
+        tmp = parent / f".{final.name}.tmp-{suffix}"
+        ready = parent / f".{final.name}.ready-{suffix}"
+        old = parent / f"{final.name}.old-{pid}"
+        tmp.mkdir()
+        moved_aside = False
+        try:
+            yield tmp
+            _fsync_tree(tmp)
+            os.rename(tmp, ready)
+            _fsync_dir(parent)
+            if final.exists():
+                if old.exists():
+                    _discard(old, final)
+                os.rename(final, old)
+                moved_aside = True
+            os.rename(ready, final)
+            _fsync_dir(parent)
+        except BaseException:
+            if moved_aside and not final.exists() and old.exists():
+                os.rename(old, final)  # roll back: the old copy goes back in place
+                _fsync_dir(parent)
+            _remove(tmp)
+            if ready.exists():
+                _discard(ready, final)
+            raise
+        if moved_aside:
+            _discard(old, final)

@@ -1,0 +1,141 @@
+"""Atomic file writes and JSON: the primitives every writer in attnlab uses.
+
+See :mod:`attnlab.io` for the guarantees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PathLike = str | os.PathLike[str]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or directory is missing, unreadable or corrupt."""
+
+
+# The names of every file attnlab writes into a directory of its own (a
+# checkpoint, the demo's or ``show``'s output). Writers take their names from
+# here, and the output-directory rules (checkpoint.check_out_dir) recognise
+# exactly these as attnlab's.
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+STATE_TENSORS = "training_state.safetensors"  # written by training, for --resume
+STATE_JSON = "training_state.json"
+SUMMARY_FILE = "summary.json"
+HEATMAP_FILE = "attention.png"
+EXPLORER_FILE = "attention.html"
+OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
+                       SUMMARY_FILE, HEATMAP_FILE, EXPLORER_FILE})
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _default_mode() -> int:
+    """File mode a plain ``open(path, "w")`` would get (0o666 minus the umask)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _fsync_dir(directory: PathLike) -> None:
+    """fsync a directory so that renames and new entries in it are durable."""
+    if os.name != "posix":  # pragma: no cover - Windows cannot open directories
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically and durably.
+
+    The bytes go to a temp file in the same directory, which is flushed,
+    fsynced and ``os.replace``-d over ``path``; then the directory is fsynced.
+    On any failure the temp file is removed and an existing ``path`` keeps its
+    old content. An existing file's permission bits are kept.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"data: expected bytes, got {type(data).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"path: {str(path)!r} is a directory, expected a file path")
+    directory = path.parent
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = _default_mode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_write_bytes`)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected str, got {type(text).__name__}")
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2) -> None:
+    """Serialise ``obj`` as JSON (UTF-8, trailing newline) and write it atomically.
+
+    Raises ``TypeError`` naming ``path`` if ``obj`` is not JSON-serialisable;
+    nothing is written then.
+    """
+    try:
+        text = json.dumps(obj, indent=indent, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"obj: cannot be written as JSON to {str(path)!r}: {exc}") from exc
+    atomic_write_text(path, text + "\n")
+
+
+def read_json(path: PathLike) -> dict[str, Any]:
+    """Read a JSON object from ``path``.
+
+    Raises :class:`CheckpointError` naming the path if the file is missing,
+    unreadable, not valid JSON, or holds something other than a JSON object.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{str(path)!r}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{str(path)!r}: cannot read: {exc}") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{str(path)!r}: invalid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"
+        )
+    return obj

@@ -1,0 +1,60 @@
+"""The pieces the models share besides attention: the MLP, the norm, dropout.
+
+One definition each, so GPT and Encoder name their parameters alike
+(``blocks.i.mlp.fc``, ``blocks.i.mlp.proj``, ``blocks.i.norm1``) and drop out
+the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fused import FusedLinears
+
+__all__ = ["MLP", "MLP_KINDS", "make_norm", "dropout"]
+
+MLP_KINDS = ("gelu", "gelu_tanh", "relu", "swiglu")
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout`` in training with ``p > 0``; otherwise ``x`` itself, without a call
+    (decoding runs every layer once per token, where even a no-op call costs)."""
+    return F.dropout(x, p) if training and p > 0 else x
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``"layernorm"`` or ``"rmsnorm"`` over the last ``dim`` features."""
+    return nn.RMSNorm(dim, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward ``(B, T, d_model) -> (B, T, d_model)``.
+
+    ``fc -> activation -> proj`` for ``kind`` gelu, gelu_tanh (GPT-2's tanh
+    approximation) or relu; SwiGLU (``proj(silu(gate(x)) * fc(x))``, Llama's
+    gate/up/down) for ``"swiglu"``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True) -> None:
+        super().__init__()
+        if kind not in MLP_KINDS:
+            raise ValueError(f"kind must be one of {MLP_KINDS}, got {kind!r}")
+        self.kind = kind
+        if kind == "swiglu":
+            self.gate = nn.Linear(d_model, d_ff, bias=bias)
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self._fused = FusedLinears()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul for one row
+            return self.proj(F.silu(gate) * up)
+        h = self.fc(x)
+        if self.kind == "relu":
+            h = F.relu(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.proj(h)

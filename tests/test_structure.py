@@ -1,0 +1,120 @@
+"""The package's shape: every import goes down the layers of DESIGN.md, no cycles, small files.
+
+Imports are read from the source (top level and inside functions alike), so a
+lazy ``from ..interop import x`` inside a method counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "attnlab"
+
+# Layer of each module (the longest matching name wins), bottom to top. A module
+# may import its own layer and the layers below. It follows DESIGN.md's list;
+# where that list puts a layer higher than anything it needs (text/, viz/ and the
+# plain-data layout code of interop/hf.py), the layer sits lower, so the models
+# can call down into interop.hf for ``from_hf`` without a cycle.
+LAYERS = {
+    "attnlab.checks": 0, "attnlab.io": 0, "attnlab.reference": 0,
+    "attnlab.masks": 1, "attnlab.rope": 1, "attnlab.cache": 1, "attnlab.text": 1,
+    "attnlab.viz": 1, "attnlab.interop": 1, "attnlab.interop.hf": 1,
+    "attnlab._tiled": 2, "attnlab._native": 2, "attnlab.functional": 2,
+    "attnlab.modules": 3,
+    "attnlab.models": 4,
+    "attnlab.checkpoint": 5,
+    "attnlab.training": 6, "attnlab.interop.minilm": 6,
+    "attnlab.experiments": 7, "attnlab.demo": 7,
+    "attnlab.bench": 8,
+    "attnlab.cli": 9, "attnlab.__main__": 9,
+}
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT.parent / rel).with_suffix(".py").exists() or (ROOT.parent / rel).is_dir()
+
+
+def _imports(path: Path) -> set[str]:
+    """attnlab modules that ``path`` imports anywhere in its body."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("attnlab"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("attnlab"):
+                continue
+            for alias in node.names:  # ``from . import masks`` imports a module
+                sub = f"{target}.{alias.name}"
+                found.add(sub if _is_module(sub) else target)
+    found.discard(name)
+    return found
+
+
+def _layer(name: str) -> int | None:
+    while name:
+        if name in LAYERS:
+            return LAYERS[name]
+        name = name.rpartition(".")[0]
+    return None
+
+
+SOURCES = sorted(p for p in ROOT.rglob("*.py") if p != ROOT / "__init__.py")
+
+
+def test_every_module_has_a_layer():
+    assert [_module_name(p) for p in SOURCES if _layer(_module_name(p)) is None] == []
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))
+def test_imports_go_down_the_layers(path):
+    name = _module_name(path)
+    upward = [(target, _layer(target)) for target in sorted(_imports(path))
+              if target != "attnlab" and _layer(target) > _layer(name)]
+    assert upward == [], f"{name} (layer {_layer(name)}) imports higher layers: {upward}"
+
+
+def test_no_import_cycles():
+    graph = {_module_name(p): {t for t in _imports(p) if t != "attnlab"} for p in SOURCES}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(node):] + [node])}")
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_the_package_face_imports_only_what_it_reexports():
+    """``attnlab/__init__.py`` is exempt from the layers (it re-exports the public API),
+    but nothing inside the package may import it back."""
+    assert not [p for p in SOURCES if "attnlab" in _imports(p) and p.name != "__main__.py"]
+
+
+@pytest.mark.parametrize("path", SOURCES + [ROOT / "__init__.py"], ids=lambda p: _module_name(p))
+def test_files_stay_small(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines < MAX_LINES, f"{path.name} has {lines} lines; split it by job"
