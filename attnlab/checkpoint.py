@@ -35,7 +35,7 @@ from .io import (
     recover_dir,
     save_tensors,
 )
-from .io.weights import load_state
+from .io.weights import SafetensorsState, build_loaded, load_state
 
 FORMAT = 1
 
@@ -94,11 +94,13 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
         )
     cls, config_cls = MODEL_TYPES[model_type]
     try:
-        model = cls(config_cls.from_dict(meta.get("config", {})))
+        config = config_cls.from_dict(meta.get("config", {}))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
-    state = load_tensors(directory / MODEL_FILE, device=map_location)
-    load_state(model, state, source=f"{str(directory / MODEL_FILE)!r}")
+    # Built on the meta device and checked against the file's header first: a config
+    # that does not fit the weights is refused before anything is allocated.
+    state = SafetensorsState([directory / MODEL_FILE], device=str(map_location))
+    model = build_loaded(lambda: cls(config), state, source=f"{str(directory / MODEL_FILE)!r}")
     return model.to(map_location).eval()
 
 

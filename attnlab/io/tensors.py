@@ -64,7 +64,8 @@ def save_tensors(
     atomic_write_bytes(path, data)
 
 
-def _check_file(path: Path) -> None:
+def check_file(path: Path) -> None:
+    """CheckpointError naming ``path`` unless it is an existing regular file."""
     if not path.exists():
         raise CheckpointError(f"{str(path)!r}: file not found")
     if not path.is_file():
@@ -80,7 +81,7 @@ def load_tensors(path: PathLike, device: str = "cpu") -> dict[str, torch.Tensor]
     from safetensors.torch import load_file
 
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     try:
         return load_file(path, device=device)
     except Exception as exc:  # safetensors raises its own error types
@@ -94,7 +95,7 @@ def load_metadata(path: PathLike) -> dict[str, str]:
     from safetensors import safe_open
 
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     try:
         with safe_open(path, framework="pt") as f:
             return dict(f.metadata() or {})
