@@ -11,10 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
+from test_interop import gpt2, left_padded, llama  # noqa: E402
 
 from attnlab.io import CheckpointError  # noqa: E402
 from attnlab.models import GPT, Encoder  # noqa: E402
-from test_interop import gpt2, left_padded, llama  # noqa: E402
 
 
 def _same_logits(hf, ours):

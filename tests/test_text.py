@@ -303,7 +303,7 @@ def test_hf_bad_input(wordpiece_file, tmp_path):
         tok.encode_batch("hello")
     with pytest.raises(TypeError, match=r"texts\[1\]: expected str, got int"):
         tok.encode_batch(["a", 1])
-    with pytest.raises(ValueError, match="max_length must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match="max_length must be a positive int >= 1 or None, got 0"):
         tok.encode_batch(["a"], max_length=0)
     with pytest.raises(ValueError, match=rf"id {tok.vocab_size} is out of range"):
         tok.decode([tok.vocab_size])
