@@ -216,7 +216,7 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        gen: torch.Generator, *, step: int, train_config: dict,
+                        gen: torch.Generator, step: int, train_config: dict,
                         history: list, tokenizer=None, meta: dict | None = None) -> None:
     """Write the checkpoint ``out`` of a run at ``step``: the model files and everything
     that makes the next step depend on the steps so far (AdamW moments, the batch

@@ -26,13 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import (
-    check_out_dir,
-    has_checkpoint,
-    nothing_to_resume,
-    restore_training_state,
-    save_training_state,
-)
+from . import checkpoint
+from .checkpoint import check_out_dir, has_checkpoint, nothing_to_resume, restore_training_state
 from .checks import Config, finite_float, is_int, optional_positive_int, positive_int
 
 
@@ -267,9 +262,8 @@ def train(
             bar.update(1)
         due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
-            save_training_state(Path(out), model, optimizer, gen, step=step,
-                                train_config=asdict(cfg), history=history,
-                                tokenizer=tokenizer, meta=meta)
+            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
+                                           history, tokenizer, meta)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start

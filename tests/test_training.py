@@ -323,17 +323,18 @@ def test_resume_of_a_model_without_training_state_is_refused(tmp_path):
 
 def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch):
     """Without --checkpoint-every a killed run must still have something to resume."""
+    import attnlab.checkpoint as checkpoint
     import attnlab.training as training
     from attnlab.cli import main
 
     saved_at = []
-    real_save = training._save
+    real_save = checkpoint.save_training_state
 
     def spy(out, model, optimizer, gen, step, *rest):
         saved_at.append(step)
         real_save(out, model, optimizer, gen, step, *rest)
 
-    monkeypatch.setattr(training, "_save", spy)
+    monkeypatch.setattr(checkpoint, "save_training_state", spy)
     assert main(["train", "--model", "toy", "--steps", "20", "--context", "16",
                  "--batch-size", "4", "--out", str(tmp_path / "run")]) == 0
     assert saved_at == list(range(2, 21, 2))
@@ -343,9 +344,9 @@ def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch
 
 def _interrupted_run(out: Path, cfg: TrainConfig, stop_after: int, dropout: float):
     """Train into ``out`` and die right after the checkpoint of ``stop_after``."""
-    import attnlab.training as training
+    import attnlab.checkpoint as checkpoint
 
-    real_save = training._save
+    real_save = checkpoint.save_training_state
 
     class Killed(BaseException):
         pass
@@ -356,12 +357,12 @@ def _interrupted_run(out: Path, cfg: TrainConfig, stop_after: int, dropout: floa
             raise Killed
 
     model, tokens, tok = _toy_setup(dropout)
-    training._save = save_then_die
+    checkpoint.save_training_state = save_then_die
     try:
         with pytest.raises(Killed):
             train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
     finally:
-        training._save = real_save
+        checkpoint.save_training_state = real_save
 
 
 def test_resume_with_dropout_is_bit_identical(tmp_path):
