@@ -19,12 +19,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _flash
 from . import masks as _masks
 from ._tiled import tiled_attention, tiled_weights
 
 __all__ = ["attention", "BACKENDS"]
 
-BACKENDS = ("auto", "eager", "sdpa", "tiled")
+BACKENDS = ("auto", "eager", "sdpa", "tiled", "flash")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # auto: above this many scores per (batch, head) the textbook path's q_len x k_len
 # matrix stops fitting in cache and the tiled path wins when weights are wanted.
@@ -71,12 +72,16 @@ def attention(
             or a sequence of query indices to return only those rows
             ``(..., q_heads, len(rows), k_len)``. The weights are the softmax
             before dropout. Not available with ``backend="sdpa"``.
-        backend: ``"auto"``, ``"eager"``, ``"sdpa"`` or ``"tiled"``.
+        backend: ``"auto"``, ``"eager"``, ``"sdpa"``, ``"tiled"`` or ``"flash"`` (the
+            native kernel, CPU only; its weights come from the tiled path's rows).
 
     Returns:
         ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
     """
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
+    if backend == "flash" and (why := _flash.unavailable(q)) is not None:
+        raise ValueError(f"backend='flash' (the native kernel) is not available: {why}; "
+                         "use backend='tiled' (the same algorithm in PyTorch) or 'auto'")
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
     if mask4 is not None and mask4.dtype != torch.bool:
@@ -94,10 +99,13 @@ def attention(
     else:
         if mask4 is not None and mask4.requires_grad and torch.is_grad_enabled():
             raise ValueError(
-                "backend='tiled' does not differentiate an additive mask (mask requires "
+                f"backend={backend!r} does not differentiate an additive mask (mask requires "
                 "grad); use backend='eager' or 'sdpa' for a learned bias"
             )
-        out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        if backend == "flash":
+            out = _flash.flash_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        else:
+            out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
         if rows is not None:
             weights = tiled_weights(q4, k4, mask4, causal, window, scale, rows)
 

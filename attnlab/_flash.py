@@ -1,0 +1,81 @@
+"""The ``flash`` backend of :func:`attnlab.attention`: the native kernel (``csrc/``) for CPU.
+
+Part of ``functional.py`` in all but file: only ``functional.attention`` calls it.
+It is the algorithm of ``_tiled.py`` (FlashAttention-2: online softmax forward that
+keeps the log-sum-exp, backward that recomputes the weights from it) in C++,
+doing only the work the causal and window rules allow. Weights, when asked for,
+come from :func:`attnlab._tiled.tiled_weights` (the kernel never forms them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _native
+
+# Query rows x keys per tile. 64 x 128 keeps a tile's scores (32 KB) in L1/L2
+# and the tile products large enough for the BLAS to run near its peak.
+BLOCK_Q = 64
+BLOCK_K = 128
+# The kernel runs in float32 (float64 kept for the tests' exactness checks).
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
+def unavailable(q: torch.Tensor) -> str | None:
+    """Why ``backend="flash"`` cannot take ``q`` here, or None when it can."""
+    if q.device.type != "cpu":
+        return f"it runs on CPU tensors only, got a tensor on {q.device}"
+    if q.shape[-1] == 0:
+        return "head_dim is 0"
+    return _native.unavailable_reason()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when BLAS can read its rows in place (unit stride within a row)."""
+    if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]):
+        return t
+    return t.contiguous()
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
+        ops = _native.load()
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
+                                     BLOCK_Q, BLOCK_K)
+        ctx.settings = (causal, window, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        causal, window, scale, dropout_p, seed = ctx.settings
+        dq, dk, dv = _native.load().flash_backward(
+            q, k, v, mask, out, lse, _rows(grad_out), causal, window, scale, dropout_p, seed,
+            BLOCK_Q, BLOCK_K)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, mask, causal, window, scale, dropout_p):
+    """Attention on 4-D CPU inputs ``q (B, Hq, Lq, D)``, ``k/v (B, Hkv, Lk, D/Dv)``.
+
+    ``mask`` is None, bool (True = may attend) or additive (rows already shifted by
+    ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are
+    computed in float32 and the output cast back. Returns ``(B, Hq, Lq, Dv)``.
+    """
+    dtype = q.dtype
+    compute = dtype if dtype in _NATIVE_DTYPES else torch.float32
+    if dtype != compute:  # autograd casts the gradients back
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    batch, q_heads, q_len, _ = q.shape
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.to(compute)
+        # Zero strides where the mask broadcasts: nothing is copied.
+        mask = mask.detach().expand(batch, q_heads, q_len, k.shape[-2])
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
+                                scale, float(dropout_p), seed)
+    return out.to(dtype)
