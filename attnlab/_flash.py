@@ -13,10 +13,9 @@ import torch
 
 from . import _native
 
-# Query rows x keys per tile. 64 x 128 keeps a tile's scores (32 KB) in L1/L2
-# and the tile products large enough for the BLAS to run near its peak.
-BLOCK_Q = 64
-BLOCK_K = 128
+# Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
+BLOCK_Q: int | None = None
+BLOCK_K: int | None = None
 # The kernel runs in float32 (float64 kept for the tests' exactness checks).
 _NATIVE_DTYPES = (torch.float32, torch.float64)
 
@@ -28,6 +27,17 @@ def unavailable(q: torch.Tensor) -> str | None:
     if q.shape[-1] == 0:
         return "head_dim is 0"
     return _native.unavailable_reason()
+
+
+def _blocks(q_len: int, k_len: int, banded: bool) -> tuple[int, int]:
+    """Tile shape (query rows, keys): large enough to amortise the BLAS packing of each
+    tile product, and for a causal or window rule (``banded``) small enough that the
+    boundary tiles, partly wasted, stay small. Chosen on the bench grid (two cores)."""
+    if banded:
+        block_q, block_k = (128, 128) if k_len <= 1024 else (256, 256)
+    else:  # dense rows: one key tile of 512 like torch's kernel, fewer rescales
+        block_q, block_k = (64 if q_len <= 256 else 128), 512
+    return BLOCK_Q or block_q, BLOCK_K or block_k
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -42,19 +52,20 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
         ops = _native.load()
         q, k, v = _rows(q), _rows(k), _rows(v)
+        blocks = _blocks(q.shape[2], k.shape[2], causal or window > 0)
         out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
-                                     BLOCK_Q, BLOCK_K)
-        ctx.settings = (causal, window, scale, dropout_p, seed)
+                                     *blocks)
+        ctx.settings = (causal, window, scale, dropout_p, seed, blocks)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        causal, window, scale, dropout_p, seed = ctx.settings
+        causal, window, scale, dropout_p, seed, blocks = ctx.settings
         dq, dk, dv = _native.load().flash_backward(
             q, k, v, mask, out, lse, _rows(grad_out), causal, window, scale, dropout_p, seed,
-            BLOCK_Q, BLOCK_K)
+            *blocks)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -35,6 +35,11 @@ _EAGER_MAX_SCORES = 1024 * 1024
 # tile skipping to pay for its Python loop.
 _WINDOW_RATIO = 4
 _WINDOW_MIN_LEN = 2048
+# auto: the native kernel ("flash") wherever a causal or window rule leaves work to
+# skip, from this many queries (fewer when training: torch's backward is slow on
+# short rows). Dense rows without a rule stay with SDPA, which matches it there.
+_FLASH_MIN_LEN = 128
+_FLASH_MIN_LEN_TRAINING = 32
 
 
 def attention(
@@ -90,7 +95,7 @@ def attention(
     window = int(window) if window is not None else None
 
     if backend == "auto":
-        backend = _choose(q4, k4, mask4, window, rows)
+        backend = _choose(q4, k4, mask4, window, rows, causal=causal)
     weights = None
     if backend == "eager":
         out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
@@ -255,12 +260,14 @@ def _to_4d(q, k, v, mask):
     return (*flat, mask)
 
 
-def _choose(q, k, mask, window, rows) -> str:
+def _choose(q, k, mask, window, rows, causal=False) -> str:
     q_len, k_len = q.shape[-2], k.shape[-2]
     learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
     if rows is not None:
         small = len(rows) * k_len <= _EAGER_MAX_SCORES
         return "eager" if small or learned_mask else "tiled"
+    if not learned_mask and _flash_pays(q, k, causal, window):
+        return "flash"
     if (
         window is not None
         and q_len > 1
@@ -270,6 +277,16 @@ def _choose(q, k, mask, window, rows) -> str:
     ):
         return "tiled"
     return "sdpa"
+
+
+def _flash_pays(q, k, causal, window) -> bool:
+    """Whether auto sends this problem to the native kernel (CPU float32, a rule to skip by)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or (not causal and window is None):
+        return False
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if q.shape[-2] < (_FLASH_MIN_LEN_TRAINING if training else _FLASH_MIN_LEN):
+        return False
+    return _flash.unavailable(q) is None
 
 
 # --------------------------------------------------------------------------- eager

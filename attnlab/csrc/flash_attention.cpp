@@ -78,13 +78,21 @@ template <typename T>
 void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
                 int64_t n) {
   const int64_t base = b * P.m_sb + h * P.m_sh + i * P.m_sq + j0 * P.m_sk;
+  constexpr T NEG = -std::numeric_limits<T>::infinity();
   if (P.mask_is_bool) {
     const bool* m = static_cast<const bool*>(P.mask) + base;
-    for (int64_t c = 0; c < n; ++c)
-      if (!m[c * P.m_sk]) s[c] = -std::numeric_limits<T>::infinity();
+    if (P.m_sk == 1) {  // the common layout: branch-free, so the loop vectorises
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : NEG;
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c * P.m_sk] ? s[c] : NEG;
+    }
   } else {
     const T* m = static_cast<const T*>(P.mask) + base;
-    for (int64_t c = 0; c < n; ++c) s[c] += m[c * P.m_sk];
+    if (P.m_sk == 1) {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c];
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c * P.m_sk];
+    }
   }
 }
 

@@ -24,46 +24,89 @@
 
 namespace attnlab {
 
+// Eight floats as one value: GCC/Clang vector extensions, so each target clone
+// below gets the widest instructions it has (two SSE halves in the baseline one).
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+// Helpers taking or returning f8 must inline into each clone: called out of line,
+// the baseline copy would pass f8 in memory while an AVX clone passes it in ymm.
+#define ATTNLAB_INLINE static inline __attribute__((always_inline))
+
+ATTNLAB_INLINE f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+ATTNLAB_INLINE void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+ATTNLAB_INLINE f8 splat8(float x) { return f8{} + x; }
+// The last n < 8 values of a row padded with `fill`.
+ATTNLAB_INLINE f8 load_tail(const float* p, int64_t n, float fill) {
+  float buf[8];
+  for (int j = 0; j < 8; ++j) buf[j] = j < n ? p[j] : fill;
+  return load8(buf);
+}
+
 // e^x to about 1 ulp (Cephes expf): e^x = 2^n e^r with |r| <= ln2/2. Exactly 0
 // below -87.33 and for -inf, so masked scores give weights of exactly zero.
-static inline float exp_poly(float x) {
-  const float lo = -87.33654f;
-  const float xc = std::min(std::max(x, lo), 88.0f);
-  float n = xc * 1.44269504088896341f;
-  n = (n + 12582912.0f) - 12582912.0f;  // round to nearest, vectorisable (1.5 * 2^23)
-  float r = xc - n * 0.693359375f;
+ATTNLAB_INLINE f8 exp8(f8 x) {
+  const f8 lo = splat8(-87.33654f), hi = splat8(88.0f);
+  f8 xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const f8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const f8 n = (xc * 1.44269504088896341f + magic) - magic;
+  f8 r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+  f8 y = splat8(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x < lo ? 0.0f : y * two_n;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  const f8 e = y * (f8)bits;  // a vector cast reinterprets the bits: 2^n
+  return x < lo ? f8{} : e;
+}
+
+ATTNLAB_INLINE float sum8(f8 v) {
+  float t = 0.0f;
+  for (int j = 0; j < 8; ++j) t += v[j];
+  return t;
 }
 
 // max of x[0..n); -inf when n == 0.
 ATTNLAB_CLONES static float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
-  return m;
+  const float neg = -std::numeric_limits<float>::infinity();
+  f8 m = splat8(neg);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const f8 v = load8(x + j);
+    m = v > m ? v : m;
+  }
+  if (j < n) {
+    const f8 v = load_tail(x + j, n - j, neg);
+    m = v > m ? v : m;
+  }
+  float out = neg;
+  for (int k = 0; k < 8; ++k) out = std::max(out, m[k]);
+  return out;
 }
 
 // x = exp(x - shift) in place; returns the sum of the new x.
 ATTNLAB_CLONES static float exp_shift_sum(float* x, int64_t n, float shift) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = exp_poly(x[j] - shift);
-    x[j] = e;
+  f8 sum{};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const f8 e = exp8(load8(x + j) - shift);
+    store8(x + j, e);
     sum += e;
   }
-  return sum;
+  if (j < n) {  // padded with -inf: exp gives 0 there, which adds nothing
+    const f8 e = exp8(load_tail(x + j, n - j, -std::numeric_limits<float>::infinity()) - shift);
+    for (int64_t k = 0; k < n - j; ++k) x[j + k] = e[k];
+    sum += e;
+  }
+  return sum8(sum);
 }
 
 ATTNLAB_CLONES static void scale_row(float* x, int64_t n, float a) {
