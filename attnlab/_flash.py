@@ -29,13 +29,15 @@ def unavailable(q: torch.Tensor) -> str | None:
     return _native.unavailable_reason()
 
 
-def _blocks(q_len: int, k_len: int, banded: bool) -> tuple[int, int]:
+def _blocks(q_len: int, k_len: int, causal: bool, window: int) -> tuple[int, int]:
     """Tile shape (query rows, keys): large enough to amortise the BLAS packing of each
-    tile product, and for a causal or window rule (``banded``) small enough that the
-    boundary tiles, partly wasted, stay small. Chosen on the bench grid (two cores)."""
-    if banded:
+    tile product; where a causal or window rule cuts rows short, small enough that
+    the boundary tiles (partly wasted) stay small. Chosen on the bench grid (two cores)."""
+    if 0 < window < k_len // 2:  # a band of about 2W keys per query block
+        block_q, block_k = (64, 128) if window <= 512 else (128, 256)
+    elif causal or window:
         block_q, block_k = (128, 128) if k_len <= 1024 else (256, 256)
-    else:  # dense rows: one key tile of 512 like torch's kernel, fewer rescales
+    else:  # dense rows: key tiles of 512 like torch's kernel, fewer rescales
         block_q, block_k = (64 if q_len <= 256 else 128), 512
     return BLOCK_Q or block_q, BLOCK_K or block_k
 
@@ -52,7 +54,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
         ops = _native.load()
         q, k, v = _rows(q), _rows(k), _rows(v)
-        blocks = _blocks(q.shape[2], k.shape[2], causal or window > 0)
+        blocks = _blocks(q.shape[2], k.shape[2], causal, window)
         out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
                                      *blocks)
         ctx.settings = (causal, window, scale, dropout_p, seed, blocks)
