@@ -19,13 +19,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _flash
 from . import masks as _masks
 from ._tiled import tiled_attention, tiled_weights
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
 __all__ = ["attention", "BACKENDS"]
 
-BACKENDS = ("auto", "eager", "sdpa", "tiled")
+BACKENDS = ("auto", "eager", "sdpa", "tiled", "flash")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # auto: above this many scores per (batch, head) the textbook path's q_len x k_len
 # matrix stops fitting in cache and the tiled path wins when weights are wanted.
@@ -35,6 +36,11 @@ _EAGER_MAX_SCORES = 1024 * 1024
 # tile skipping to pay for its Python loop.
 _WINDOW_RATIO = 4
 _WINDOW_MIN_LEN = 2048
+# auto: the native kernel ("flash") wherever a causal or window rule leaves work to
+# skip, from this many queries (fewer when training: torch's backward is slow on
+# short rows). Dense rows without a rule stay with SDPA, which matches it there.
+_FLASH_MIN_LEN = 128
+_FLASH_MIN_LEN_TRAINING = 32
 
 
 def attention(
@@ -72,12 +78,16 @@ def attention(
             or a sequence of query indices to return only those rows
             ``(..., q_heads, len(rows), k_len)``. The weights are the softmax
             before dropout. Not available with ``backend="sdpa"``.
-        backend: ``"auto"``, ``"eager"``, ``"sdpa"`` or ``"tiled"``.
+        backend: ``"auto"``, ``"eager"``, ``"sdpa"``, ``"tiled"`` or ``"flash"`` (the
+            native kernel, CPU only; its weights come from the tiled path's rows).
 
     Returns:
         ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
     """
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
+    if backend == "flash" and (why := _flash.unavailable(q)) is not None:
+        raise ValueError(f"backend='flash' (the native kernel) is not available: {why}; "
+                         "use backend='tiled' (the same algorithm in PyTorch) or 'auto'")
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
     if mask4 is not None and mask4.dtype != torch.bool:
@@ -86,7 +96,7 @@ def attention(
     window = int(window) if window is not None else None
 
     if backend == "auto":
-        backend = _choose(q4, k4, mask4, window, rows)
+        backend = _choose(q4, k4, mask4, window, rows, causal=causal)
     weights = None
     if backend == "eager":
         out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
@@ -95,10 +105,13 @@ def attention(
     else:
         if mask4 is not None and mask4.requires_grad and torch.is_grad_enabled():
             raise ValueError(
-                "backend='tiled' does not differentiate an additive mask (mask requires "
+                f"backend={backend!r} does not differentiate an additive mask (mask requires "
                 "grad); use backend='eager' or 'sdpa' for a learned bias"
             )
-        out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        if backend == "flash":
+            out = _flash.flash_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        else:
+            out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
         if rows is not None:
             weights = tiled_weights(q4, k4, mask4, causal, window, scale, rows)
 
@@ -240,12 +253,14 @@ def _to_4d(q, k, v, mask):
     return (*flat, mask)
 
 
-def _choose(q, k, mask, window, rows) -> str:
+def _choose(q, k, mask, window, rows, causal=False) -> str:
     q_len, k_len = q.shape[-2], k.shape[-2]
     learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
     if rows is not None:
         small = len(rows) * k_len <= _EAGER_MAX_SCORES
         return "eager" if small or learned_mask else "tiled"
+    if not learned_mask and _flash_pays(q, k, causal, window):
+        return "flash"
     if (
         window is not None
         and q_len > 1
@@ -255,6 +270,16 @@ def _choose(q, k, mask, window, rows) -> str:
     ):
         return "tiled"
     return "sdpa"
+
+
+def _flash_pays(q, k, causal, window) -> bool:
+    """Whether auto sends this problem to the native kernel (CPU float32, a rule to skip by)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or (not causal and window is None):
+        return False
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if q.shape[-2] < (_FLASH_MIN_LEN_TRAINING if training else _FLASH_MIN_LEN):
+        return False
+    return _flash.unavailable(q) is None
 
 
 # --------------------------------------------------------------------------- eager

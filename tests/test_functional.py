@@ -11,21 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnlab
-from attnlab import _tiled
+from attnlab import _flash, _native, _tiled
 from attnlab import reference as ref
 
-BACKENDS = ["eager", "sdpa", "tiled", "auto"]
+# The native kernel is tested wherever it builds; where it cannot, these say why.
+FLASH = pytest.param("flash", marks=pytest.mark.skipif(
+    not _native.available(), reason=f"native kernel: {_native.unavailable_reason()}"))
+BACKENDS = ["eager", "sdpa", "tiled", FLASH, "auto"]
 
 
 @contextlib.contextmanager
 def tiny_tiles():
     """Tiny tiles so that short sequences still cross many tile boundaries."""
-    saved = _tiled.BLOCK_Q, _tiled.BLOCK_K
+    saved = _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K
     _tiled.BLOCK_Q, _tiled.BLOCK_K = 3, 4
+    _flash.BLOCK_Q, _flash.BLOCK_K = 3, 4
     try:
         yield
     finally:
-        _tiled.BLOCK_Q, _tiled.BLOCK_K = saved
+        _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K = saved
 
 
 @pytest.fixture
@@ -126,7 +130,7 @@ def test_matches_reference_low_precision(backend, dtype, p):
 
 
 @pytest.mark.parametrize("dtype", list(LOW_PRECISION))
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 def test_low_precision_softmax_accumulates_in_float32(backend, dtype):
     # 4096 keys of equal score: in bf16 a running sum would stall at 256 (256 + 1 ==
     # 256), in fp16 at 2048; float32 accumulation gives exactly 1/4096 each.
@@ -186,7 +190,7 @@ def test_tiled_skips_the_tiles_a_window_rules_out(monkeypatch, small_tiles):
         assert k_start <= q_end - 1 and k_start + 4 > q_start - window
 
 
-@pytest.mark.parametrize("backend", ["tiled", "sdpa"])
+@pytest.mark.parametrize("backend", ["tiled", "sdpa", FLASH])
 @settings(max_examples=30, deadline=None)
 @given(p=problems())
 def test_gradients_match_eager(backend, p):
@@ -205,10 +209,11 @@ def test_gradients_match_eager(backend, p):
             torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("backend", ["tiled", FLASH])
 @pytest.mark.parametrize("kw", [
     dict(causal=True), dict(causal=True, window=2), dict(window=3), dict(dropout_p=0.4),
 ])
-def test_tiled_gradcheck_float64(kw, small_tiles):
+def test_tiled_gradcheck_float64(kw, backend, small_tiles):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -216,12 +221,12 @@ def test_tiled_gradcheck_float64(kw, small_tiles):
 
     def f(q, k, v):
         torch.manual_seed(7)  # the same dropout pattern on every call gradcheck makes
-        return attnlab.attention(q, k, v, backend="tiled", **kw)
+        return attnlab.attention(q, k, v, backend=backend, **kw)
 
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 def test_empty_rows_are_zero_with_finite_gradients(backend):
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     k = torch.randn(1, 2, 6, 8, requires_grad=True)
@@ -237,7 +242,7 @@ def test_empty_rows_are_zero_with_finite_gradients(backend):
     assert torch.equal(q.grad[:, :, 1], torch.zeros(1, 2, 8))
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 def test_causal_is_end_aligned_when_fewer_queries(backend):
     # One new token after a 9-token prefix sees all 10 keys; torch's is_causal would
     # let it see only the first key.
@@ -247,7 +252,7 @@ def test_causal_is_end_aligned_when_fewer_queries(backend):
     torch.testing.assert_close(out, full)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 def test_dropout_in_effect_and_unbiased(backend):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
@@ -263,7 +268,7 @@ def test_weights_of_chosen_rows_and_leading_dims():
     out_all, w_all = attnlab.attention(q, k, v, causal=True, return_weights=True,
                                        backend="eager")
     assert out_all.shape == (2, 3, 4, 5, 8) and w_all.shape == (2, 3, 4, 5, 7)
-    for backend in ("eager", "tiled"):
+    for backend in ("eager", "tiled", "flash") if _native.available() else ("eager", "tiled"):
         _, w = attnlab.attention(q, k, v, causal=True, return_weights=[0, 4, -1],
                                  backend=backend)
         torch.testing.assert_close(w, w_all[..., [0, 4, 4], :])
@@ -292,7 +297,7 @@ def test_tiled_weights_carry_gradients(mask_kind, small_tiles):
     assert grads["eager"][0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 def test_dropout_one_gives_zeros_not_nan(backend):
     q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
     out = attnlab.attention(q, k, v, causal=True, dropout_p=1.0, backend=backend)
@@ -301,7 +306,7 @@ def test_dropout_one_gives_zeros_not_nan(backend):
     assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", FLASH])
 @pytest.mark.parametrize("causal", [False, True])
 def test_no_keys_gives_zero_rows(backend, causal):
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 4)
@@ -329,7 +334,8 @@ def test_auto_picks_documented_backends():
     q = torch.zeros(1, 1, 8192, 4)
     rows = torch.arange(8192)
     assert _choose(q, q, None, None, None) == "sdpa"
-    assert _choose(q, q, None, 256, None) == "tiled"
+    # a window: the native kernel where it builds, else the tiled path
+    assert _choose(q, q, None, 256, None) == ("flash" if _native.available() else "tiled")
     assert _choose(q[:, :, :64], q[:, :, :64], None, 16, None) == "sdpa"
     assert _choose(q[:, :, :64], q[:, :, :64], None, None, rows[:64]) == "eager"
     assert _choose(q, q, None, None, rows) == "tiled"
@@ -362,7 +368,7 @@ q4, k4, v4 = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2,
     ((q4, k4, torch.zeros(1, 2, 6, 8)), {}, ValueError, ["length 5", "length 6"]),
     ((q4, k4, v4), {"mask": torch.ones(2, 1, 3, 4, dtype=torch.bool)}, ValueError,
      ["(2, 1, 3, 4)", "does not broadcast", "(1, 4, 3, 5)"]),
-    ((q4, k4, v4), {"backend": "flash"}, ValueError, ["backend", "'flash'", "tiled"]),
+    ((q4, k4, v4), {"backend": "fast"}, ValueError, ["backend", "'fast'", "tiled"]),
     ((q4, k4, v4), {"dropout_p": 1.5}, ValueError, ["dropout_p", "1.5", "[0, 1]"]),
     ((q4, k4, v4), {"dropout_p": -0.1}, ValueError, ["dropout_p", "-0.1"]),
     ((q4, k4, v4), {"window": 0}, ValueError, ["window", ">= 1", "0"]),

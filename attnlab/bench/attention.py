@@ -2,12 +2,17 @@
 
 fp32, B=1, H=12, D=64 over sequence lengths, causal and not; sliding windows
 against SDPA given the equivalent dense mask and against FlexAttention with a
-sliding-window block mask; grouped-query attention (12 query heads over 2 kv
-heads) against SDPA's ``enable_gqa``; forward+backward at B=4, T=1024; and the
-memory cases of the issue (forward at T=16384, forward+backward at T=8192, H=4).
+sliding-window block mask (compiled by inductor; its compile time is reported
+separately as ``compile_s``, its steps are timed warm); grouped-query attention
+(12 query heads over 2 kv heads) against SDPA's ``enable_gqa``; forward+backward
+at B=1, T=1024 and 4096, at B=4, T=1024, and on the window; and the memory cases
+(forward at T=16384, forward+backward at T=8192, H=4). ``attnlab-flash`` is the
+native kernel; where it cannot build its column says why.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,9 @@ BASELINE = "torch-sdpa"
 # The textbook path materialises (H, T, T) float32 scores several times over;
 # beyond this length it would need many GB on this machine.
 EAGER_MAX_T = 4096
+# FlexAttention's compile time per (causal, window, seq), filled by _flex_step and
+# added to its records by annotate(); the steps themselves are timed warm.
+_FLEX_COMPILE_S: dict[tuple, float] = {}
 
 
 def _inputs(batch, heads, kv_heads, seq, dim, grad, seed=0):
@@ -81,22 +89,46 @@ def _flex_step(q, k, v, seq, causal, window):
 
     block_mask = create_block_mask(rule, None, None, seq, seq, device="cpu")
     compiled = torch.compile(flex_attention, dynamic=False)
+    start = time.perf_counter()
+    with torch.no_grad():  # the first call compiles (forward only: no CPU backward)
+        compiled(q, k, v, block_mask=block_mask)
+    _FLEX_COMPILE_S[(causal, window, seq)] = time.perf_counter() - start
     return lambda: compiled(q, k, v, block_mask=block_mask)
 
 
+def annotate(records: list[dict], log=print) -> None:
+    """Add FlexAttention's compile time (seconds, first call) to its records."""
+    compile_s = iter(_FLEX_COMPILE_S.values())
+    for r in records:
+        if r["impl"] == "torch-flex" and r.get("median_ms") is not None:
+            r["compile_s"] = next(compile_s, None)
+            if r["compile_s"] is not None:
+                log(f"    torch-flex compile ({r['case']}): {r['compile_s']:.1f} s")
+    _FLEX_COMPILE_S.clear()
+
+
+def _flash_skip() -> str | None:
+    from .. import _native
+
+    return None if _native.available() else f"native kernel: {_native.unavailable_reason()}"
+
+
 def _case(name, impls, repeats, **kw):
-    return Case("attention", name, [Impl(i, (MOD, "make_step", {"impl": i, **kw}))
-                                    for i in impls], repeats=repeats)
+    skip = _flash_skip() if "attnlab-flash" in impls else None
+    return Case("attention", name,
+                [Impl(i, (MOD, "make_step", {"impl": i, **kw}),
+                      skip=skip if i == "attnlab-flash" else None) for i in impls],
+                repeats=repeats)
 
 
 def cases(quick: bool = False) -> list[Case]:
     # --quick keeps to two minutes: no dense T=4096 (the textbook path's 1.6 GB of
     # scores); the window case below still runs at T=4096.
-    lengths = [256, 1024] if quick else [256, 1024, 4096, 8192, 16384]
+    lengths = [256, 1024] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
     out: list[Case] = []
     for seq in lengths:
         for causal in (False, True):
-            impls = ["attnlab-auto", "attnlab-tiled", "torch-sdpa"]
+            impls = ["attnlab-auto", "attnlab-flash", "attnlab-tiled", "torch-sdpa"]
             if seq <= EAGER_MAX_T:
                 impls.append("attnlab-eager")
             repeats = 3 if seq >= 8192 or quick else 7
@@ -104,22 +136,29 @@ def cases(quick: bool = False) -> list[Case]:
             out.append(_case(name, impls, repeats, batch=1, heads=12, seq=seq, causal=causal))
     windows = [(4096, 256)] if quick else [(4096, 256), (8192, 256), (8192, 1024)]
     for seq, window in windows:
-        impls = ["attnlab-auto", "attnlab-tiled", "torch-sdpa"]
+        impls = ["attnlab-auto", "attnlab-flash", "attnlab-tiled", "torch-sdpa"]
         if not quick:
             impls.append("torch-flex")
         out.append(_case(f"fwd T={seq} causal window={window}", impls, 3 if quick else 5,
                          batch=1, heads=12, seq=seq, causal=True, window=window))
     gqa_seq = 1024 if quick else 4096
     out.append(_case(f"fwd T={gqa_seq} causal GQA 12q/2kv",
-                     ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"],
+                     ["attnlab-auto", "attnlab-flash", "attnlab-tiled", "torch-sdpa",
+                      "attnlab-eager"],
                      3 if quick else 7, batch=1, heads=12, kv_heads=2, seq=gqa_seq, causal=True))
-    fb_batch = 1 if quick else 4
-    out.append(_case(f"fwd+bwd B={fb_batch} T=1024 causal",
-                     ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"],
-                     3 if quick else 5, batch=fb_batch, heads=12, seq=1024, causal=True,
-                     backward=True))
+    fb = ["attnlab-auto", "attnlab-flash", "attnlab-tiled", "torch-sdpa", "attnlab-eager"]
+    for seq in [1024] if quick else [1024, 4096]:
+        out.append(_case(f"fwd+bwd T={seq} causal", fb if seq <= 1024 else fb[:-1],
+                         3 if quick or seq > 1024 else 5, batch=1, heads=12, seq=seq,
+                         causal=True, backward=True))
     if not quick:
-        out.append(_case("fwd+bwd H=4 T=8192 causal",
-                         ["attnlab-auto", "attnlab-tiled", "torch-sdpa", "attnlab-eager"], 3,
-                         batch=1, heads=4, seq=8192, causal=True, backward=True))
+        out.append(_case("fwd+bwd B=4 T=1024 causal", fb, 5, batch=4, heads=12, seq=1024,
+                         causal=True, backward=True))
+        # FlexAttention has no backward on CPU: its column records the error.
+        out.append(_case("fwd+bwd T=8192 causal window=256",
+                         ["attnlab-auto", "attnlab-flash", "attnlab-tiled", "torch-sdpa",
+                          "torch-flex"], 3, batch=1, heads=12, seq=8192, causal=True,
+                         window=256, backward=True))
+        out.append(_case("fwd+bwd H=4 T=8192 causal", fb, 3, batch=1, heads=4, seq=8192,
+                         causal=True, backward=True))
     return out

@@ -1,0 +1,94 @@
+"""The ``flash`` backend of :func:`attnlab.attention`: the native kernel (``csrc/``) for CPU.
+
+Part of ``functional.py`` in all but file: only ``functional.attention`` calls it.
+It is the algorithm of ``_tiled.py`` (FlashAttention-2: online softmax forward that
+keeps the log-sum-exp, backward that recomputes the weights from it) in C++,
+doing only the work the causal and window rules allow. Weights, when asked for,
+come from :func:`attnlab._tiled.tiled_weights` (the kernel never forms them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _native
+
+# Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
+BLOCK_Q: int | None = None
+BLOCK_K: int | None = None
+# The kernel runs in float32 (float64 kept for the tests' exactness checks).
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
+def unavailable(q: torch.Tensor) -> str | None:
+    """Why ``backend="flash"`` cannot take ``q`` here, or None when it can."""
+    if q.device.type != "cpu":
+        return f"it runs on CPU tensors only, got a tensor on {q.device}"
+    if q.shape[-1] == 0:
+        return "head_dim is 0"
+    return _native.unavailable_reason()
+
+
+def _blocks(q_len: int, k_len: int, causal: bool, window: int) -> tuple[int, int]:
+    """Tile shape (query rows, keys): large enough to amortise the BLAS packing of each
+    tile product; where a causal or window rule cuts rows short, small enough that
+    the boundary tiles (partly wasted) stay small. Chosen on the bench grid (two cores)."""
+    if 0 < window < k_len // 2:  # a band of about 2W keys per query block
+        block_q, block_k = (64, 128) if window <= 512 else (128, 256)
+    elif causal or window:
+        block_q, block_k = (128, 128) if k_len <= 1024 else (256, 256)
+    else:  # dense rows: key tiles of 512 like torch's kernel, fewer rescales
+        block_q, block_k = (64 if q_len <= 256 else 128), 512
+    return BLOCK_Q or block_q, BLOCK_K or block_k
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when BLAS can read its rows in place (unit stride within a row)."""
+    if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]):
+        return t
+    return t.contiguous()
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
+        ops = _native.load()
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        blocks = _blocks(q.shape[2], k.shape[2], causal, window)
+        out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
+                                     *blocks)
+        ctx.settings = (causal, window, scale, dropout_p, seed, blocks)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        causal, window, scale, dropout_p, seed, blocks = ctx.settings
+        dq, dk, dv = _native.load().flash_backward(
+            q, k, v, mask, out, lse, _rows(grad_out), causal, window, scale, dropout_p, seed,
+            *blocks)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, mask, causal, window, scale, dropout_p):
+    """Attention on 4-D CPU inputs ``q (B, Hq, Lq, D)``, ``k/v (B, Hkv, Lk, D/Dv)``.
+
+    ``mask`` is None, bool (True = may attend) or additive (rows already shifted by
+    ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are
+    computed in float32 and the output cast back. Returns ``(B, Hq, Lq, Dv)``.
+    """
+    dtype = q.dtype
+    compute = dtype if dtype in _NATIVE_DTYPES else torch.float32
+    if dtype != compute:  # autograd casts the gradients back
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    batch, q_heads, q_len, _ = q.shape
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.to(compute)
+        # Zero strides where the mask broadcasts: nothing is copied.
+        mask = mask.detach().expand(batch, q_heads, q_len, k.shape[-2])
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
+                                scale, float(dropout_p), seed)
+    return out.to(dtype)

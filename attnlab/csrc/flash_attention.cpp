@@ -1,0 +1,434 @@
+// FlashAttention-2 for the CPU: the `flash` backend of attnlab.attention.
+//
+// Shapes: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); query head h
+// reads kv head h / (Hq / Hkv), so K/V are never copied (GQA/MQA). Rows may be
+// strided (the last dimension has unit stride). The mask, if any, is bool
+// (true = may attend) or additive in the compute type, expanded to (B, Hq, Lq, Lk)
+// with zero strides where it broadcasts. Compute type: float or double.
+//
+// Forward: one work item per (b, h, query block); it visits only the key range the
+// causal/window rules leave for the block, does each tile's scores with one GEMM,
+// runs the online softmax on the allowed columns of each row only (structural
+// rules give every row an interval of keys, so only boundary tiles have columns
+// to skip), and keeps the log-sum-exp. Backward: one item per (b, kv head, key
+// block), accumulating dK and dV for its block and dQ into a per-thread buffer
+// (no atomics), probabilities recomputed from the log-sum-exp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "tile_math.h"
+
+namespace attnlab {
+namespace {
+
+using at::Tensor;
+
+// Offsets of the rows of a (B, H, L, X) tensor whose last dimension is unit-stride.
+struct Rows {
+  int64_t sb = 0, sh = 0, sl = 0;
+  explicit Rows(const Tensor& t)
+      : sb(t.stride(0)), sh(t.stride(1)),
+        // BLAS wants ld >= row width; a single row's stride is arbitrary.
+        sl(t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2)) {}
+  int64_t at(int64_t b, int64_t h, int64_t i) const { return b * sb + h * sh + i * sl; }
+};
+
+struct Problem {
+  int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv;
+  int64_t offset;  // Lk - Lq: causal and window rules are aligned to the end
+  bool causal;
+  int64_t window;  // 0: none
+  double scale, dropout_p;
+  uint64_t seed;
+  int64_t bq, bk;
+  const void* mask = nullptr;
+  bool mask_is_bool = false;
+  int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;
+
+  // Keys [lo, hi) that query row i may see under the causal and window rules.
+  void keys_of_row(int64_t i, int64_t& lo, int64_t& hi) const {
+    const int64_t p = i + offset;
+    lo = 0;
+    hi = Lk;
+    if (causal) hi = std::min(hi, p + 1);
+    if (window > 0) {
+      lo = std::max(lo, p - window + 1);
+      if (!causal) hi = std::min(hi, p + window);
+    }
+    hi = std::max(hi, lo);
+  }
+  // Both bounds grow with i, so a block's keys run from its first row's lo to its last row's hi.
+  void keys_of_block(int64_t qs, int64_t qe, int64_t& lo, int64_t& hi) const {
+    int64_t unused;
+    keys_of_row(qs, lo, unused);
+    keys_of_row(qe - 1, unused, hi);
+    hi = std::max(hi, lo);
+  }
+  int64_t query_blocks() const { return (Lq + bq - 1) / bq; }
+  int64_t key_blocks() const { return (Lk + bk - 1) / bk; }
+};
+
+template <typename T>
+void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
+                int64_t n) {
+  const int64_t base = b * P.m_sb + h * P.m_sh + i * P.m_sq + j0 * P.m_sk;
+  constexpr T NEG = -std::numeric_limits<T>::infinity();
+  if (P.mask_is_bool) {
+    const bool* m = static_cast<const bool*>(P.mask) + base;
+    if (P.m_sk == 1) {  // the common layout: branch-free, so the loop vectorises
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : NEG;
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c * P.m_sk] ? s[c] : NEG;
+    }
+  } else {
+    const T* m = static_cast<const T*>(P.mask) + base;
+    if (P.m_sk == 1) {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c];
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c * P.m_sk];
+    }
+  }
+}
+
+// Multiply the weights of keys j0..j0+n of row (b, h, i) by keep / (1 - p).
+template <typename T>
+void apply_dropout(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
+                   int64_t n) {
+  const T kept = P.dropout_p >= 1.0 ? T(0) : T(1.0 / (1.0 - P.dropout_p));
+  const uint64_t base = static_cast<uint64_t>(((b * P.Hq + h) * P.Lq + i) * P.Lk + j0);
+  for (int64_t c = 0; c < n; ++c)
+    s[c] *= dropout_keeps(P.seed, base + c, P.dropout_p) ? kept : T(0);
+}
+
+// Columns of a tile row outside the allowed [a, e) get weight 0 (no exp taken there).
+template <typename T>
+void zero_outside(T* row, int64_t a, int64_t e, int64_t n) {
+  std::fill(row, row + a, T(0));
+  std::fill(row + e, row + n, T(0));
+}
+
+// Run `work(worker, item)` over items in the given order, pulled by workers from a
+// shared counter so that uneven items (causal) still keep every thread busy.
+template <typename F>
+void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) work(worker, order[t]);
+  });
+}
+
+// Item indices sorted by decreasing cost: the longest ones start first.
+std::vector<int64_t> longest_first(const std::vector<int64_t>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+  return order;
+}
+
+// A fixed split of the items over workers, longest first to the least loaded one.
+// Fixed rather than pulled from a counter so that each worker's dQ buffer sums its
+// items in the same order on every run: the backward is bitwise reproducible.
+template <typename F>
+void run_items_fixed(const std::vector<int64_t>& cost, int64_t workers, const F& work) {
+  std::vector<std::vector<int64_t>> share(workers);
+  std::vector<int64_t> load(workers, 0);
+  for (int64_t item : longest_first(cost)) {
+    const auto w = std::min_element(load.begin(), load.end()) - load.begin();
+    share[w].push_back(item);
+    load[w] += cost[item] + 1;
+  }
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t item : share[worker]) work(worker, item);
+  });
+}
+
+// ------------------------------------------------------------------------ forward
+
+template <typename T>
+struct ForwardScratch {
+  std::vector<T> s, m, l;
+  std::vector<int64_t> lo, hi;
+  explicit ForwardScratch(const Problem& P)
+      : s(P.bq * P.bk), m(P.bq), l(P.bq), lo(P.bq), hi(P.bq) {}
+};
+
+template <typename T>
+void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, const Rows& kr,
+                   const T* v, const Rows& vr, T* out, T* lse, int64_t b, int64_t h,
+                   int64_t qs, ForwardScratch<T>& w) {
+  constexpr T NEG = -std::numeric_limits<T>::infinity();
+  const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs, hk = h / P.G;
+  T* o = out + ((b * P.Hq + h) * P.Lq + qs) * P.Dv;  // the accumulator, (nr, Dv)
+  T* L = lse + (b * P.Hq + h) * P.Lq + qs;
+  std::fill(o, o + nr * P.Dv, T(0));
+  int64_t lo, hi;
+  P.keys_of_block(qs, qe, lo, hi);
+  for (int64_t r = 0; r < nr; ++r) {
+    w.m[r] = NEG;
+    w.l[r] = T(0);
+    P.keys_of_row(qs + r, w.lo[r], w.hi[r]);
+  }
+  const T* qb = q + qr.at(b, h, qs);
+  for (int64_t ks = lo; ks < hi; ks += P.bk) {
+    const int64_t nc = std::min(ks + P.bk, hi) - ks;
+    T* S = w.s.data();
+    gemm_rm<T>(false, true, nr, nc, P.D, T(P.scale), qb, qr.sl, k + kr.at(b, hk, ks), kr.sl,
+               T(0), S, nc);
+    for (int64_t r = 0; r < nr; ++r) {
+      T* row = S + r * nc;
+      const int64_t a = std::clamp<int64_t>(w.lo[r] - ks, 0, nc);
+      const int64_t e = std::clamp<int64_t>(w.hi[r] - ks, a, nc);
+      if (P.mask != nullptr && e > a) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
+      const T m_new = std::max(w.m[r], row_max(row + a, e - a));
+      if (m_new == NEG) {  // nothing allowed in this row so far
+        std::fill(row, row + nc, T(0));
+        continue;
+      }
+      zero_outside(row, a, e, nc);
+      const T sum = exp_shift_sum(row + a, e - a, m_new);
+      // Rescale what was accumulated under the old maximum (nothing yet when it was -inf).
+      const T alpha = w.m[r] == NEG ? T(0) : std::exp(w.m[r] - m_new);
+      if (w.m[r] != NEG && alpha != T(1)) scale_row(o + r * P.Dv, P.Dv, alpha);
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = m_new;
+      if (P.dropout_p > 0) apply_dropout(P, b, h, qs + r, ks + a, row + a, e - a);
+    }
+    gemm_rm<T>(false, false, nr, P.Dv, nc, T(1), S, nc, v + vr.at(b, hk, ks), vr.sl, T(1), o,
+               P.Dv);
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    if (w.l[r] == T(0)) {  // a row with nothing to attend: zeros, and lse = +inf
+      std::fill(o + r * P.Dv, o + (r + 1) * P.Dv, T(0));
+      L[r] = std::numeric_limits<T>::infinity();
+    } else {
+      scale_row(o + r * P.Dv, P.Dv, T(1) / w.l[r]);
+      L[r] = w.m[r] + std::log(w.l[r]);
+    }
+  }
+}
+
+template <typename T>
+void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                  Tensor& out, Tensor& lse) {
+  const int64_t nqb = P.query_blocks();
+  std::vector<int64_t> cost(P.B * P.Hq * nqb);
+  for (size_t item = 0; item < cost.size(); ++item) {
+    const int64_t qs = static_cast<int64_t>(item % nqb) * P.bq;
+    int64_t lo, hi;
+    P.keys_of_block(qs, std::min(qs + P.bq, P.Lq), lo, hi);
+    cost[item] = hi - lo;
+  }
+  const Rows qr(q), kr(k), vr(v);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T *op = out.data_ptr<T>(), *lp = lse.data_ptr<T>();
+  const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<std::unique_ptr<ForwardScratch<T>>> scratch(workers);
+  run_items(longest_first(cost), workers, [&](int64_t worker, int64_t item) {
+    if (!scratch[worker]) scratch[worker] = std::make_unique<ForwardScratch<T>>(P);
+    const int64_t bh = item / nqb;
+    forward_block<T>(P, qp, qr, kp, kr, vp, vr, op, lp, bh / P.Hq, bh % P.Hq,
+                     (item % nqb) * P.bq, *scratch[worker]);
+  });
+}
+
+// ------------------------------------------------------------------------ backward
+
+template <typename T>
+struct BackwardScratch {
+  std::vector<T> p, dp, kept;
+  explicit BackwardScratch(const Problem& P)
+      : p(P.bq * P.bk), dp(P.bq * P.bk), kept(P.dropout_p > 0 ? P.bq * P.bk : 0) {}
+};
+
+struct BackwardArgs {
+  const void *q, *k, *v, *dout, *lse, *delta;
+  Rows qr, kr, vr, dr;
+  void *dk, *dv;
+};
+
+template <typename T>
+void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t hk,
+                    int64_t ks, T* dq, BackwardScratch<T>& w) {
+  const int64_t nc = std::min(ks + P.bk, P.Lk) - ks;
+  const T* kb = static_cast<const T*>(A.k) + A.kr.at(b, hk, ks);
+  const T* vb = static_cast<const T*>(A.v) + A.vr.at(b, hk, ks);
+  T* dkb = static_cast<T*>(A.dk) + ((b * P.Hkv + hk) * P.Lk + ks) * P.D;
+  T* dvb = static_cast<T*>(A.dv) + ((b * P.Hkv + hk) * P.Lk + ks) * P.Dv;
+  const T scale = T(P.scale);
+  for (int64_t h = hk * P.G; h < (hk + 1) * P.G; ++h) {
+    const T* lse = static_cast<const T*>(A.lse) + (b * P.Hq + h) * P.Lq;
+    const T* delta = static_cast<const T*>(A.delta) + (b * P.Hq + h) * P.Lq;
+    for (int64_t qs = 0; qs < P.Lq; qs += P.bq) {
+      const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs;
+      int64_t lo, hi;
+      P.keys_of_block(qs, qe, lo, hi);
+      if (hi <= ks || lo >= ks + nc) continue;  // this query block never sees these keys
+      const T* qb = static_cast<const T*>(A.q) + A.qr.at(b, h, qs);
+      const T* dob = static_cast<const T*>(A.dout) + A.dr.at(b, h, qs);
+      T *S = w.p.data(), *dP = w.dp.data();
+      gemm_rm<T>(false, true, nr, nc, P.D, scale, qb, A.qr.sl, kb, A.kr.sl, T(0), S, nc);
+      bool any = false;
+      for (int64_t r = 0; r < nr; ++r) {
+        T* row = S + r * nc;
+        int64_t rlo, rhi;
+        P.keys_of_row(qs + r, rlo, rhi);
+        const int64_t a = std::clamp<int64_t>(rlo - ks, 0, nc);
+        const int64_t e = std::clamp<int64_t>(rhi - ks, a, nc);
+        if (e == a || std::isinf(lse[qs + r])) {  // no key here, or an empty row
+          std::fill(row, row + nc, T(0));
+          continue;
+        }
+        any = true;
+        if (P.mask != nullptr) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
+        zero_outside(row, a, e, nc);
+        exp_shift_sum(row + a, e - a, lse[qs + r]);
+      }
+      if (!any) continue;
+      gemm_rm<T>(false, true, nr, nc, P.Dv, T(1), dob, A.dr.sl, vb, A.vr.sl, T(0), dP, nc);
+      const T* used = S;  // the weights the forward multiplied V by
+      if (P.dropout_p > 0) {
+        std::copy(S, S + nr * nc, w.kept.data());
+        for (int64_t r = 0; r < nr; ++r) {
+          apply_dropout(P, b, h, qs + r, ks, w.kept.data() + r * nc, nc);
+          apply_dropout(P, b, h, qs + r, ks, dP + r * nc, nc);
+        }
+        used = w.kept.data();
+      }
+      gemm_rm<T>(true, false, nc, P.Dv, nr, T(1), used, nc, dob, A.dr.sl, T(1), dvb, P.Dv);
+      for (int64_t r = 0; r < nr; ++r) softmax_grad_row(S + r * nc, dP + r * nc, nc, delta[qs + r]);
+      gemm_rm<T>(true, false, nc, P.D, nr, scale, S, nc, qb, A.qr.sl, T(1), dkb, P.D);
+      gemm_rm<T>(false, false, nr, P.D, nc, scale, S, nc, kb, A.kr.sl, T(1),
+                 dq + ((b * P.Hq + h) * P.Lq + qs) * P.D, P.D);
+    }
+  }
+}
+
+template <typename T>
+void backward_impl(const Problem& P, const BackwardArgs& A, Tensor& dq_parts) {
+  const int64_t nkb = P.key_blocks(), nqb = P.query_blocks();
+  std::vector<int64_t> per_block(nkb, 0);  // query rows x keys each key block meets
+  for (int64_t qi = 0; qi < nqb; ++qi) {
+    const int64_t qs = qi * P.bq, qe = std::min(qs + P.bq, P.Lq);
+    int64_t lo, hi;
+    P.keys_of_block(qs, qe, lo, hi);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      const int64_t ks = kb * P.bk, ke = std::min(ks + P.bk, P.Lk);
+      per_block[kb] += std::max<int64_t>(0, std::min(hi, ke) - std::max(lo, ks)) * (qe - qs);
+    }
+  }
+  std::vector<int64_t> cost(P.B * P.Hkv * nkb);
+  for (size_t item = 0; item < cost.size(); ++item) cost[item] = per_block[item % nkb];
+  const int64_t workers = dq_parts.size(0);
+  T* dq = dq_parts.data_ptr<T>();
+  const int64_t part = P.B * P.Hq * P.Lq * P.D;
+  std::vector<std::unique_ptr<BackwardScratch<T>>> scratch(workers);
+  run_items_fixed(cost, workers, [&](int64_t worker, int64_t item) {
+    if (!scratch[worker]) scratch[worker] = std::make_unique<BackwardScratch<T>>(P);
+    const int64_t bh = item / nkb;
+    backward_block<T>(P, A, bh / P.Hkv, bh % P.Hkv, (item % nkb) * P.bk, dq + worker * part,
+                      *scratch[worker]);
+  });
+}
+
+// ------------------------------------------------------------------------ entry points
+
+Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& mask, bool causal, int64_t window,
+                     double scale, double dropout_p, int64_t seed, int64_t block_q,
+                     int64_t block_k) {
+  for (const Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), "attnlab flash: CPU tensors only");
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "attnlab flash: 4-D rows of unit stride");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnlab flash: one dtype");
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "attnlab flash: float32 or float64 (low precision is converted by the caller)");
+  Problem P{};
+  P.B = q.size(0), P.Hq = q.size(1), P.Lq = q.size(2), P.D = q.size(3);
+  P.Hkv = k.size(1), P.Lk = k.size(2), P.Dv = v.size(3);
+  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0 && P.D > 0, "attnlab flash: bad head layout");
+  P.G = P.Hq / P.Hkv;
+  P.offset = P.Lk - P.Lq;
+  P.causal = causal, P.window = window, P.scale = scale, P.dropout_p = dropout_p;
+  P.seed = static_cast<uint64_t>(seed);
+  P.bq = std::max<int64_t>(1, block_q), P.bk = std::max<int64_t>(1, block_k);
+  if (mask.has_value()) {
+    const Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == P.B && m.size(1) == P.Hq && m.size(2) == P.Lq &&
+                    m.size(3) == P.Lk,
+                "attnlab flash: mask must be expanded to (B, Hq, Lq, Lk)");
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type(),
+                "attnlab flash: mask must be bool or of q's dtype");
+    P.mask = m.data_ptr();
+    P.mask_is_bool = m.scalar_type() == at::kBool;
+    P.m_sb = m.stride(0), P.m_sh = m.stride(1), P.m_sq = m.stride(2), P.m_sk = m.stride(3);
+  }
+  return P;
+}
+
+std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const std::optional<Tensor>& mask, bool causal,
+                                         int64_t window, double scale, double dropout_p,
+                                         int64_t seed, int64_t block_q, int64_t block_k) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, scale, dropout_p, seed,
+                                 block_q, block_k);
+  Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
+  Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnlab_flash_forward",
+                             [&] { forward_impl<scalar_t>(P, q, k, v, out, lse); });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_backward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+    const Tensor& out, const Tensor& lse, const Tensor& grad_out, bool causal, int64_t window,
+    double scale, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, scale, dropout_p, seed,
+                                 block_q, block_k);
+  TORCH_CHECK(grad_out.stride(3) == 1 && lse.is_contiguous(), "attnlab flash: layout");
+  // D_i = rowsum(dO * O), with the dropped-out output as FlashAttention does.
+  const Tensor delta = (grad_out * out).sum(-1).contiguous();
+  const int64_t items = P.B * P.Hkv * P.key_blocks();
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  Tensor dq_parts = at::zeros({workers, P.B, P.Hq, P.Lq, P.D}, q.options());
+  Tensor dk = at::zeros({P.B, P.Hkv, P.Lk, P.D}, q.options());
+  Tensor dv = at::zeros({P.B, P.Hkv, P.Lk, P.Dv}, q.options());
+  const BackwardArgs A{q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(),
+                       lse.data_ptr(), delta.data_ptr(), Rows(q), Rows(k), Rows(v),
+                       Rows(grad_out), dk.data_ptr(), dv.data_ptr()};
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnlab_flash_backward",
+                             [&] { backward_impl<scalar_t>(P, A, dq_parts); });
+  Tensor dq = workers == 1 ? dq_parts[0] : dq_parts.sum(0);
+  return {dq, dk, dv};
+}
+
+void set_aten_gemm(bool on) { use_aten_gemm() = on; }
+
+}  // namespace
+}  // namespace attnlab
+
+TORCH_LIBRARY(attnlab_native, m) {
+  m.def(
+      "flash_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, int window, "
+      "float scale, float dropout_p, int seed, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def(
+      "flash_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
+      "Tensor grad_out, bool causal, int window, float scale, float dropout_p, int seed, "
+      "int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
+  m.def("set_aten_gemm(bool on) -> ()", &attnlab::set_aten_gemm);
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
+  m.impl("flash_forward", &attnlab::flash_forward);
+  m.impl("flash_backward", &attnlab::flash_backward);
+}
