@@ -1,0 +1,143 @@
+// The problem description and the helpers the forward and backward share: the
+// causal/window rule per query row, mask and dropout on a tile row, and the
+// scheduling of work items over threads. Included by flash_attention.cpp only.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <vector>
+
+#include "tile_math.h"
+
+namespace attnlab {
+
+using at::Tensor;
+
+// Offsets of the rows of a (B, H, L, X) tensor whose last dimension is unit-stride.
+struct Rows {
+  int64_t sb = 0, sh = 0, sl = 0;
+  explicit Rows(const Tensor& t)
+      : sb(t.stride(0)), sh(t.stride(1)),
+        // BLAS wants ld >= row width; a single row's stride is arbitrary.
+        sl(t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2)) {}
+  int64_t at(int64_t b, int64_t h, int64_t i) const { return b * sb + h * sh + i * sl; }
+};
+
+struct Problem {
+  int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv;
+  int64_t offset;  // Lk - Lq: causal and window rules are aligned to the end
+  bool causal;
+  int64_t window;  // 0: none
+  double scale, dropout_p;
+  uint64_t seed;
+  int64_t bq, bk;
+  const void* mask = nullptr;
+  bool mask_is_bool = false;
+  int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;
+
+  // Keys [lo, hi) that query row i may see under the causal and window rules.
+  void keys_of_row(int64_t i, int64_t& lo, int64_t& hi) const {
+    const int64_t p = i + offset;
+    lo = 0;
+    hi = Lk;
+    if (causal) hi = std::min(hi, p + 1);
+    if (window > 0) {
+      lo = std::max(lo, p - window + 1);
+      if (!causal) hi = std::min(hi, p + window);
+    }
+    hi = std::max(hi, lo);
+  }
+  // Both bounds grow with i, so a block's keys run from its first row's lo to its last row's hi.
+  void keys_of_block(int64_t qs, int64_t qe, int64_t& lo, int64_t& hi) const {
+    int64_t unused;
+    keys_of_row(qs, lo, unused);
+    keys_of_row(qe - 1, unused, hi);
+    hi = std::max(hi, lo);
+  }
+  int64_t query_blocks() const { return (Lq + bq - 1) / bq; }
+  int64_t key_blocks() const { return (Lk + bk - 1) / bk; }
+};
+
+template <typename T>
+void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
+                int64_t n) {
+  const int64_t base = b * P.m_sb + h * P.m_sh + i * P.m_sq + j0 * P.m_sk;
+  constexpr T NEG = -std::numeric_limits<T>::infinity();
+  if (P.mask_is_bool) {
+    const bool* m = static_cast<const bool*>(P.mask) + base;
+    if (P.m_sk == 1) {  // the common layout: branch-free, so the loop vectorises
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : NEG;
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c * P.m_sk] ? s[c] : NEG;
+    }
+  } else {
+    const T* m = static_cast<const T*>(P.mask) + base;
+    if (P.m_sk == 1) {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c];
+    } else {
+      for (int64_t c = 0; c < n; ++c) s[c] += m[c * P.m_sk];
+    }
+  }
+}
+
+// Multiply the weights of keys j0..j0+n of row (b, h, i) by keep / (1 - p).
+template <typename T>
+void apply_dropout(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
+                   int64_t n) {
+  const T kept = P.dropout_p >= 1.0 ? T(0) : T(1.0 / (1.0 - P.dropout_p));
+  const uint64_t base = static_cast<uint64_t>(((b * P.Hq + h) * P.Lq + i) * P.Lk + j0);
+  for (int64_t c = 0; c < n; ++c)
+    s[c] *= dropout_keeps(P.seed, base + c, P.dropout_p) ? kept : T(0);
+}
+
+// Columns of a tile row outside the allowed [a, e) get weight 0 (no exp taken there).
+template <typename T>
+void zero_outside(T* row, int64_t a, int64_t e, int64_t n) {
+  std::fill(row, row + a, T(0));
+  std::fill(row + e, row + n, T(0));
+}
+
+// Run `work(worker, item)` over items in the given order, pulled by workers from a
+// shared counter so that uneven items (causal) still keep every thread busy.
+template <typename F>
+void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) work(worker, order[t]);
+  });
+}
+
+// Item indices sorted by decreasing cost: the longest ones start first.
+inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+  return order;
+}
+
+// A fixed split of the items over workers, longest first to the least loaded one.
+// Fixed rather than pulled from a counter so that each worker's dQ buffer sums its
+// items in the same order on every run: the backward is bitwise reproducible.
+template <typename F>
+void run_items_fixed(const std::vector<int64_t>& cost, int64_t workers, const F& work) {
+  std::vector<std::vector<int64_t>> share(workers);
+  std::vector<int64_t> load(workers, 0);
+  for (int64_t item : longest_first(cost)) {
+    const auto w = std::min_element(load.begin(), load.end()) - load.begin();
+    share[w].push_back(item);
+    load[w] += cost[item] + 1;
+  }
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t item : share[worker]) work(worker, item);
+  });
+}
+
+}  // namespace attnlab
