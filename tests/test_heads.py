@@ -141,3 +141,20 @@ def test_toy_hidden_states_are_what_the_output_layer_reads():
         torch.testing.assert_close(logits, model.out(hidden[1]))
         torch.testing.assert_close(model(ids), logits)
         assert len(attentions) == 1
+
+
+def test_explain_sets_weights_rollout_and_saliency_side_by_side(gpt):
+    from attnlab.experiments import explain
+    from attnlab.text import CharTokenizer
+
+    model, _, _ = gpt
+    tok = CharTokenizer.from_text("abcdefghij")
+    views = explain(model, tok, "abcabcj")
+    assert views["tokens"] == list("abcabcj")
+    assert views["attention"].shape == (2, 7) and views["saliency"].shape == (7,)
+    with torch.no_grad():
+        _, attentions = model(torch.tensor([tok.encode("abcabcj")]), output_attentions=True)
+    np.testing.assert_allclose(views["rollout"], rollout(attentions)[0, -1], atol=1e-6)
+    np.testing.assert_allclose(views["attention"][1], attentions[1][0, :, -1].mean(0), atol=1e-6)
+    for key in ("attention", "rollout", "saliency"):
+        np.testing.assert_allclose(views[key].sum(-1), 1.0, atol=1e-5)
