@@ -85,6 +85,11 @@ def test_a_sliding_window_is_honoured_not_ignored():
     assert _diff(windowed[:, :3], full[:, :3]) < 1e-6
 
 
+# attnlab's generate stops at nothing unless told (eos_id=None); transformers' would stop
+# at eos, and with min_new_tokens it would forbid eos instead: neither is greedy decoding.
+NO_EOS = dict(pad_token_id=0, eos_token_id=None)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_greedy_generation_is_transformers(decoder, batch):
     name, hf, ours = decoder
@@ -94,7 +99,7 @@ def test_greedy_generation_is_transformers(decoder, batch):
     prompt = torch.randint(1, 120, (batch, 5), generator=torch.Generator().manual_seed(2))
     got = ours.generate(prompt, 12, temperature=0)
     want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
-                       min_new_tokens=12, do_sample=False, pad_token_id=0)
+                       do_sample=False, **NO_EOS)
     assert torch.equal(got, want), name
 
 
@@ -179,3 +184,17 @@ def test_roberta_positions_start_after_the_padding_id():
         assert _diff(ours(ids), want) < 1e-5
         ours.config.positions = "index"
         assert _diff(ours(ids), want) > 1e-2
+
+
+def test_greedy_generation_of_a_left_padded_batch_is_transformers(decoder):
+    name, hf, ours = decoder
+    with torch.no_grad():
+        ours.lm_head.weight.mul_(8)
+        hf.lm_head.weight.copy_(ours.lm_head.weight)
+    prompts = [[5, 17, 9], [44, 3, 81, 29, 7, 60]]
+    got = ours.generate(prompts, 10, temperature=0)[:, -10:]
+    ids = torch.tensor([[0, 0, 0, 5, 17, 9], [44, 3, 81, 29, 7, 60]])
+    mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                       **NO_EOS)[:, -10:]
+    assert torch.equal(got, want), name
