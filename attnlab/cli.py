@@ -119,13 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
+    from .interop.auto import load_for_cli
     from .models.generation import check_sampling
 
-    model = load_checkpoint(args.ckpt)
-    tokenizer = load_checkpoint_tokenizer(args.ckpt)
-    if tokenizer is None:
-        raise ValueError(f"--ckpt {args.ckpt!r} has no tokenizer.json")
+    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     try:
         ids = tokenizer.encode(args.prompt)
     except ValueError as exc:
@@ -133,8 +130,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not ids:
         raise ValueError("--prompt is empty")
     if not hasattr(model, "generate"):
-        raise ValueError(f"--ckpt {args.ckpt!r} holds a {type(model).__name__}, which does not "
-                         "generate text; expected a ToyAttnLM or GPT checkpoint")
+        given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
+        raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
+                         "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
+                         "Mistral or Qwen2 folder)")
     # Checked before the prompt is echoed, so a refused call prints nothing on stdout.
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     gen = torch.Generator().manual_seed(args.seed)
@@ -151,60 +150,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_and_tokenizer(args):
-    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
-
-    if args.model == "minilm":
-        from .interop import minilm
-
-        return minilm.load()
-    model = load_checkpoint(args.ckpt)
-    tokenizer = load_checkpoint_tokenizer(args.ckpt)
-    if tokenizer is None:
-        raise ValueError(f"--ckpt {args.ckpt!r} has no tokenizer.json")
-    return model, tokenizer
-
-
 def cmd_show(args: argparse.Namespace) -> int:
+    from .interop.auto import load_for_cli
     from .viz import show_attention
 
-    if args.ckpt is None and args.model is None:
-        raise ValueError("give --ckpt DIR or --model minilm")
-    model, tokenizer = _model_and_tokenizer(args)
+    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
-                           head=args.head)
+                           head=args.head, rollout=args.rollout)
     print(f"wrote {paths['png']}")
     print(f"wrote {paths['html']}")
     return 0
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    import json
+    from .cli_ablate import run_ablate
 
-    from . import experiments
-    from .checkpoint import load_checkpoint, load_checkpoint_tokenizer
-    from .demo import run_demo
-
-    ckpt = args.ckpt
-    if ckpt is None:
-        ckpt = args.out
-        print(f"training the demo model first (into {ckpt}/) ...")
-        run_demo(ckpt, seed=args.seed, log=lambda _msg: None)
-    model, tokenizer = load_checkpoint(ckpt), load_checkpoint_tokenizer(ckpt)
-    if tokenizer is None or not hasattr(model, "generate"):
-        raise ValueError(f"--ckpt {ckpt!r} must hold a trained ToyAttnLM or GPT with its "
-                         "tokenizer")
-    ids = experiments.held_out_batch(tokenizer, seed=args.seed)
-    results = experiments.run_all(model, ids, seed=args.seed)
-    print(experiments.format_report(results))
-    if args.json:
-        from .io import atomic_write_json
-
-        atomic_write_json(args.json, results)
-        print(f"wrote {args.json}")
-    else:
-        print(json.dumps(results, indent=1))
-    return 0
+    return run_ablate(args, _read_text)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -215,6 +176,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.markdown:
         print(bench.markdown_table(records, baseline=args.baseline))
     return 0
+
+
+def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
+                   ckpt_help: str = "an attnlab checkpoint") -> None:
+    """``--ckpt DIR`` or ``--model DIR`` (a Hugging Face folder; ``minilm`` = the bundled
+    MiniLM where it fits), one of them."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", metavar="DIR", help=ckpt_help)
+    source.add_argument("--model", metavar="minilm|DIR" if minilm else "DIR",
+                        help="a folder written by transformers' save_pretrained (GPT-2, "
+                             "Llama, Mistral, Qwen2, BERT, RoBERTa, DistilBERT; safetensors "
+                             "and tokenizer.json)"
+                             + ("; minilm = the bundled all-MiniLM-L6-v2" if minilm else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the checkpoint in --out (--steps is the total)")
     train.set_defaults(func=cmd_train)
 
-    generate = sub.add_parser("generate", help="sample from a checkpoint")
-    generate.add_argument("--ckpt", required=True, metavar="DIR")
+    generate = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face "
+                              "folder (--model DIR)")
+    _model_options(generate, minilm=False)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-new-tokens", type=_positive_int, default=100)
     generate.add_argument("--temperature", type=float, default=1.0)
@@ -260,18 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
                           "HTML explorer")
     show.add_argument("text")
-    source = show.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", metavar="DIR", help="an attnlab checkpoint")
-    source.add_argument("--model", choices=["minilm"], help="the bundled all-MiniLM-L6-v2")
+    _model_options(show)
+    show.add_argument("--rollout", action="store_true",
+                      help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
     show.add_argument("--layer", type=int, default=None, help="only this layer in the PNG")
     show.add_argument("--head", type=int, default=None, help="only this head in the PNG")
     show.add_argument("--out", default="attnlab-show", help="output directory")
     show.set_defaults(func=cmd_show)
 
-    ablate = sub.add_parser("ablate", help="the Q/K/V and uniform-attention experiments, as a "
-                            "report")
-    ablate.add_argument("--ckpt", metavar="DIR",
-                        help="a trained checkpoint (default: train the demo model first)")
+    ablate = sub.add_parser("ablate", help="the Q/K/V, uniform-attention and per-head "
+                            "experiments, as a report")
+    _model_options(ablate, ckpt_help="a trained attnlab checkpoint (default: train the demo "
+                   "model first)")
+    ablate.add_argument("--text", metavar="FILE",
+                        help="UTF-8 text to evaluate on (an encoder: one sentence a line); "
+                             "default: the checkpoint's held-out text; required with --model")
+    ablate.add_argument("--heads", action="store_true",
+                        help="the head-importance table: each head alone knocked out")
+    ablate.add_argument("--layer", type=int, default=None,
+                        help="knock out this layer's heads (all, or --head H) and report")
+    ablate.add_argument("--head", type=int, default=None, help="with --layer: only this head")
+    ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
+                        help="where --heads draws its layer x head heatmap")
     ablate.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ablate.add_argument("--out", default="attnlab-demo",
                         help="where the demo model is trained when no --ckpt is given")

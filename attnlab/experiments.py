@@ -226,6 +226,26 @@ def saliency(model: nn.Module, ids: torch.Tensor, target: int | None = None) -> 
     return scores / scores.sum().clamp(min=1e-12)
 
 
+def explain(model: nn.Module, tokenizer, text: str) -> dict:
+    """Three views of what a decoder's last prediction on ``text`` drew on, side by side.
+
+    Returns ``{"tokens": [str] * seq, "attention": (layers, seq), "rollout": (seq,),
+    "saliency": (seq,)}`` (NumPy): the last token's head-averaged attention weights
+    in each layer (where each layer looked), its row of the attention rollout
+    (:func:`attnlab.viz.rollout`: where the information came from through all
+    layers with the residual path), and gradient x input saliency (:func:`saliency`:
+    what changed the prediction). Each row sums to 1.
+    """
+    from .viz import capture, rollout
+
+    tokens, attentions = capture(model, tokenizer, text)  # per layer (heads, seq, seq)
+    ids = torch.tensor(tokenizer.encode(text))
+    return {"tokens": tokens,
+            "attention": torch.stack([a[:, -1].mean(0) for a in attentions]).numpy(),
+            "rollout": rollout(attentions)[-1],
+            "saliency": saliency(model, ids).numpy()}
+
+
 def dropout_placement(*, p: float = 0.2, steps: int = 200, seed: int = 0,
                       text: str | None = None) -> dict[str, dict[str, float]]:
     """Train the demo's ToyAttnLM three times: dropout on the weights, on the output, none.
@@ -258,12 +278,16 @@ def held_out_batch(tokenizer, *, batch: int = 16, length: int = 25, seed: int = 
     return sample(stream, batch, length - 1, torch.Generator().manual_seed(seed))
 
 
-def run_all(model: nn.Module, ids: torch.Tensor, *, dropout_steps: int = 200,
+def run_all(model: nn.Module, ids: torch.Tensor, *, dropout_steps: int | None = 200,
             seed: int = 0) -> dict[str, dict]:
-    """Every experiment: the JSON that ``attnlab ablate`` prints and writes."""
+    """Every experiment: the JSON that ``attnlab ablate`` prints and writes.
+
+    ``dropout_steps=None`` leaves out the dropout study (it trains the demo's toy
+    model, which says nothing about a model loaded from elsewhere)."""
     results = qkv_ablation(model, ids)
     results["uniform_attention"] = uniform_attention(model, ids)
-    results["dropout_placement"] = dropout_placement(steps=dropout_steps, seed=seed)
+    if dropout_steps is not None:
+        results["dropout_placement"] = dropout_placement(steps=dropout_steps, seed=seed)
     return results
 
 
@@ -301,6 +325,8 @@ def format_report(results: dict[str, dict]) -> str:
         delta = "" if key == "baseline" else f"{entry['loss'] - base:+.3f}"
         lines.append(f"{key:<20s} {entry['loss']:8.3f} {delta:>12s}  "
                      + _MEANING[key].format(**entry))
+    if "dropout_placement" not in results:
+        return "\n".join(lines)
     lines.append("")
     lines.append("dropout placement (p=0.2, short training; final held-out loss):")
     runs = results["dropout_placement"]

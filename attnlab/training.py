@@ -100,6 +100,18 @@ def split(tokens: torch.Tensor, context: int, eval_fraction: float = 0.1):
     return tokens[:-n_eval], tokens[-n_eval:]
 
 
+HELD_OUT_KEPT = 4096
+
+
+def held_out_record(eval_stream: torch.Tensor) -> dict:
+    """What a checkpoint keeps of its held-out text (``config.json``'s ``held_out``), so
+    experiments on it later measure on text it never trained on: the first
+    :data:`HELD_OUT_KEPT` token ids of the held-out stream (the last 10% of the
+    text), and how many tokens that stream had."""
+    return {"ids": eval_stream[:HELD_OUT_KEPT].tolist(), "tokens": len(eval_stream),
+            "part": "the last 10% of the training text (training.split)"}
+
+
 def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator):
     """``batch`` random windows of ``context + 1`` tokens: ``(batch, context + 1)``."""
     starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=gen)
@@ -234,7 +246,7 @@ def train(
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", leave=False)
-    meta = {**(meta or {}), "train_config": asdict(cfg)}
+    meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(eval_stream)}
     start, start_step = time.perf_counter(), step
     model.train()
     while step < cfg.steps:

@@ -26,10 +26,10 @@ LAYERS = {
     "attnlab.modules": 3,
     "attnlab.models": 4,
     "attnlab.checkpoint": 5,
-    "attnlab.training": 6, "attnlab.interop.minilm": 6,
-    "attnlab.experiments": 7, "attnlab.demo": 7,
+    "attnlab.training": 6, "attnlab.interop.minilm": 6, "attnlab.interop.auto": 6,
+    "attnlab.experiments": 7, "attnlab.demo": 7, "attnlab.heads": 7,
     "attnlab.bench": 8,
-    "attnlab.cli": 9, "attnlab.__main__": 9,
+    "attnlab.cli": 9, "attnlab.cli_ablate": 9, "attnlab.__main__": 9,
 }
 MAX_LINES = 400
 

@@ -1,4 +1,5 @@
-"""Real weights: Hugging Face layouts (GPT-2, Llama, BERT) and the bundled MiniLM.
+"""Real weights: Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2; BERT, RoBERTa,
+DistilBERT) and the bundled MiniLM.
 
 :mod:`.hf` maps transformers configs and state dicts to attnlab's (plain data,
 no model classes): ``GPT.from_hf(model)`` and ``Encoder.from_hf(model)`` build

@@ -1,4 +1,5 @@
-"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama (-> GPT) and BERT (-> Encoder).
+"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2 (-> GPT) and
+BERT, RoBERTa, DistilBERT (-> Encoder, in :mod:`.hf_encoders`).
 
 Plain data in, plain data out: each converter maps a transformers config dict
 to attnlab config values (a dict for ``GPTConfig``/``EncoderConfig``) and a
@@ -22,63 +23,12 @@ import torch
 
 from ..io import CONFIG_FILE, read_json
 from ..io.weights import SafetensorsState
+from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
+from .layout import Config, Tensors, _field, _Named, _own, _require, _strip
 
-Tensors = Mapping[str, torch.Tensor]
-Config = dict[str, Any]
-
-
-class _Named(Mapping):
-    """A read-only view of a state dict under ``prefix`` whose missing key is a
-    ValueError naming it (not a KeyError). Tensors are looked up, never copied, so
-    a lazily read file is read once, name by name."""
-
-    def __init__(self, state: Tensors, prefix: str = "") -> None:
-        self._state, self._prefix = state, prefix
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if self._prefix + key not in self._state:
-            raise ValueError(f"weights have no {self._prefix + key!r}, which this layout needs")
-        return self._state[self._prefix + key]
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._prefix + key in self._state
-
-    def __iter__(self):
-        n = len(self._prefix)
-        return (k[n:] for k in self._state if k.startswith(self._prefix))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def _strip(state: Tensors, prefix: str) -> _Named:
-    """Keys without ``prefix`` where every key that matters has it (``bert.``, ``model.``)."""
-    return _Named(state, prefix if any(k.startswith(prefix) for k in state) else "")
-
-
-def _own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors, copied only where the layout made a view (a transpose, a
-    slice): the weights are not held twice while a model is built from them."""
-    return {k: v.detach().contiguous() for k, v in state.items()}
-
-
-def _require(cfg: Mapping[str, Any], key: str, allowed, default=None):
-    value = cfg.get(key, default)
-    try:
-        ok = value in allowed
-    except TypeError:  # an unhashable value
-        ok = False
-    if not ok:
-        raise ValueError(f"config {key}={value!r} is not supported (expected one of {allowed})")
-    return value
-
-
-def _field(cfg: Mapping[str, Any], key: str) -> Any:
-    """A field the layout cannot do without: a ValueError naming it when absent."""
-    if key not in cfg or cfg[key] is None:
-        kind = cfg.get("model_type", "this")
-        raise ValueError(f"config has no {key!r}, which a {kind} config needs")
-    return cfg[key]
+__all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
+           "gpt2_config", "gpt2_state", "llama_config", "llama_state", "bert_config",
+           "bert_state"]
 
 
 # ------------------------------------------------------------------------- GPT-2
@@ -169,6 +119,8 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
 
 
 def llama_config(cfg: Mapping[str, Any]) -> Config:
+    """``GPTConfig`` values of a Llama config dict (also Mistral's and Qwen2's, whose
+    differences :func:`mistral_config` and :func:`qwen2_config` add)."""
     _require(cfg, "hidden_act", ("silu",), "silu")
     hidden, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -208,39 +160,52 @@ def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     return _own(out)
 
 
-# ------------------------------------------------------------------------- BERT
+# ------------------------------------------------------------------------- Mistral, Qwen2
 
 
-def bert_config(cfg: Mapping[str, Any]) -> Config:
-    _require(cfg, "position_embedding_type", ("absolute",), "absolute")
-    act = _require(cfg, "hidden_act", ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"))
-    return dict(
-        vocab_size=_field(cfg, "vocab_size"),
-        context_length=_field(cfg, "max_position_embeddings"),
-        d_model=_field(cfg, "hidden_size"), num_layers=_field(cfg, "num_hidden_layers"),
-        num_heads=_field(cfg, "num_attention_heads"), d_ff=_field(cfg, "intermediate_size"),
-        type_vocab_size=cfg.get("type_vocab_size", 2), norm_eps=cfg.get("layer_norm_eps", 1e-12),
-        activation={"gelu": "gelu", "relu": "relu"}.get(act, "gelu_tanh"),
-        pad_id=cfg.get("pad_token_id") or 0,
-    )
+def mistral_config(cfg: Mapping[str, Any]) -> Config:
+    """Llama's layout with a sliding window on every layer: ``sliding_window`` W (None or
+    absent = full causal attention) becomes ``GPTConfig.window``; a query at position p
+    sees keys ``p - W < j <= p``, as transformers' sliding-window mask."""
+    out = llama_config(cfg)
+    out["window"] = _window(cfg, "sliding_window")
+    return out
 
 
-def bert_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
-    s = _strip(state, "bert.")
-    e = "embeddings."
-    out = {"tok_emb.weight": s[e + "word_embeddings.weight"],
-           "pos_emb.weight": s[e + "position_embeddings.weight"],
-           "type_emb.weight": s[e + "token_type_embeddings.weight"],
-           "emb_norm.weight": s[e + "LayerNorm.weight"], "emb_norm.bias": s[e + "LayerNorm.bias"]}
-    names = {"attention.self.query": "attn.W_query", "attention.self.key": "attn.W_key",
-             "attention.self.value": "attn.W_value", "attention.output.dense": "attn.out_proj",
-             "attention.output.LayerNorm": "norm1", "intermediate.dense": "mlp.fc",
-             "output.dense": "mlp.proj", "output.LayerNorm": "norm2"}
-    for i in range(cfg["num_layers"]):
-        for src, dst in names.items():
-            for kind in ("weight", "bias"):
-                out[f"blocks.{i}.{dst}.{kind}"] = s[f"encoder.layer.{i}.{src}.{kind}"]
-    return _own(out)
+def qwen2_config(cfg: Mapping[str, Any]) -> Config:
+    """Llama's layout with biases on q/k/v (none on o_proj). Qwen2 may slide a window on
+    some layers (``use_sliding_window``, from layer ``max_window_layers`` on, or as
+    listed in ``layer_types``); attnlab's window is one for all layers, so a model
+    whose layers differ is refused naming the fields."""
+    out = llama_config(cfg)
+    out.update(qkv_bias=True, out_bias=False, mlp_bias=False)
+    n = out["num_layers"]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types")
+    if types is None:
+        start = cfg.get("max_window_layers", n)
+        types = ["sliding_attention" if window is not None and i >= start else
+                 "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {
+            "sliding_attention", "full_attention"}:
+        raise ValueError(f"config layer_types={types!r} is not supported (expected one of "
+                         f"'full_attention'/'sliding_attention' per layer, {n} layers)")
+    if set(types) == {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"config use_sliding_window=True with max_window_layers="
+            f"{cfg.get('max_window_layers')!r} (layer_types {types}) slides a window on some "
+            "layers only; not supported (attnlab's window is one for all layers)")
+    out["window"] = _window(cfg, "sliding_window") if types[0] == "sliding_attention" else None
+    return out
+
+
+def _window(cfg: Mapping[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"config {key}={value!r} is not supported (expected a positive "
+                         "int or null)")
+    return value
 
 
 # ------------------------------------------------------------------------- entry points
@@ -297,31 +262,41 @@ def _parts(model: Any) -> tuple[Config, Tensors]:
     return config.to_dict(), model.state_dict()
 
 
-GPT_LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama"}
-ENCODER_LAYOUTS = {"bert": "BERT"}
+# model_type -> (name, config converter, state converter)
+_GPT = {"gpt2": ("GPT-2", gpt2_config, lambda st, c, hf: gpt2_state(st, c, hf)),
+        "llama": ("Llama", llama_config, lambda st, c, hf: llama_state(st, c)),
+        "mistral": ("Mistral", mistral_config, lambda st, c, hf: llama_state(st, c)),
+        "qwen2": ("Qwen2", qwen2_config, lambda st, c, hf: llama_state(st, c))}
+GPT_LAYOUTS = {kind: name for kind, (name, _, _) in _GPT.items()}
+
+
+def _unsupported(kind: Any, cls: str) -> ValueError:
+    other = ("Encoder" if kind in ENCODER_LAYOUTS else "GPT" if kind in GPT_LAYOUTS else None)
+    hint = f"; {kind!r} is a layout of {other}: use {other}.from_hf" if other else ""
+    return ValueError(f"model.config.model_type={kind!r} is not supported by {cls} (expected "
+                      f"one of {sorted(GPT_LAYOUTS if cls == 'GPT' else ENCODER_LAYOUTS)})"
+                      f"{hint}")
 
 
 def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
-    """GPTConfig values and the attnlab state dict of a ``GPT2LMHeadModel``
-    or ``LlamaForCausalLM``, live or as a folder written by ``save_pretrained``."""
+    """GPTConfig values and the attnlab state dict of a transformers causal LM of one of
+    the :data:`GPT_LAYOUTS` (``GPT2LMHeadModel``, ``LlamaForCausalLM`` and its relatives
+    SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), live or as a folder
+    written by ``save_pretrained``."""
     cfg, state = _parts(model)
     kind = cfg.get("model_type")
-    if kind == "gpt2":
-        config = gpt2_config(cfg)
-        return config, gpt2_state(state, config, cfg)
-    if kind == "llama":
-        config = llama_config(cfg)
-        return config, llama_state(state, config)
-    raise ValueError(f"model.config.model_type={kind!r} is not supported (expected one of "
-                     f"{sorted(GPT_LAYOUTS)})")
+    if kind not in _GPT:
+        raise _unsupported(kind, "GPT")
+    _, make_config, make_state = _GPT[kind]
+    config = make_config(cfg)
+    return config, make_state(state, config, cfg)
 
 
 def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
-    """EncoderConfig values and the attnlab state dict of a ``BertModel``
-    (or a model with ``.bert``), live or as a folder written by ``save_pretrained``."""
+    """EncoderConfig values and the attnlab state dict of a ``BertModel``, ``RobertaModel``
+    or ``DistilBertModel`` (or a model holding one, such as ``BertForMaskedLM``), live or
+    as a folder written by ``save_pretrained``."""
     cfg, state = _parts(model)
     if cfg.get("model_type") not in ENCODER_LAYOUTS:
-        raise ValueError(f"model.config.model_type={cfg.get('model_type')!r} is not supported "
-                         f"(expected one of {sorted(ENCODER_LAYOUTS)})")
-    config = bert_config(cfg)
-    return config, bert_state(state, config)
+        raise _unsupported(cfg.get("model_type"), "Encoder")
+    return convert_encoder(cfg, state)

@@ -19,6 +19,7 @@ from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout
 from .gpt import _source
+from .outputs import with_extras
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EncoderConfig(Config):
     activation: str = "gelu"
     dropout: float = 0.0
     pad_id: int = 0
+    positions: str = "index"
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -41,6 +43,7 @@ class EncoderConfig(Config):
                      "d_ff", "type_vocab_size"):
             positive_int(f"EncoderConfig.{name}", getattr(self, name))
         one_of("EncoderConfig.activation", self.activation, ("gelu", "gelu_tanh", "relu"))
+        one_of("EncoderConfig.positions", self.positions, ("index", "roberta"))
 
 
 class EncoderBlock(nn.Module):
@@ -74,7 +77,9 @@ class Encoder(nn.Module):
         super().__init__()
         config = config or EncoderConfig(**kwargs)
         self.config = config
-        self.context_length = config.context_length
+        # RoBERTa's positions start after pad_id: fewer tokens fit its position table.
+        self.context_length = config.context_length - (
+            config.pad_id + 1 if config.positions == "roberta" else 0)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
                                     padding_idx=config.pad_id)
         self.pos_emb = nn.Embedding(config.context_length, config.d_model)
@@ -84,7 +89,8 @@ class Encoder(nn.Module):
 
     @classmethod
     def from_hf(cls, model) -> Encoder:
-        """An Encoder with the weights of a ``transformers`` ``BertModel`` or of a local
+        """An Encoder with the weights of a ``transformers`` ``BertModel``,
+        ``RobertaModel`` or ``DistilBertModel`` (or a model holding one), or of a local
         folder written by its ``save_pretrained`` (see :meth:`GPT.from_hf`)."""
         config, state = encoder_layout(model)
         config = EncoderConfig.from_dict(config)
@@ -94,11 +100,18 @@ class Encoder(nn.Module):
               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """BERT's embedding block: token ids ``(batch, seq)`` to hidden states
         ``(batch, seq, d_model)``, the LayerNorm of token + position + segment
-        embeddings (segment 0 unless ``token_type_ids`` is given). Dropout is applied
-        by :meth:`forward`."""
+        embeddings (segment 0 unless ``token_type_ids`` is given). Positions are
+        ``0 .. seq-1``, or with ``positions="roberta"`` RoBERTa's: ``pad_id + 1 + i`` for
+        the i-th non-padding token, ``pad_id`` for padding. Dropout is applied by
+        :meth:`forward`."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(ids)
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        if self.config.positions == "roberta":
+            # RoBERTa: real tokens count from pad_id + 1, padding tokens sit at pad_id.
+            real = (ids != self.config.pad_id).long()
+            positions = real.cumsum(1) * real + self.config.pad_id
+        else:
+            positions = torch.arange(ids.shape[1], device=ids.device)
         return self.emb_norm(self.tok_emb(ids) + self.pos_emb(positions)
                              + self.type_emb(token_type_ids))
 
@@ -109,6 +122,7 @@ class Encoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ):
         """Encode a padded batch.
 
@@ -118,9 +132,13 @@ class Encoder(nn.Module):
             token_type_ids: ``(batch, seq)`` segment ids (default zeros).
             output_attentions: also return one ``(batch, heads, seq, seq)`` weight
                 tensor per layer.
+            output_hidden_states: also return ``num_layers + 1`` tensors
+                ``(batch, seq, d_model)``: the embeddings (after their LayerNorm), then
+                each layer's output, as transformers' BERT does (the last is the output).
 
         Returns:
-            hidden states ``(batch, seq, d_model)``, or ``(hidden, attentions)``.
+            hidden states ``(batch, seq, d_model)``; with either flag a tuple: hidden,
+            then ``attentions`` if asked, then ``hidden_states`` if asked.
         """
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
             raise ValueError("ids must be a (batch, seq) integer tensor")
@@ -133,9 +151,11 @@ class Encoder(nn.Module):
         if attention_mask is not None:
             attention_mask = attention_mask.to(ids.device)
         mask = _masks.as_attention_mask(attention_mask, batch, seq)  # (B, 1, 1, T)
-        attentions = []
+        attentions, hidden = [], [x]
         for block in self.blocks:
             x, w = block(x, mask, output_attentions)
             if output_attentions:
                 attentions.append(w)
-        return (x, attentions) if output_attentions else x
+            hidden.append(x)
+        return with_extras(x, attentions if output_attentions else None,
+                           hidden if output_hidden_states else None)

@@ -23,6 +23,7 @@ from ..modules import MultiHeadAttention
 from ..modules.fused import FusedLinears
 from ..modules.layers import MLP, dropout, make_norm
 from .generation import GenerationMixin
+from .outputs import with_extras
 
 _CHOICES = {
     "positions": ("learned", "rope"),
@@ -141,6 +142,7 @@ class GPT(GenerationMixin, nn.Module):
         caches: list[KVCache] | None = None,
         positions: torch.Tensor | None = None,
         output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ):
         """Logits for every position.
 
@@ -154,9 +156,15 @@ class GPT(GenerationMixin, nn.Module):
                 ``past + arange(seq)``); left-padded batches pass their own.
             output_attentions: also return one ``(batch, heads, seq, past + seq)``
                 weight tensor per layer.
+            output_hidden_states: also return what flows between layers, as
+                transformers does for GPT-2 and Llama: ``num_layers + 1`` tensors
+                ``(batch, seq, d_model)``, the embeddings (the input of layer 0), then
+                each layer's output, the last one after the final norm (the input of
+                the output layer).
 
         Returns:
-            logits ``(batch, seq, vocab)``, or ``(logits, attentions)``.
+            logits ``(batch, seq, vocab)``; with either flag a tuple: logits, then
+            ``attentions`` (a list) if asked, then ``hidden_states`` (a list) if asked.
         """
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
             raise ValueError(
@@ -179,17 +187,20 @@ class GPT(GenerationMixin, nn.Module):
             positions = None  # learned positions were added by embed, not rotated
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
-        attentions = []
+        attentions, hidden = [], [x]
         for i, block in enumerate(self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
             if output_attentions:
                 attentions.append(w)
+            hidden.append(x)
         x = self.norm(x)
+        hidden[-1] = x  # transformers' convention: the last entry is after the final norm
         # Decoding one sequence reads the output layer from a cached (d_model, vocab)
         # copy: a one-row product streams it in order, much faster than F.linear's rows.
         (logits,) = self._fused_head(x, (self.lm_head,))
-        return (logits, attentions) if output_attentions else logits
+        return with_extras(logits, attentions if output_attentions else None,
+                           hidden if output_hidden_states else None)
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:
@@ -215,8 +226,9 @@ class GPT(GenerationMixin, nn.Module):
 
     @classmethod
     def from_hf(cls, model) -> GPT:
-        """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel`` or
-        ``LlamaForCausalLM``, or of a local folder written by their ``save_pretrained``
+        """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
+        ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM`` or
+        ``Qwen2ForCausalLM``, or of a local folder written by their ``save_pretrained``
         (safetensors only; nothing is downloaded).
 
         The weights are not copied where the layouts agree: a live model's tensors are

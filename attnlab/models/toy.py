@@ -18,6 +18,7 @@ from ..cache import KVCache
 from ..checks import Config, positive_int
 from ..modules import MultiHeadAttention
 from .generation import GenerationMixin
+from .outputs import with_extras
 
 
 @dataclass
@@ -73,10 +74,13 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         caches: list[KVCache] | None = None,
         positions: torch.Tensor | None = None,
         output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ):
         """Logits ``(batch, seq, vocab)``; with ``output_attentions`` also a list
-        with the head's weights ``(batch, 1, seq, past + seq)``. Arguments as
-        :meth:`attnlab.models.GPT.forward`."""
+        with the head's weights ``(batch, 1, seq, past + seq)``; with
+        ``output_hidden_states`` also ``[embeddings, embeddings + attention]``, each
+        ``(batch, seq, d_model)`` (the second is what the output layer reads).
+        Arguments and the order of the returned tuple as :meth:`attnlab.models.GPT.forward`."""
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
             raise ValueError("ids must be a (batch, seq) integer tensor")
         past = caches[0].seq_len if caches else 0
@@ -90,7 +94,9 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         mask = _masks.as_attention_mask(attention_mask, ids.shape[0], past + seq)
         a = self.attn(x, mask=mask, cache=caches[0] if caches else None,
                       return_weights=output_attentions)
+        w = None
         if output_attentions:
             a, w = a
-            return self.out(x + a), [w]
-        return self.out(x + a)
+        h = x + a
+        return with_extras(self.out(h), None if w is None else [w],
+                           [x, h] if output_hidden_states else None)

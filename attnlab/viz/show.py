@@ -11,10 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..checks import is_int
 from ..io import EXPLORER_FILE, HEATMAP_FILE, atomic_write_bytes
 from .explorer import write_html
-from .heatmap import heatmap, png_bytes, save_heatmaps
+from .heatmap import heatmap, heatmap_grid, png_bytes, save_heatmaps
+from .rollout import rollout as _rollout
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -59,7 +62,7 @@ def _pick(n: int, value: int | None, name: str) -> list[int]:
 
 def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike[str], *,
                    layer: int | None = None, head: int | None = None,
-                   title: str | None = None) -> dict[str, Path]:
+                   title: str | None = None, rollout: bool = False) -> dict[str, Path]:
     """Write ``attention.png`` and ``attention.html`` (``io.HEATMAP_FILE``,
     ``io.EXPLORER_FILE``) for ``text`` into directory ``out``.
 
@@ -71,6 +74,9 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         layer, head: restrict the PNG to one layer and/or head; the HTML explorer
             always holds every layer and head.
         title: heading of the explorer page (default: the text).
+        rollout: add the attention rollout (:func:`attnlab.viz.rollout`) as one more
+            layer after the last: the row labelled "rollout" in the PNG, the last
+            layer in the explorer (the same matrix in every head's place).
 
     Returns:
         ``{"png": path, "html": path}``.
@@ -81,10 +87,23 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     png = out / HEATMAP_FILE
-    if len(layers) == 1 and len(heads) == 1:
+    title = title or text
+    if rollout:
+        flow = _rollout(attentions)  # (seq, seq)
+        n_heads = attentions[0].shape[0]
+        rows = [np.asarray(attentions[i][heads].detach().float()) for i in layers]
+        rows.append(np.broadcast_to(flow, (len(heads), *flow.shape)))
+        fig = heatmap_grid(tokens, rows)
+        for ax in fig.axes:  # the last row is the rollout, not a layer of the model
+            if ax.get_ylabel() == f"layer {len(rows) - 1}":
+                ax.set_ylabel("rollout", rotation=0, ha="right", va="center")
+        atomic_write_bytes(png, png_bytes(fig, dpi=fig.dpi))
+        attentions = [*attentions, np.broadcast_to(flow, (n_heads, *flow.shape))]
+        title = f"{title} (last layer: attention rollout)"
+    elif len(layers) == 1 and len(heads) == 1:
         fig = heatmap(attentions[layers[0]][heads[0]], tokens)
         atomic_write_bytes(png, png_bytes(fig))
     else:
         save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
-    html = write_html(out / EXPLORER_FILE, tokens, attentions, title=title or text)
+    html = write_html(out / EXPLORER_FILE, tokens, attentions, title=title)
     return {"png": png, "html": Path(html)}

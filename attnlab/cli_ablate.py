@@ -1,0 +1,107 @@
+"""``attnlab ablate``: which model, which text, which experiment; then the report.
+
+- the model: ``--ckpt DIR`` (attnlab), ``--model minilm|DIR`` (Hugging Face folder),
+  or neither: the demo model is trained first;
+- the text: ``--text FILE``, else an attnlab checkpoint's held-out text (what
+  training recorded in its ``config.json``: the start of the last 10%); a Hugging
+  Face folder has none, so it needs ``--text``;
+- the experiment: ``--heads`` (the head-importance table, PNG and JSON),
+  ``--layer L [--head H]`` (one knock-out), or by default the Q/K/V and
+  uniform-attention report (decoders; with the dropout study for attnlab models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from . import experiments, heads
+from .interop.auto import load_for_cli
+
+
+def _eval_batch(args, model, tokenizer, meta: dict,
+                read_text: Callable[[str], str]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(ids, mask, where the text came from)``."""
+    if args.text is not None:
+        ids, mask = heads.batch_from_text(model, tokenizer, read_text(args.text))
+        return ids, mask, f"--text {args.text!r}"
+    if args.model is not None:
+        raise ValueError(f"--model {args.model!r} needs --text FILE to evaluate on (a Hugging "
+                         "Face folder records no held-out text)")
+    held = meta.get("held_out")
+    if isinstance(held, dict) and isinstance(held.get("ids"), list) and held["ids"]:
+        if not heads.is_decoder(model):
+            raise ValueError("this checkpoint is an encoder: pass --text FILE, one sentence "
+                             "a line")
+        ids, mask = heads.batch_from_ids(held["ids"], model.context_length)
+        return ids, mask, (f"the held-out part of the training text ({len(held['ids'])} of its "
+                           f"{held.get('tokens', '?')} tokens)")
+    if meta.get("demo"):  # a demo checkpoint from before training recorded its held-out text
+        ids = experiments.held_out_batch(tokenizer, seed=args.seed)
+        return ids, torch.ones_like(ids), "a fresh sample of the demo's pattern corpus"
+    raise ValueError(f"--ckpt {args.ckpt!r} records no held-out text (trained by an older "
+                     "attnlab): pass --text FILE")
+
+
+def _full_rows(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows without padding (the Q/K/V report takes an unpadded batch)."""
+    full = mask.bool().all(dim=1)
+    if full.any():
+        return ids[full]
+    return ids[:1, :int(mask[0].sum())]
+
+
+def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
+    from .demo import run_demo
+
+    if args.head is not None and args.layer is None:
+        raise ValueError("--head needs --layer L (the layer the head is in)")
+    if args.heads and args.layer is not None:
+        raise ValueError("--heads knocks out every head in turn; leave out --layer/--head")
+    ckpt = args.ckpt
+    if ckpt is None and args.model is None:
+        ckpt = args.out
+        print(f"training the demo model first (into {ckpt}/) ...")
+        run_demo(ckpt, seed=args.seed, log=lambda _msg: None)
+    model, tokenizer, meta = load_for_cli(ckpt, args.model)
+    ids, mask, source = _eval_batch(args, model, tokenizer, meta, read_text)
+    print(f"evaluating on {source}: {ids.shape[0]} row(s) of up to {ids.shape[1]} tokens")
+    if args.heads:
+        results = heads.head_importance(model, ids, mask)
+        print(heads.format_head_table(results))
+        from .viz import save_head_importance
+
+        png = save_head_importance(args.png, {"head output zeroed": results["zero"],
+                                              "uniform attention": results["uniform"]},
+                                   measure=results["measure"])
+        print(f"wrote {png}")
+    elif args.layer is not None:
+        layers = heads.attention_layers(model)
+        if not 0 <= args.layer < len(layers):
+            raise ValueError(f"--layer must be in [0, {len(layers) - 1}] (the model has "
+                             f"{len(layers)} layers), got {args.layer}")
+        chosen = ([args.head] if args.head is not None
+                  else list(range(layers[args.layer].num_heads)))
+        results = heads.knockout(model, ids, mask, [(args.layer, h) for h in chosen])
+        what = (f"layer {args.layer} head {args.head}" if args.head is not None
+                else f"every head of layer {args.layer}")
+        print(heads.format_knockout(results, what))
+    else:
+        if not heads.is_decoder(model):
+            raise ValueError(f"the Q/K/V report measures next-token loss, which an encoder "
+                             f"({type(model).__name__}) does not have: use --heads or "
+                             "--layer L [--head H]")
+        results = experiments.run_all(model, _full_rows(ids, mask), seed=args.seed,
+                                      dropout_steps=None if args.model else 200)
+        print(experiments.format_report(results))
+    if args.json:
+        from .io import atomic_write_json
+
+        atomic_write_json(args.json, results)
+        print(f"wrote {args.json}")
+    else:
+        print(json.dumps(results, indent=1))
+    return 0

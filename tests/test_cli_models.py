@@ -1,0 +1,153 @@
+"""`show`, `generate` and `ablate` on any model: a Hugging Face folder (--model DIR), an
+attnlab checkpoint trained on the user's own text (--ckpt DIR), the bundled MiniLM."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+
+from attnlab.cli import main  # noqa: E402
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "on", "mat", "a", "dog",
+         "ran", "to", "park", "and", "slept", "."]
+
+
+def _tokenizer(folder, special=False):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if special:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "gpt2"
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(T.GPT2Config(vocab_size=len(WORDS), n_positions=32, n_embd=32, n_layer=2,
+                                   n_head=4)).save_pretrained(folder)
+    _tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "bert"
+    torch.manual_seed(0)
+    T.BertModel(T.BertConfig(vocab_size=len(WORDS), hidden_size=24, num_hidden_layers=2,
+                             num_attention_heads=3, intermediate_size=48,
+                             max_position_embeddings=32)).save_pretrained(folder)
+    _tokenizer(folder, special=True)
+    return folder
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "eval.txt"
+    path.write_text("the cat sat on the mat .\na dog ran to the park and slept .\n"
+                    "the dog sat on a mat .\n")
+    return path
+
+
+def test_show_a_folder_with_rollout(gpt2_dir, tmp_path, capsys):
+    assert main(["show", "the cat sat on the mat", "--model", str(gpt2_dir), "--rollout",
+                 "--out", str(tmp_path / "s")]) == 0
+    html = (tmp_path / "s" / "attention.html").read_text()
+    assert "attention rollout" in html and '"layers":3' in html  # 2 layers + the rollout
+    assert (tmp_path / "s" / "attention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_generate_from_a_folder_is_transformers_greedy(gpt2_dir, capsys):
+    assert main(["generate", "--model", str(gpt2_dir), "--prompt", "the cat",
+                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out.strip()
+    hf = T.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    want = hf.generate(torch.tensor([[4, 5]]), max_new_tokens=6, min_new_tokens=6,
+                       do_sample=False, pad_token_id=0)[0, 2:]
+    assert out == "the cat" + "".join(WORDS[i] for i in want.tolist())
+
+
+def test_ablate_heads_on_a_folder(gpt2_dir, text_file, tmp_path, capsys):
+    png, js = tmp_path / "h.png", tmp_path / "h.json"
+    assert main(["ablate", "--model", str(gpt2_dir), "--text", str(text_file), "--heads",
+                 "--png", str(png), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    table = json.loads(js.read_text())
+    assert table["measure"] == "loss" and len(table["zero"]) == 2 and len(table["zero"][0]) == 4
+    assert "head output zeroed" in out and f"{table['uniform'][1][2]:+.4f}" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ablate_one_head_and_one_layer(gpt2_dir, text_file, tmp_path, capsys):
+    js = tmp_path / "k.json"
+    assert main(["ablate", "--model", str(gpt2_dir), "--text", str(text_file), "--layer", "1",
+                 "--head", "2", "--json", str(js)]) == 0
+    one = json.loads(js.read_text())
+    assert one["heads"] == [[1, 2]] and "layer 1 head 2 knocked out" in capsys.readouterr().out
+    assert main(["ablate", "--model", str(gpt2_dir), "--text", str(text_file), "--layer", "0",
+                 "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["heads"] == [[0, h] for h in range(4)]
+
+
+def test_ablate_an_encoder_folder_by_embedding_change(bert_dir, text_file, tmp_path, capsys):
+    js = tmp_path / "e.json"
+    assert main(["ablate", "--model", str(bert_dir), "--text", str(text_file), "--heads",
+                 "--png", str(tmp_path / "e.png"), "--json", str(js)]) == 0
+    table = json.loads(js.read_text())
+    assert table["measure"] == "embedding_change" and table["baseline"] == pytest.approx(0)
+    assert min(min(r) for r in table["zero"]) >= 0 and max(max(r) for r in table["zero"]) > 0
+    assert main(["ablate", "--model", str(bert_dir), "--text", str(text_file)]) == 2
+    err = capsys.readouterr().err
+    assert "next-token loss, which an encoder (Encoder) does not have: use --heads" in err
+
+
+def _err(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_the_wrong_option_for_a_folder_says_which_one(gpt2_dir, tmp_path, capsys):
+    assert "is a Hugging Face folder (model_type 'gpt2'): use --model" in _err(
+        capsys, "show", "the cat", "--ckpt", str(gpt2_dir))
+    assert "needs --text FILE" in _err(capsys, "ablate", "--model", str(gpt2_dir), "--heads")
+    assert "--head needs --layer" in _err(capsys, "ablate", "--model", str(gpt2_dir),
+                                          "--head", "1")
+    assert "give --ckpt DIR" in _err(capsys, "generate", "--prompt", "x")
+    (tmp_path / "neox").mkdir()
+    (tmp_path / "neox" / "config.json").write_text('{"model_type": "gpt_neox"}')
+    assert "model_type 'gpt_neox' is not supported (expected one of ['gpt2'" in _err(
+        capsys, "show", "x", "--model", str(tmp_path / "neox"))
+
+
+def test_ablate_a_checkpoint_trained_on_my_own_text(tmp_path, capsys):
+    """The issue's case: a model trained on text the demo corpus lacks ('z', 'b', ...) is
+    evaluated on the held-out part of its own text, which training recorded."""
+    from attnlab.models import ToyAttnLM
+    from attnlab.text import CharTokenizer
+    from attnlab.training import TrainConfig, split, train
+
+    text = "zebras bring bright zebu breakfasts; " * 40
+    tok = CharTokenizer.from_text(text)
+    torch.manual_seed(0)
+    model = ToyAttnLM(vocab_size=tok.vocab_size, context_length=16, d_model=16)
+    tokens = torch.tensor(tok.encode(text))
+    train(model, tokens, TrainConfig(steps=5, batch_size=4, context=16), out=tmp_path / "run",
+          tokenizer=tok, progress=False, log=None)
+    meta = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert meta["held_out"]["ids"] == split(tokens, 16)[1].tolist()
+    js = tmp_path / "r.json"
+    assert main(["ablate", "--ckpt", str(tmp_path / "run"), "--heads", "--png",
+                 str(tmp_path / "r.png"), "--json", str(js)]) == 0
+    assert "the held-out part of the training text" in capsys.readouterr().out
+    assert json.loads(js.read_text())["layers"] == 1
