@@ -11,6 +11,7 @@ import io
 import math
 import os
 import pathlib
+import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..io import atomic_write_bytes
 from .data import as_layers, as_matrix
+from .fonts import font_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -39,8 +41,13 @@ def _label_fontsize(n: int, span_inches: float) -> float:
 
 def _label_extent(tokens: Sequence[str], fontsize: float) -> float:
     """Roughly how many inches the longest tick label takes along its length."""
-    longest = max((len(t) for t in tokens), default=1)
-    return min(longest, 24) * fontsize * 0.62 / 72.0 + 0.1
+    longest = max((_text_width(t) for t in tokens), default=1.0)
+    return min(longest, 24.0) * fontsize * 0.62 / 72.0 + 0.1
+
+
+def _text_width(text: str) -> float:
+    """Width of ``text`` in average Latin characters: CJK and emoji are full width (~1.6)."""
+    return sum(1.6 if unicodedata.east_asian_width(c) in "WF" else 1.0 for c in text)
 
 
 def _label_step(n: int) -> int:
@@ -95,6 +102,11 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
             values, or ``len(tokens) != k_len``.
     """
     w, tokens = as_matrix(weights, tokens)
+    with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
+        return _heatmap(w, tokens, ax)
+
+
+def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None) -> Figure:
     q_len, k_len = w.shape
 
     span = float(np.clip(2.0 + 0.12 * k_len, 4.0, 17.0))  # inches for the matrix itself
@@ -125,6 +137,11 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any) -> Figure:
     The figure holds ``layers * heads`` heatmap Axes plus the colour bar.
     """
     data, tokens = as_layers(attentions, tokens)
+    with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
+        return _grid(data, tokens)
+
+
+def _grid(data: np.ndarray, tokens: list[str]) -> Figure:
     n_layers, n_heads, q_len, k_len = data.shape
 
     cell = float(np.clip(1.0 + 0.022 * k_len, 1.6, 4.0))
@@ -176,7 +193,11 @@ def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
     """``fig`` rendered as PNG bytes, in memory, so the file is then written in one
     atomic step (:func:`attnlab.io.atomic_write_bytes`)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", **savefig_kw)
+    from matplotlib.text import Text
+
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    with font_context(texts):  # glyph warnings for what the hint already named stay quiet
+        fig.savefig(buf, format="png", **savefig_kw)
     return buf.getvalue()
 
 
