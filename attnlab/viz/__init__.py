@@ -3,15 +3,19 @@
 - :func:`heatmap` draws one ``(q_len, k_len)`` matrix and returns the Figure;
 - :func:`heatmap_grid` / :func:`save_heatmaps` draw every layer x head as one PNG;
 - :func:`write_html` writes the interactive explorer, one self-contained HTML file;
+- :func:`explorer` returns the explorer as an object a notebook shows inline;
 - :func:`show_attention` runs a model on a text and writes both.
+
+Labels in any script are drawn with the installed fonts (:mod:`.fonts`).
 
 ``attentions`` everywhere is a sequence (one per layer) of ``(heads, q_len, k_len)``
 torch tensors or NumPy arrays; neither torch nor matplotlib is imported until used.
 """
 
-from .explorer import render_html, write_html
+from .explorer import Explorer, explorer, render_html, write_html
+from .fonts import font_context, label_fonts
 from .heatmap import heatmap, heatmap_grid, save_heatmaps
 from .show import capture, show_attention
 
 __all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html", "capture",
-           "show_attention"]
+           "show_attention", "explorer", "Explorer", "font_context", "label_fonts"]

@@ -8,32 +8,45 @@ Duck-typed on purpose: any attnlab model whose forward takes
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..checks import is_int
 from ..io import EXPLORER_FILE, HEATMAP_FILE, atomic_write_bytes
-from .explorer import write_html
+from ..text.labels import token_labels, unknown_note
+from .explorer import Explorer
 from .heatmap import heatmap, png_bytes, save_heatmaps
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
-    """One display string per id (special tokens such as ``[CLS]`` included)."""
+    """One display string per id (special tokens such as ``[CLS]`` included), for ids
+    without their text; :func:`capture` labels tokens from the text itself instead."""
     if hasattr(tokenizer, "id_to_token"):
         return [tokenizer.id_to_token(i) for i in ids]
     return [tokenizer.decode([i]) for i in ids]
 
 
-def capture(model: Any, tokenizer: Any, text: str) -> tuple[list[str], list]:
-    """Tokens of ``text`` and the model's weights: one ``(heads, seq, seq)`` tensor per layer."""
+def capture(model: Any, tokenizer: Any, text: str, *,
+            log: Callable[[str], None] | None = None) -> tuple[list[str], list]:
+    """Tokens of ``text`` and the model's weights: one ``(heads, seq, seq)`` tensor per layer.
+
+    The tokens are readable labels, the text each token covers
+    (:func:`attnlab.text.labels.token_labels`). When a notable share of them is
+    the unknown token, one line saying so goes to ``log`` (default: stderr).
+    """
     import torch
 
     if not isinstance(text, str) or not text:
         raise ValueError(f"text must be a non-empty string, got {text!r}")
-    ids = tokenizer.encode(text)
+    ids, labels = token_labels(tokenizer, text)
     limit = getattr(model, "context_length", None)
     if limit is not None and len(ids) > limit:
         raise ValueError(f"text is {len(ids)} tokens but the model's context_length is {limit}")
+    note = unknown_note(tokenizer, ids, text)
+    if note is not None:
+        (log or _stderr)(f"note: {note}")
     was_training = model.training
     model.eval()
     try:
@@ -41,7 +54,22 @@ def capture(model: Any, tokenizer: Any, text: str) -> tuple[list[str], list]:
             _, attentions = model(torch.tensor([ids]), output_attentions=True)
     finally:
         model.train(was_training)
-    return token_strings(tokenizer, ids), [a[0] for a in attentions]
+    return labels, [a[0] for a in attentions]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+class ShowResult(dict):
+    """``{"png": path, "html": path}``, which a notebook displays as the explorer itself."""
+
+    def __init__(self, png: Path, html: Path, explorer: Explorer) -> None:
+        super().__init__(png=png, html=html)
+        self.explorer = explorer
+
+    def _repr_html_(self) -> str:
+        return self.explorer._repr_html_()
 
 
 def _pick(n: int, value: int | None, name: str) -> list[int]:
@@ -59,7 +87,8 @@ def _pick(n: int, value: int | None, name: str) -> list[int]:
 
 def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike[str], *,
                    layer: int | None = None, head: int | None = None,
-                   title: str | None = None) -> dict[str, Path]:
+                   title: str | None = None,
+                   log: Callable[[str], None] | None = None) -> ShowResult:
     """Write ``attention.png`` and ``attention.html`` (``io.HEATMAP_FILE``,
     ``io.EXPLORER_FILE``) for ``text`` into directory ``out``.
 
@@ -71,11 +100,12 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         layer, head: restrict the PNG to one layer and/or head; the HTML explorer
             always holds every layer and head.
         title: heading of the explorer page (default: the text).
+        log: where the one-line unknown-token note goes (default: stderr).
 
     Returns:
-        ``{"png": path, "html": path}``.
+        ``{"png": path, "html": path}``; in a notebook it displays as the explorer.
     """
-    tokens, attentions = capture(model, tokenizer, text)
+    tokens, attentions = capture(model, tokenizer, text, log=log)
     layers = _pick(len(attentions), layer, "layer")
     heads = _pick(attentions[0].shape[0], head, "head")
     out = Path(out)
@@ -86,5 +116,5 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         atomic_write_bytes(png, png_bytes(fig))
     else:
         save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
-    html = write_html(out / EXPLORER_FILE, tokens, attentions, title=title or text)
-    return {"png": png, "html": Path(html)}
+    page = Explorer(tokens, attentions, title=title or text)
+    return ShowResult(png, page.save(out / EXPLORER_FILE), page)
