@@ -139,14 +139,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(args.prompt)
-
-    def emit(token):
-        sys.stdout.write(tokenizer.decode([int(token[0])]))
+    sys.stdout.flush()
+    # Text pieces, not one decode per token: a character split over several byte-level
+    # tokens is printed once it is whole, never as U+FFFD.
+    for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, generator=gen,
+                              use_cache=len(ids) + args.max_new_tokens <= model.context_length,
+                              tokenizer=tokenizer):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-
-    model.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, generator=gen, on_token=emit,
-                   use_cache=len(ids) + args.max_new_tokens <= model.context_length)
     sys.stdout.write("\n")
     return 0
 
