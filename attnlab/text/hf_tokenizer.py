@@ -79,6 +79,14 @@ class HFTokenizer(Tokenizer):
         return cls(raw)
 
     @classmethod
+    def _from_file_data(cls, path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
+        """A file written by :meth:`save`, or a plain Hugging Face ``tokenizer.json``
+        (no ``"type"``, a ``"model"``), as most people have it."""
+        if data.get("type") is None and "model" in data:
+            return cls._from_raw(path, data)
+        return super()._from_file_data(path, data)
+
+    @classmethod
     def _from_raw(cls, path: PathLike, data: Mapping[str, Any]) -> HFTokenizer:
         """Build from a raw ``tokenizer.json`` (no ``"type"``) that the caller has read.
 
