@@ -7,6 +7,7 @@ keeps its settings for :meth:`HFTokenizer.save`, and gives it the same
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -102,6 +103,12 @@ class HFTokenizer(Tokenizer):
                 f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
             ) from exc
         return cls(raw)
+
+    @functools.cached_property
+    def spec(self) -> dict[str, Any]:
+        """The ``tokenizer.json`` as a dict (``model``, ``pre_tokenizer``, ``decoder``...),
+        parsed once: what :mod:`attnlab.text.labels` reads to label tokens."""
+        return json.loads(self._json)
 
     @property
     def backend(self) -> Any:

@@ -80,8 +80,14 @@ def _has_type(node: Any, kind: str) -> bool:
     return False
 
 
+def _spec(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer.json of an HFTokenizer as a dict (cached on it when it can be)."""
+    spec = getattr(tokenizer, "spec", None)
+    return spec if isinstance(spec, dict) else json.loads(tokenizer.backend.to_str())
+
+
 def _hf_labels(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
-    spec = json.loads(tokenizer.backend.to_str())
+    spec = _spec(tokenizer)
     byte_level = _has_type(spec.get("pre_tokenizer"), "ByteLevel") or _has_type(
         spec.get("decoder"), "ByteLevel")
     prefix = (spec.get("model") or {}).get("continuing_subword_prefix") or ""
@@ -115,8 +121,7 @@ def token_labels(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
 def unk_id(tokenizer: Any) -> int | None:
     """Id of the tokenizer's unknown token, or None when it has none (characters, bytes)."""
     if hasattr(tokenizer, "backend"):
-        spec = json.loads(tokenizer.backend.to_str())
-        token = (spec.get("model") or {}).get("unk_token")
+        token = (_spec(tokenizer).get("model") or {}).get("unk_token")
         return None if token is None else tokenizer.backend.token_to_id(token)
     return getattr(tokenizer, "unk_id", None)
 
