@@ -115,3 +115,15 @@ def test_without_a_cjk_font_one_line_names_the_package_and_the_picture_is_writte
     assert "fonts-noto-cjk" in err[0] and "macOS" in err[0] and "Windows" in err[0]
     assert glyph_warnings(record) == []
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_a_grid_of_one_chosen_layer_is_numbered_as_that_layer_with_readable_labels():
+    fig = viz.heatmap_grid(SENTENCE, [np.stack([weights(len(SENTENCE))] * 2)],
+                           layer_ids=[3], head_ids=[1, 2])
+    cells = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert cells[0].get_ylabel() == "layer 3"
+    assert [ax.get_title() for ax in cells] == ["head 1", "head 2"]
+    sizes = {t.get_fontsize() for t in cells[0].get_yticklabels()}
+    assert min(sizes) >= 7.0  # 18 CJK labels stay legible
+    with pytest.raises(ValueError, match="layer_ids: expected 1 numbers"):
+        viz.heatmap_grid(SENTENCE, [weights(len(SENTENCE))[None]], layer_ids=[1, 2])

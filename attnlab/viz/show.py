@@ -115,6 +115,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         fig = heatmap(attentions[layers[0]][heads[0]], tokens)
         atomic_write_bytes(png, png_bytes(fig))
     else:
-        save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
+        save_heatmaps(png, tokens, [attentions[i][heads] for i in layers], layer_ids=layers,
+                      head_ids=heads)
     page = Explorer(tokens, attentions, title=title or text)
     return ShowResult(png, page.save(out / EXPLORER_FILE), page)
