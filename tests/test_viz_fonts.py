@@ -127,3 +127,12 @@ def test_a_grid_of_one_chosen_layer_is_numbered_as_that_layer_with_readable_labe
     assert min(sizes) >= 7.0  # 18 CJK labels stay legible
     with pytest.raises(ValueError, match="layer_ids: expected 1 numbers"):
         viz.heatmap_grid(SENTENCE, [weights(len(SENTENCE))[None]], layer_ids=[1, 2])
+
+
+def test_single_character_labels_stand_upright_and_words_turn():
+    ax = next(a for a in viz.heatmap(weights(4), list("注意力机")).axes
+              if a.get_label() != "<colorbar>")
+    assert {t.get_rotation() for t in ax.get_xticklabels()} == {0.0}
+    ax = next(a for a in viz.heatmap(weights(2), ["注意力", "cat"]).axes
+              if a.get_label() != "<colorbar>")
+    assert {t.get_rotation() for t in ax.get_xticklabels()} == {90.0}

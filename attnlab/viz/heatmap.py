@@ -74,6 +74,8 @@ def _set_token_ticks(ax: Axes, x_tokens: Sequence[str], y_tokens: Sequence[str],
         step = _label_step(len(tokens))
         idx = list(range(0, len(tokens), step))
         set_ticks(idx)
+        if max((_text_width(tokens[i]) for i in idx), default=0.0) <= 2.0:
+            rotation = 0  # one CJK character or two Latin ones: upright, as it is read
         # parse_math=False: a token such as "$x$" is text, not TeX.
         set_labels([tokens[i] for i in idx], fontsize=fontsize, rotation=rotation,
                    parse_math=False)
