@@ -75,6 +75,8 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer
 def read_config(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     recover_dir(directory)
+    if directory.is_file():
+        raise CheckpointError(f"{str(directory)!r} is a file, expected a checkpoint directory")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
     return read_json(directory / CONFIG_FILE)

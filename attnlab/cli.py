@@ -1,7 +1,9 @@
 """The ``attnlab`` command: parses arguments and calls library functions, nothing more.
 
 Every ``ValueError``/``TypeError`` (and the library's own checkpoint errors,
-which are ValueErrors) becomes one line on stderr and exit status 2.
+which are ValueErrors) becomes one line on stderr and exit status 2. A bare
+``attnlab`` is a usage error too: it prints the usage and the list of commands
+on stderr and exits with status 2. Every option's help shows its default.
 """
 
 from __future__ import annotations
@@ -42,7 +44,24 @@ def _seed(text: str) -> int:
             f"expected an integer in [0, 2**63), got {text!r}") from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; "off" for a flag, "none" for no value,
+    unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None or action.default is False:
+            return f"{text} (default: {'off' if action.default is False else 'none'})".strip()
+        return f"{text} (default: %(default)s)".strip()
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
@@ -138,14 +157,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(args.prompt)
-
-    def emit(token):
-        sys.stdout.write(tokenizer.decode([int(token[0])]))
+    sys.stdout.flush()
+    # Text pieces, not one decode per token: a character split over several byte-level
+    # tokens is printed once it is whole, never as U+FFFD.
+    for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, generator=gen,
+                              use_cache=len(ids) + args.max_new_tokens <= model.context_length,
+                              tokenizer=tokenizer):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-
-    model.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, generator=gen, on_token=emit,
-                   use_cache=len(ids) + args.max_new_tokens <= model.context_length)
     sys.stdout.write("\n")
     return 0
 
@@ -192,31 +212,38 @@ def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="attnlab", description="Attention mechanisms: exact, fast, visible.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from ._version import __version__
+
+    parser = _Parser(prog="attnlab", description="Attention mechanisms: exact, fast, visible.",
+                     epilog="Run 'attnlab COMMAND --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    # Not required: a bare ``attnlab`` gets the full usage (main), not argparse's one line.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="train the toy model on the built-in corpus, show what "
                           "it learned")
     demo.add_argument("--out", default="attnlab-demo", help="output directory")
-    demo.add_argument("--steps", type=_positive_int, default=400)
-    demo.add_argument("--seed", type=_seed, default=0)
+    demo.add_argument("--steps", type=_positive_int, default=400, help="training steps")
+    demo.add_argument("--seed", type=_seed, default=0, help="random seed")
     demo.add_argument("--worked-example", action="store_true",
                       help="print the 2x2 worked example of attention, step by step, instead")
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train a model on the built-in corpus or --text FILE; "
                            "--resume")
-    train.add_argument("--text", metavar="FILE", help="UTF-8 text to train on (char-level)")
-    train.add_argument("--model", choices=["toy", "gpt"], default="gpt")
+    train.add_argument("--text", metavar="FILE",
+                       help="UTF-8 text to train on, char-level (default: the built-in corpus)")
+    train.add_argument("--model", choices=["toy", "gpt"], default="gpt", help="which model")
     train.add_argument("--steps", type=_positive_int, default=500, help="total steps")
-    train.add_argument("--batch-size", type=_positive_int, default=32)
-    train.add_argument("--context", type=_positive_int, default=128)
-    train.add_argument("--lr", type=_positive_float, default=3e-3)
-    train.add_argument("--seed", type=_seed, default=0)
+    train.add_argument("--batch-size", type=_positive_int, default=32, help="rows per step")
+    train.add_argument("--context", type=_positive_int, default=128,
+                       help="tokens per row (and the model's context length)")
+    train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
+    train.add_argument("--seed", type=_seed, default=0, help="random seed")
     train.add_argument("--out", default="attnlab-train", help="checkpoint directory")
     train.add_argument("--checkpoint-every", type=_positive_int, default=None,
-                       help="steps between checkpoints (default: a tenth of --steps), so a "
-                            "killed run can --resume")
+                       help="steps between checkpoints, so a killed run can --resume "
+                            "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
     train.set_defaults(func=cmd_train)
@@ -224,29 +251,36 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face "
                               "folder (--model DIR)")
     _model_options(generate, minilm=False)
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=_positive_int, default=100)
-    generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--top-k", type=_positive_int, default=None)
-    generate.add_argument("--top-p", type=_positive_float, default=None)
-    generate.add_argument("--seed", type=_seed, default=0)
+    generate.add_argument("--prompt", required=True, help="text to continue (required)")
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=100,
+                          help="tokens to add")
+    generate.add_argument("--temperature", type=float, default=1.0,
+                          help="sampling temperature; 0 = greedy")
+    generate.add_argument("--top-k", type=_positive_int, default=None,
+                          help="sample among the k most likely tokens only (default: all)")
+    generate.add_argument("--top-p", type=_positive_float, default=None,
+                          help="nucleus sampling: the most likely tokens up to probability p "
+                               "(default: all)")
+    generate.add_argument("--seed", type=_seed, default=0, help="random seed")
     generate.set_defaults(func=cmd_generate)
 
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
                           "HTML explorer")
-    show.add_argument("text")
+    show.add_argument("text", help="the text to look at (any script)")
     _model_options(show)
     show.add_argument("--rollout", action="store_true",
                       help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
-    show.add_argument("--layer", type=int, default=None, help="only this layer in the PNG")
-    show.add_argument("--head", type=int, default=None, help="only this head in the PNG")
+    show.add_argument("--layer", type=int, default=None,
+                      help="only this layer in the PNG (default: every layer)")
+    show.add_argument("--head", type=int, default=None,
+                      help="only this head in the PNG (default: every head)")
     show.add_argument("--out", default="attnlab-show", help="output directory")
     show.set_defaults(func=cmd_show)
 
     ablate = sub.add_parser("ablate", help="the Q/K/V, uniform-attention and per-head "
                             "experiments, as a report")
     _model_options(ablate, ckpt_help="a trained attnlab checkpoint (default: train the demo "
-                   "model first)")
+                   "model first, about a minute)")
     ablate.add_argument("--text", metavar="FILE",
                         help="UTF-8 text to evaluate on (an encoder: one sentence a line); "
                              "default: the checkpoint's held-out text; required with --model")
@@ -257,19 +291,21 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--head", type=int, default=None, help="with --layer: only this head")
     ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
                         help="where --heads draws its layer x head heatmap")
-    ablate.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ablate.add_argument("--json", metavar="FILE",
+                        help="also write the results as JSON to FILE ('-': print them)")
     ablate.add_argument("--out", default="attnlab-demo",
                         help="where the demo model is trained when no --ckpt is given")
-    ablate.add_argument("--seed", type=int, default=0)
+    ablate.add_argument("--seed", type=int, default=0, help="random seed")
     ablate.set_defaults(func=cmd_ablate)
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",
                        choices=["attention", "modules", "generate", "encode"],
-                       help="suite to run (repeatable; default: all)")
+                       help="suite to run, repeatable (default: all)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
     bench.add_argument("--case", metavar="TEXT",
-                       help="only the cases whose name contains TEXT, e.g. 'T=4096 causal'")
+                       help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "
+                            "(default: all)")
     bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the per-case memory subprocesses")
@@ -286,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `attnlab`: what it can do, as a usage error
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as exc:

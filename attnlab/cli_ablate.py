@@ -21,6 +21,8 @@ import torch
 from . import experiments, heads
 from .interop.auto import load_for_cli
 
+_DEMO_STEPS = 400  # the demo's own length: ~45 s of CPU time, about a minute on a laptop
+
 
 def _eval_batch(args, model, tokenizer, meta: dict,
                 read_text: Callable[[str], str]) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -64,8 +66,9 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
     ckpt = args.ckpt
     if ckpt is None and args.model is None:
         ckpt = args.out
-        print(f"training the demo model first (into {ckpt}/) ...")
-        run_demo(ckpt, seed=args.seed, log=lambda _msg: None)
+        print(f"no --ckpt: training the demo model first ({_DEMO_STEPS} steps into {ckpt}/, "
+              "about a minute on a laptop CPU) ...", flush=True)
+        run_demo(ckpt, steps=_DEMO_STEPS, seed=args.seed, log=lambda _msg: None)
     model, tokenizer, meta = load_for_cli(ckpt, args.model)
     ids, mask, source = _eval_batch(args, model, tokenizer, meta, read_text)
     print(f"evaluating on {source}: {ids.shape[0]} row(s) of up to {ids.shape[1]} tokens")
@@ -97,11 +100,11 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
         results = experiments.run_all(model, _full_rows(ids, mask), seed=args.seed,
                                       dropout_steps=None if args.model else 200)
         print(experiments.format_report(results))
-    if args.json:
+    if args.json == "-":
+        print(json.dumps(results, indent=1))
+    elif args.json:
         from .io import atomic_write_json
 
         atomic_write_json(args.json, results)
         print(f"wrote {args.json}")
-    else:
-        print(json.dumps(results, indent=1))
     return 0

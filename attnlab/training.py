@@ -176,6 +176,54 @@ def _mean_across(value: torch.Tensor, world: int) -> float:
     return float(value)
 
 
+# ------------------------------------------------------------------ progress
+
+#: Without a terminal (a pipe, a log file, CI) a progress line is printed at every
+#: tenth of the run, and at least this often in seconds while a tenth takes longer.
+PIPE_PROGRESS_SECONDS = 10.0
+
+
+class _Progress:
+    """Where a run shows its progress on stderr: a tqdm bar on a terminal, else plain
+    lines at a steady pace (a bar redrawn into a pipe would be one endless line)."""
+
+    def __init__(self, cfg: TrainConfig, step: int) -> None:
+        self.total = cfg.steps
+        self.every = max(1, cfg.steps // 10)
+        self.last = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step",
+                            leave=False)
+
+    def through_bar(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """``log`` wrapped so the bar is cleared before the line and redrawn after it."""
+        from tqdm import tqdm
+
+        def write(msg: str) -> None:
+            with tqdm.external_write_mode():
+                log(msg)
+        return write
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        if step % self.every == 0 or step == self.total or now - self.last >= PIPE_PROGRESS_SECONDS:
+            self.last = now
+            width = len(str(self.total))
+            print(f"train {step:{width}d}/{self.total} steps  loss {loss:.4f}  "
+                  f"{tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 # ------------------------------------------------------------------ the loop
 
 
@@ -205,7 +253,9 @@ def train(
             killed before its first checkpoint) start from step 0, with a note on
             stderr. The saved settings must match ``cfg`` (see RESUMABLE_CHANGES).
         tokenizer: saved beside the model as ``tokenizer.json``.
-        progress: show a tqdm bar (on a terminal, rank 0).
+        progress: show progress on stderr (rank 0): a tqdm bar on a terminal, with the
+            eval lines written above it; else a plain line at every tenth of the run
+            and at least every :data:`PIPE_PROGRESS_SECONDS`.
         log: where eval lines go (rank 0); None for silence.
         meta: extra JSON fields for ``config.json``.
 
@@ -229,10 +279,12 @@ def train(
     step, history, resumed_from = 0, [], None
     if out is not None and rank == 0:
         check_out_dir(out)
+    say = log if (log is not None and rank == 0) else (lambda _msg: None)
     if resume:
         if out is not None and has_checkpoint(out):
             step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
             resumed_from = step
+            say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
         elif rank == 0:
             nothing_to_resume(out, log)
     wrapped = model
@@ -240,12 +292,9 @@ def train(
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = cfg.batch_size // world
-    say = log if (log is not None and rank == 0) else (lambda _msg: None)
-    bar = None
-    if progress and rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", leave=False)
+    show = _Progress(cfg, step) if progress and rank == 0 else None
+    if show is not None and show.bar is not None:
+        say = show.through_bar(say)  # lines above the bar, never through it
     meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(eval_stream)}
     start, start_step = time.perf_counter(), step
     model.train()
@@ -267,17 +316,16 @@ def train(
             eval_loss = evaluate(model, eval_stream, cfg)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
         history.append([step, train_loss, eval_loss])
-        if bar is not None:
+        if show is not None:
             elapsed = time.perf_counter() - start
-            tps = (step - start_step) * cfg.batch_size * cfg.context / max(elapsed, 1e-9)
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tps:,.0f}")
-            bar.update(1)
+            show.step(step, train_loss,
+                      (step - start_step) * cfg.batch_size * cfg.context / max(elapsed, 1e-9))
         due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
             checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
                                            history, tokenizer, meta)
-    if bar is not None:
-        bar.close()
+    if show is not None:
+        show.close()
     seconds = time.perf_counter() - start
     trained = step - start_step
     evals = [h[2] for h in history if h[2] is not None]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "attnlab"
 # plain-data layout code of interop/hf.py), the layer sits lower, so the models
 # can call down into interop.hf for ``from_hf`` without a cycle.
 LAYERS = {
-    "attnlab.checks": 0, "attnlab.io": 0, "attnlab.reference": 0,
+    "attnlab.checks": 0, "attnlab.io": 0, "attnlab.reference": 0, "attnlab._version": 0,
     "attnlab.masks": 1, "attnlab.rope": 1, "attnlab.cache": 1, "attnlab.text": 1,
     "attnlab.viz": 1, "attnlab.interop": 1, "attnlab.interop.hf": 1,
     "attnlab._tiled": 2, "attnlab._native": 2, "attnlab._flash": 2, "attnlab.functional": 2,

@@ -389,7 +389,8 @@ def test_show_layer_and_head_restrict_the_png(gpt_ckpt, tmp_path, capsys, layer,
     if layer is not None and head is not None:
         want = png_pixels(viz.heatmap(attentions[layer][head], tokens))
     else:
-        viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_])
+        viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_],
+                          layer_ids=list(layers_), head_ids=heads)  # rows say which layer
         want = png_pixels(tmp_path / "want.png")
     got = png_pixels(tmp_path / "attention.png")
     assert got.shape == want.shape and np.array_equal(got, want)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..checks import non_negative_int, optional_positive_int
+from ..text.stream import TextStream
 
 
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,7 +79,6 @@ class GenerationMixin:
 
     pad_id: int = 0
 
-    @torch.inference_mode()
     def stream(
         self,
         ids,
@@ -89,12 +89,32 @@ class GenerationMixin:
         use_cache: bool = True,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
-    ) -> Iterator[torch.Tensor]:
+        tokenizer=None,
+    ) -> Iterator[torch.Tensor] | Iterator[str]:
         """Yield the next token of every sequence ``(batch,)``, one step at a time.
 
         Finished sequences (that produced ``eos_id``) keep yielding ``eos_id``;
         the stream ends when all are finished or after ``max_new_tokens``.
+
+        With ``tokenizer`` (one prompt only) it yields text instead: the new text
+        after each step, holding back a character until all its bytes are there
+        (:class:`attnlab.text.stream.TextStream`), so the pieces joined are the
+        decode of prompt and continuation minus the prompt's text, with no
+        ``U+FFFD`` that the whole decode does not have.
         """
+        tokens = self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
+                                  eos_id, generator)
+        if tokenizer is None:
+            return tokens
+        prompt, _ = _as_batch(ids, self.pad_id)
+        if prompt.shape[0] != 1:
+            raise ValueError(f"ids: streaming text takes one prompt, got a batch of "
+                             f"{prompt.shape[0]}; stream token ids instead (tokenizer=None)")
+        return _text_pieces(tokens, TextStream(tokenizer, context=prompt[0].tolist()))
+
+    @torch.inference_mode()
+    def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
+                    generator) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         device = next(self.parameters()).device
         ids, mask = _as_batch(ids, self.pad_id)
@@ -183,6 +203,17 @@ class GenerationMixin:
         # Built outside inference mode (stream runs in it, for speed): the result is an
         # ordinary tensor that may feed a later forward with autograd.
         return torch.cat([prompt, *(t[:, None] for t in new)], dim=1).clone()
+
+
+def _text_pieces(tokens: Iterator[torch.Tensor], text: TextStream) -> Iterator[str]:
+    """The non-empty text pieces of a one-sequence token stream, then what was held back."""
+    for tok in tokens:
+        piece = text.push(int(tok[0]))
+        if piece:
+            yield piece
+    rest = text.flush()
+    if rest:
+        yield rest
 
 
 def _positions(mask, start, length, device, batch) -> torch.Tensor:

@@ -3,10 +3,14 @@
 ``CharTokenizer`` (one id per character), ``WordTokenizer`` (words and
 punctuation, with ``<pad>`` and ``<unk>``) and ``HFTokenizer`` (a Hugging Face
 ``tokenizer.json``). All have ``encode``, ``decode``, ``vocab_size``,
-``save``/``load``; ``load_tokenizer(path)`` loads any saved one.
+``save``/``load``; ``load_tokenizer(path)`` loads any saved one (and a plain
+Hugging Face ``tokenizer.json``). :func:`token_labels` gives readable labels
+for pictures and :class:`TextStream` streams decoded text without U+FFFD.
 """
 
 from .hf_tokenizer import HFTokenizer  # also makes load_tokenizer know the "hf" kind
+from .labels import token_labels
+from .stream import TextStream
 from .tokenizers import (
     WORD_PATTERN,
     CharTokenizer,
@@ -22,4 +26,6 @@ __all__ = [
     "HFTokenizer",
     "load_tokenizer",
     "WORD_PATTERN",
+    "token_labels",
+    "TextStream",
 ]

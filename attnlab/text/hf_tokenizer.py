@@ -7,6 +7,7 @@ keeps its settings for :meth:`HFTokenizer.save`, and gives it the same
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,6 +80,14 @@ class HFTokenizer(Tokenizer):
         return cls(raw)
 
     @classmethod
+    def _from_file_data(cls, path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
+        """A file written by :meth:`save`, or a plain Hugging Face ``tokenizer.json``
+        (no ``"type"``, a ``"model"``), as most people have it."""
+        if data.get("type") is None and "model" in data:
+            return cls._from_raw(path, data)
+        return super()._from_file_data(path, data)
+
+    @classmethod
     def _from_raw(cls, path: PathLike, data: Mapping[str, Any]) -> HFTokenizer:
         """Build from a raw ``tokenizer.json`` (no ``"type"``) that the caller has read.
 
@@ -94,6 +103,12 @@ class HFTokenizer(Tokenizer):
                 f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
             ) from exc
         return cls(raw)
+
+    @functools.cached_property
+    def spec(self) -> dict[str, Any]:
+        """The ``tokenizer.json`` as a dict (``model``, ``pre_tokenizer``, ``decoder``...),
+        parsed once: what :mod:`attnlab.text.labels` reads to label tokens."""
+        return json.loads(self._json)
 
     @property
     def backend(self) -> Any:

@@ -3,20 +3,25 @@
 - :func:`heatmap` draws one ``(q_len, k_len)`` matrix and returns the Figure;
 - :func:`heatmap_grid` / :func:`save_heatmaps` draw every layer x head as one PNG;
 - :func:`write_html` writes the interactive explorer, one self-contained HTML file;
+- :func:`explorer` returns the explorer as an object a notebook shows inline;
 - :func:`show_attention` runs a model on a text and writes both (``rollout=True`` adds
   the attention rollout as an extra layer);
 - :func:`rollout` follows attention through the layers (Abnar and Zuidema 2020);
 - :func:`save_head_importance` draws the layers x heads table of ``ablate --heads``.
 
+Labels in any script are drawn with the installed fonts (:mod:`.fonts`).
+
 ``attentions`` everywhere is a sequence (one per layer) of ``(heads, q_len, k_len)``
 torch tensors or NumPy arrays; neither torch nor matplotlib is imported until used.
 """
 
-from .explorer import render_html, write_html
+from .explorer import Explorer, explorer, render_html, write_html
+from .fonts import font_context, label_fonts
 from .heads import head_importance_figure, save_head_importance
 from .heatmap import heatmap, heatmap_grid, save_heatmaps
 from .rollout import rollout
 from .show import capture, show_attention
 
 __all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html", "capture",
-           "show_attention", "rollout", "head_importance_figure", "save_head_importance"]
+           "show_attention", "rollout", "head_importance_figure", "save_head_importance",
+           "explorer", "Explorer", "font_context", "label_fonts"]

@@ -32,7 +32,7 @@ import numpy as np
 from ..io import atomic_write_bytes
 from .data import as_layers
 
-__all__ = ["write_html", "render_html", "payload_json"]
+__all__ = ["write_html", "render_html", "payload_json", "Explorer", "explorer"]
 
 DEFAULT_TITLE = "attnlab explorer"
 _PLACEHOLDER = re.compile(r"\{\{(TITLE|DATA)\}\}")
@@ -110,3 +110,44 @@ def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: 
     # Lone surrogates (only possible in the title; the JSON escapes them) become "?".
     atomic_write_bytes(path, text.encode("utf-8", errors="replace"))
     return path
+
+
+class Explorer:
+    """The explorer of one set of attentions, for notebooks: Jupyter shows it inline.
+
+    ``_repr_html_`` returns an ``<iframe>`` whose ``srcdoc`` is the whole
+    self-contained page (still offline: no network, no CDN). Each explorer
+    lives in its own frame, so several on one notebook page never share
+    element ids, styles, key handlers or state. ``html`` is the page itself
+    and :meth:`save` writes it as a file, like :func:`write_html`.
+    """
+
+    def __init__(self, tokens: Sequence[str], attentions: Any, title: str | None = None,
+                 height: int = 760) -> None:
+        self.html = render_html(tokens, attentions, title)  # checks the input now, not on display
+        if not isinstance(height, int) or isinstance(height, bool) or height < 100:
+            raise ValueError(f"height must be an int >= 100 (pixels), got {height!r}")
+        self.height = height
+
+    def _repr_html_(self) -> str:
+        # srcdoc is an attribute: escaping &, <, > and quotes keeps the page text intact.
+        doc = html.escape(self.html, quote=True)
+        return (f'<iframe srcdoc="{doc}" sandbox="allow-scripts" '
+                f'style="width: 100%; height: {self.height}px; border: 0;" '
+                'title="attnlab explorer"></iframe>')
+
+    def save(self, path: str | os.PathLike[str]) -> pathlib.Path:
+        """Write the page as a standalone HTML file (atomically); returns the path."""
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, self.html.encode("utf-8", errors="replace"))
+        return path
+
+    def __repr__(self) -> str:
+        return f"Explorer({len(self.html)} characters of HTML; display it in a notebook)"
+
+
+def explorer(tokens: Sequence[str], attentions: Any, title: str | None = None) -> Explorer:
+    """An :class:`Explorer` of ``attentions`` (one ``(heads, q_len, k_len)`` per layer)
+    over ``tokens``; the last expression of a notebook cell shows it inline."""
+    return Explorer(tokens, attentions, title)

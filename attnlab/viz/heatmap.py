@@ -11,6 +11,7 @@ import io
 import math
 import os
 import pathlib
+import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..io import atomic_write_bytes
 from .data import as_layers, as_matrix
+from .fonts import font_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -39,8 +41,13 @@ def _label_fontsize(n: int, span_inches: float) -> float:
 
 def _label_extent(tokens: Sequence[str], fontsize: float) -> float:
     """Roughly how many inches the longest tick label takes along its length."""
-    longest = max((len(t) for t in tokens), default=1)
-    return min(longest, 24) * fontsize * 0.62 / 72.0 + 0.1
+    longest = max((_text_width(t) for t in tokens), default=1.0)
+    return min(longest, 24.0) * fontsize * 0.62 / 72.0 + 0.1
+
+
+def _text_width(text: str) -> float:
+    """Width of ``text`` in average Latin characters: CJK and emoji are full width (~1.6)."""
+    return sum(1.6 if unicodedata.east_asian_width(c) in "WF" else 1.0 for c in text)
 
 
 def _label_step(n: int) -> int:
@@ -67,6 +74,8 @@ def _set_token_ticks(ax: Axes, x_tokens: Sequence[str], y_tokens: Sequence[str],
         step = _label_step(len(tokens))
         idx = list(range(0, len(tokens), step))
         set_ticks(idx)
+        if max((_text_width(tokens[i]) for i in idx), default=0.0) <= 2.0:
+            rotation = 0  # one CJK character or two Latin ones: upright, as it is read
         # parse_math=False: a token such as "$x$" is text, not TeX.
         set_labels([tokens[i] for i in idx], fontsize=fontsize, rotation=rotation,
                    parse_math=False)
@@ -95,6 +104,11 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
             values, or ``len(tokens) != k_len``.
     """
     w, tokens = as_matrix(weights, tokens)
+    with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
+        return _heatmap(w, tokens, ax)
+
+
+def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None) -> Figure:
     q_len, k_len = w.shape
 
     span = float(np.clip(2.0 + 0.12 * k_len, 4.0, 17.0))  # inches for the matrix itself
@@ -115,19 +129,47 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
     return fig
 
 
-def heatmap_grid(tokens: Sequence[str], attentions: Any) -> Figure:
+def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
+                 layer_ids: Sequence[int] | None = None,
+                 head_ids: Sequence[int] | None = None) -> Figure:
     """A Figure with one heatmap per layer (rows) and head (columns), sharing one colour bar.
 
     ``attentions`` is a sequence, one per layer, of ``(heads, q_len, k_len)``
     (or ``(1, heads, q_len, k_len)``) tensors or arrays of weights in [0, 1].
     Every cell shares the 0..1 colour scale so heads can be compared. Token
     tick labels appear on the left column and bottom row when there is room.
-    The figure holds ``layers * heads`` heatmap Axes plus the colour bar.
+    ``layer_ids``/``head_ids`` number the rows and columns when ``attentions``
+    holds a selection (layer 3 alone is "layer 3", not "layer 0"); by default
+    0, 1, ... The figure holds ``layers * heads`` heatmap Axes plus the colour bar.
     """
     data, tokens = as_layers(attentions, tokens)
+    n_layers, n_heads = data.shape[:2]
+    layer_ids = _ids("layer_ids", layer_ids, n_layers)
+    head_ids = _ids("head_ids", head_ids, n_heads)
+    with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
+        return _grid(data, tokens, layer_ids, head_ids)
+
+
+def _ids(name: str, ids: Sequence[int] | None, n: int) -> list[int]:
+    if ids is None:
+        return list(range(n))
+    ids = list(ids)
+    if len(ids) != n:
+        raise ValueError(f"{name}: expected {n} numbers (one per row or column), got {len(ids)}")
+    return ids
+
+
+# Smallest tick label, in points, a grid makes room for (up to 4-inch cells): CJK
+# characters below ~7 pt turn into blots at 100 dpi.
+_MIN_GRID_LABEL_PT = 7.0
+
+
+def _grid(data: np.ndarray, tokens: list[str], layer_ids: list[int],
+          head_ids: list[int]) -> Figure:
     n_layers, n_heads, q_len, k_len = data.shape
 
     cell = float(np.clip(1.0 + 0.022 * k_len, 1.6, 4.0))
+    cell = max(cell, min(4.0, _MIN_GRID_LABEL_PT * k_len / (0.8 * 72.0)))
     cell = min(cell, 40.0 / n_heads, 40.0 / n_layers)  # keep huge grids within ~40 inches
     fontsize = min(9.0, 0.8 * cell * 72.0 / k_len)
     show_labels = fontsize >= 4.0  # "only where readable"
@@ -161,11 +203,11 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any) -> Figure:
                 ax.set_xticks([])
                 ax.set_yticks([])
             if i == 0:
-                ax.set_title(f"head {j}", fontsize=10)
+                ax.set_title(f"head {head_ids[j]}", fontsize=10)
             if left:
                 # horizontal, so short rows (decode steps) never overlap their labels
-                ax.set_ylabel(f"layer {i}", fontsize=10, rotation=0, ha="right", va="center",
-                              labelpad=6)
+                ax.set_ylabel(f"layer {layer_ids[i]}", fontsize=10, rotation=0, ha="right",
+                              va="center", labelpad=6)
     cax = fig.add_axes((1 - (margin_r - 0.25) / width, margin_b / height,
                         0.15 / width, 1 - (margin_b + margin_t) / height), label="<colorbar>")
     fig.colorbar(image, cax=cax, label="attention weight")
@@ -176,20 +218,25 @@ def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
     """``fig`` rendered as PNG bytes, in memory, so the file is then written in one
     atomic step (:func:`attnlab.io.atomic_write_bytes`)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", **savefig_kw)
+    from matplotlib.text import Text
+
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    with font_context(texts):  # glyph warnings for what the hint already named stay quiet
+        fig.savefig(buf, format="png", **savefig_kw)
     return buf.getvalue()
 
 
 def save_heatmaps(path: str | os.PathLike[str], tokens: Sequence[str],
-                  attentions: Any) -> pathlib.Path:
+                  attentions: Any, *, layer_ids: Sequence[int] | None = None,
+                  head_ids: Sequence[int] | None = None) -> pathlib.Path:
     """Write a layers x heads grid of heatmaps (see :func:`heatmap_grid`) as one PNG.
 
     The file is written atomically (:func:`attnlab.io.atomic_write_bytes`: temp
     file, fsync, rename, directory fsync). Parent directories are created.
-    Returns the path written.
+    ``layer_ids``/``head_ids`` as in :func:`heatmap_grid`. Returns the path written.
     """
     path = pathlib.Path(path)
-    fig = heatmap_grid(tokens, attentions)
+    fig = heatmap_grid(tokens, attentions, layer_ids=layer_ids, head_ids=head_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, png_bytes(fig, dpi=fig.dpi))
     return path

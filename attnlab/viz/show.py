@@ -8,6 +8,8 @@ Duck-typed on purpose: any attnlab model whose forward takes
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,28 +17,39 @@ import numpy as np
 
 from ..checks import is_int
 from ..io import EXPLORER_FILE, HEATMAP_FILE, atomic_write_bytes
-from .explorer import write_html
+from ..text.labels import token_labels, unknown_note
+from .explorer import Explorer
 from .heatmap import heatmap, heatmap_grid, png_bytes, save_heatmaps
 from .rollout import rollout as _rollout
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
-    """One display string per id (special tokens such as ``[CLS]`` included)."""
+    """One display string per id (special tokens such as ``[CLS]`` included), for ids
+    without their text; :func:`capture` labels tokens from the text itself instead."""
     if hasattr(tokenizer, "id_to_token"):
         return [tokenizer.id_to_token(i) for i in ids]
     return [tokenizer.decode([i]) for i in ids]
 
 
-def capture(model: Any, tokenizer: Any, text: str) -> tuple[list[str], list]:
-    """Tokens of ``text`` and the model's weights: one ``(heads, seq, seq)`` tensor per layer."""
+def capture(model: Any, tokenizer: Any, text: str, *,
+            log: Callable[[str], None] | None = None) -> tuple[list[str], list]:
+    """Tokens of ``text`` and the model's weights: one ``(heads, seq, seq)`` tensor per layer.
+
+    The tokens are readable labels, the text each token covers
+    (:func:`attnlab.text.labels.token_labels`). When a notable share of them is
+    the unknown token, one line saying so goes to ``log`` (default: stderr).
+    """
     import torch
 
     if not isinstance(text, str) or not text:
         raise ValueError(f"text must be a non-empty string, got {text!r}")
-    ids = tokenizer.encode(text)
+    ids, labels = token_labels(tokenizer, text)
     limit = getattr(model, "context_length", None)
     if limit is not None and len(ids) > limit:
         raise ValueError(f"text is {len(ids)} tokens but the model's context_length is {limit}")
+    note = unknown_note(tokenizer, ids, text)
+    if note is not None:
+        (log or _stderr)(f"note: {note}")
     was_training = model.training
     model.eval()
     try:
@@ -44,7 +57,22 @@ def capture(model: Any, tokenizer: Any, text: str) -> tuple[list[str], list]:
             _, attentions = model(torch.tensor([ids]), output_attentions=True)
     finally:
         model.train(was_training)
-    return token_strings(tokenizer, ids), [a[0] for a in attentions]
+    return labels, [a[0] for a in attentions]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+class ShowResult(dict):
+    """``{"png": path, "html": path}``, which a notebook displays as the explorer itself."""
+
+    def __init__(self, png: Path, html: Path, explorer: Explorer) -> None:
+        super().__init__(png=png, html=html)
+        self.explorer = explorer
+
+    def _repr_html_(self) -> str:
+        return self.explorer._repr_html_()
 
 
 def _pick(n: int, value: int | None, name: str) -> list[int]:
@@ -62,7 +90,8 @@ def _pick(n: int, value: int | None, name: str) -> list[int]:
 
 def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike[str], *,
                    layer: int | None = None, head: int | None = None,
-                   title: str | None = None, rollout: bool = False) -> dict[str, Path]:
+                   title: str | None = None, rollout: bool = False,
+                   log: Callable[[str], None] | None = None) -> ShowResult:
     """Write ``attention.png`` and ``attention.html`` (``io.HEATMAP_FILE``,
     ``io.EXPLORER_FILE``) for ``text`` into directory ``out``.
 
@@ -77,11 +106,12 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         rollout: add the attention rollout (:func:`attnlab.viz.rollout`) as one more
             layer after the last: the row labelled "rollout" in the PNG, the last
             layer in the explorer (the same matrix in every head's place).
+        log: where the one-line unknown-token note goes (default: stderr).
 
     Returns:
-        ``{"png": path, "html": path}``.
+        ``{"png": path, "html": path}``; in a notebook it displays as the explorer.
     """
-    tokens, attentions = capture(model, tokenizer, text)
+    tokens, attentions = capture(model, tokenizer, text, log=log)
     layers = _pick(len(attentions), layer, "layer")
     heads = _pick(attentions[0].shape[0], head, "head")
     out = Path(out)
@@ -93,9 +123,9 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         n_heads = attentions[0].shape[0]
         rows = [np.asarray(attentions[i][heads].detach().float()) for i in layers]
         rows.append(np.broadcast_to(flow, (len(heads), *flow.shape)))
-        fig = heatmap_grid(tokens, rows)
+        fig = heatmap_grid(tokens, rows, layer_ids=[*layers, len(attentions)], head_ids=heads)
         for ax in fig.axes:  # the last row is the rollout, not a layer of the model
-            if ax.get_ylabel() == f"layer {len(rows) - 1}":
+            if ax.get_ylabel() == f"layer {len(attentions)}":
                 ax.set_ylabel("rollout", rotation=0, ha="right", va="center")
         atomic_write_bytes(png, png_bytes(fig, dpi=fig.dpi))
         attentions = [*attentions, np.broadcast_to(flow, (n_heads, *flow.shape))]
@@ -104,6 +134,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         fig = heatmap(attentions[layers[0]][heads[0]], tokens)
         atomic_write_bytes(png, png_bytes(fig))
     else:
-        save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
-    html = write_html(out / EXPLORER_FILE, tokens, attentions, title=title)
-    return {"png": png, "html": Path(html)}
+        save_heatmaps(png, tokens, [attentions[i][heads] for i in layers], layer_ids=layers,
+                      head_ids=heads)
+    page = Explorer(tokens, attentions, title=title)
+    return ShowResult(png, page.save(out / EXPLORER_FILE), page)

@@ -1,0 +1,84 @@
+"""Streaming text out of a token stream without inventing replacement characters.
+
+A byte-level BPE token may hold part of a character: "注" is three bytes, and
+GPT-2 style vocabularies often split them over two tokens. Decoding each token
+on its own prints ``U+FFFD`` for each piece; decoding everything so far and
+printing the new part prints ``U+FFFD`` while the character is incomplete.
+:class:`TextStream` decodes all ids so far and emits only the part that can
+no longer change: it holds back a trailing run of ``U+FFFD`` (an incomplete
+UTF-8 sequence, which the next token may complete) until a real character
+follows it or the stream ends. So the pieces, joined, are exactly
+``tokenizer.decode(all ids)``, and a ``U+FFFD`` is emitted only where the
+whole decode has one too.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["TextStream"]
+
+_REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """Incremental text of a growing id sequence: ``push`` ids, get the new stable text.
+
+    Example::
+
+        stream = TextStream(tokenizer)
+        for tok in model.stream(ids, 50):
+            print(stream.push([int(tok[0])]), end="", flush=True)
+        print(stream.flush())
+
+    Decoding is of all ids so far (``tokenizer.decode``), so what is emitted is
+    what the tokenizer would decode as a whole, merges across tokens included.
+    For the rare decoder whose output for a prefix is not a prefix of the output
+    for more ids (a cleanup rule that rewrites text already emitted), the
+    stream goes on after as many characters as it emitted, the best it can do
+    once text has been printed.
+    """
+
+    def __init__(self, tokenizer: Any, context: Iterable[int] = ()) -> None:
+        """``context``: ids already there (a prompt), decoded with the new ones but never
+        emitted, so a word-initial space or a character begun in the prompt comes out right."""
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(
+                f"tokenizer: expected an object with decode(ids), got {type(tokenizer).__name__}"
+            )
+        self.tokenizer = tokenizer
+        self.ids: list[int] = [operator.index(i) for i in context]
+        # Text handed out so far, after the context's own stable text.
+        self.emitted = tokenizer.decode(self.ids).rstrip(_REPLACEMENT) if self.ids else ""
+        self._start = len(self.emitted)
+
+    def _new(self, final: bool) -> str:
+        text = self.tokenizer.decode(self.ids)
+        if not final:
+            # An incomplete UTF-8 sequence decodes to trailing U+FFFD; the next token
+            # may complete it, so that run is not stable yet.
+            text = text.rstrip(_REPLACEMENT)
+        # Normally ``text`` starts with what was emitted; if the decoder rewrote that
+        # part, going on after as many characters is the best left to do.
+        new = text[len(self.emitted):]
+        self.emitted += new
+        return new
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        """Add one id or several; return the text that became stable (maybe "")."""
+        if hasattr(ids, "__iter__"):
+            self.ids.extend(operator.index(i) for i in ids)
+        else:
+            self.ids.append(operator.index(ids))
+        return self._new(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text, held-back ``U+FFFD`` included: call once at the end."""
+        return self._new(final=True)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (the context's text not included)."""
+        return self.emitted[self._start:]

@@ -1,0 +1,171 @@
+"""A friendlier command line: bare `attnlab`, --version, defaults in every help, progress that
+never collides with its own lines and shows in a pipe, --resume saying where, ablate's output."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.cli import build_parser, main
+
+COMMANDS = ["demo", "train", "generate", "show", "ablate", "bench"]
+
+
+def test_bare_attnlab_prints_the_usage_with_every_command_and_exits_2(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: attnlab")
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s+\S", err, re.M), command
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attnlab {attnlab.__version__}"
+
+
+def subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_help_shows_its_default(command):
+    sub = subparsers()[command]
+    formatter = sub._get_formatter()
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert options
+    for action in options:
+        text = formatter._get_help_string(action)
+        assert "default" in text or "required" in text, (command, action.dest, text)
+    help_text = sub.format_help()  # renders: every %(default)s fills in
+    assert "%(" not in help_text
+
+
+def test_help_shows_concrete_defaults():
+    text = " ".join(subparsers()["train"].format_help().split())
+    assert "total steps (default: 500)" in text
+    assert "--resume continue from the checkpoint in --out (--steps is the total) " \
+           "(default: off)" in text
+
+
+def tiny_run(**cfg):
+    from attnlab.models import ToyAttnLM, ToyConfig
+    from attnlab.text import CharTokenizer
+    from attnlab.training import TrainConfig
+
+    text = "abcab " * 80
+    tok = CharTokenizer.from_text(text)
+    torch.manual_seed(0)
+    model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=8, d_model=8))
+    config = TrainConfig(**{"steps": 20, "batch_size": 4, "context": 8, "eval_every": 5,
+                            "eval_batches": 1, "warmup": 2, **cfg})
+    return model, torch.tensor(tok.encode(text)), config, tok
+
+
+def test_a_run_into_a_pipe_prints_progress_lines_at_a_steady_pace(capsys):
+    from attnlab.training import train
+
+    model, tokens, cfg, _ = tiny_run()
+    train(model, tokens, cfg, log=print)
+    out, err = capsys.readouterr()
+    steps = [int(m) for m in re.findall(r"^train\s+(\d+)/20 steps  loss \d", err, re.M)]
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]  # every tenth of the run
+    assert "\r" not in err  # no bar redrawn into the pipe
+    assert re.findall(r"^step\s+(\d+)  loss", out, re.M) == ["5", "10", "15", "20"]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_step_lines_on_a_terminal_never_collide_with_the_bar(monkeypatch):
+    from attnlab.training import train
+
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    model, tokens, cfg, _ = tiny_run()
+    train(model, tokens, cfg, log=lambda m: print(m, file=sys.stderr))
+    raw = terminal.getvalue()
+    assert "train:" in raw and "/20 [" in raw  # the bar was drawn
+    lines = re.findall(r"(.)(step\s+\d+  loss)", raw)
+    assert len(lines) == 4
+    # each step line starts a fresh line: the bar was cleared (\r) before it
+    assert all(before in "\r\n" for before, _ in lines), lines
+
+
+def test_resume_says_the_step_it_resumed_from(tmp_path):
+    from attnlab.training import train
+
+    model, tokens, cfg, tok = tiny_run(steps=6, checkpoint_every=3)
+    train(model, tokens, cfg, out=tmp_path / "run", tokenizer=tok, progress=False, log=None)
+    model, tokens, cfg, tok = tiny_run(steps=9, checkpoint_every=3)
+    said = []
+    train(model, tokens, cfg, out=tmp_path / "run", tokenizer=tok, resume=True, progress=False,
+          log=said.append)
+    assert said[0] == f"resumed from step 6 of 9 (checkpoint in {tmp_path / 'run'})"
+
+
+def test_a_file_given_for_a_checkpoint_directory_says_so(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello")
+    for args in (["show", "hi", "--ckpt", str(corpus)],
+                 ["generate", "--ckpt", str(corpus), "--prompt", "h"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"{str(corpus)!r} is a file, expected a checkpoint directory"), err
+
+
+@pytest.fixture
+def fast_ablate(tmp_path, monkeypatch):
+    """A tiny real checkpoint with its held-out text; the experiments themselves replaced
+    by a fixed result."""
+    from attnlab import experiments
+    from attnlab.checkpoint import save_checkpoint
+
+    model, _, _, tok = tiny_run()
+    save_checkpoint(model, tmp_path / "ckpt", tokenizer=tok,
+                    held_out={"ids": tok.encode("abcab abcab "), "tokens": 12})
+    results = {"baseline": {"loss": 1.0}}
+    monkeypatch.setattr(experiments, "run_all", lambda model, ids, seed, **kw: results)
+    monkeypatch.setattr(experiments, "format_report", lambda r: "REPORT")
+    return tmp_path / "ckpt", results
+
+
+def _after_report(out: str) -> str:
+    """What ablate printed after its report (the JSON, when asked for)."""
+    return out.split("REPORT\n", 1)[1]
+
+
+def test_ablate_prints_json_only_when_asked(fast_ablate, tmp_path, capsys):
+    ckpt, results = fast_ablate
+    assert main(["ablate", "--ckpt", str(ckpt)]) == 0
+    assert _after_report(capsys.readouterr().out) == ""
+    assert main(["ablate", "--ckpt", str(ckpt), "--json", "-"]) == 0
+    assert json.loads(_after_report(capsys.readouterr().out)) == results
+    assert main(["ablate", "--ckpt", str(ckpt), "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text()) == results
+
+
+def test_ablate_says_up_front_that_it_trains_the_demo_model_and_how_long(monkeypatch, capsys,
+                                                                         tmp_path):
+    import attnlab.demo
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # what a user who reads the line and presses ^C does
+
+    monkeypatch.setattr(attnlab.demo, "run_demo", stop)
+    assert main(["ablate", "--out", str(tmp_path / "d")]) == 130
+    out = capsys.readouterr().out
+    assert "training the demo model first" in out and "about a minute" in out

@@ -1,0 +1,127 @@
+"""Readable token labels for every tokenizer, and the note on unknown tokens.
+
+The tokenizers are built here with the `tokenizers` package (tests/hf_tokenizers.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hf_tokenizers import byte_level_bpe, wordpiece
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import viz
+from attnlab.text import CharTokenizer, HFTokenizer, WordTokenizer
+from attnlab.text.labels import token_labels, unknown_note, visible
+
+# Characters of GPT-2's byte-level alphabet that stand for bytes: any of them in a label
+# is mojibake (æ³¨ for 注) or a raw space marker (Ġ).
+MOJIBAKE = re.compile("[\u0100-\u0143\u00c0-\u00ff\u00a1-\u00ac\u00ae-\u00bf]")
+HEX = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+def label_bytes(labels: list[str]) -> bytes:
+    """Undo the labels of a byte-level BPE: ␣ is a space, <0xNN> is byte NN."""
+    out = b""
+    for label in labels:
+        label = " " + label[1:] if label.startswith("\u2423") else label
+        pos = 0
+        for m in HEX.finditer(label):
+            out += label[pos:m.start()].encode() + bytes([int(m.group(1), 16)])
+            pos = m.end()
+        out += label[pos:].encode()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return HFTokenizer(byte_level_bpe())
+
+
+def test_byte_level_bpe_labels_are_the_characters_not_mojibake(bpe):
+    text = "注意力机制让模型学会关注重要的词。 The cat sat 😀"
+    ids, labels = token_labels(bpe, text)
+    assert ids == bpe.encode(text)
+    raw = bpe.backend.encode(text).tokens
+    assert any(MOJIBAKE.search(t) for t in raw)  # the tokenizer's own strings are mojibake
+    assert not any(MOJIBAKE.search(label) for label in labels)
+    assert "注意力机制让模型学会关注重要的词" in labels  # a merged Chinese word reads as itself
+    assert "\u2423cat" in labels and "\u2423sat" in labels  # Ġcat -> ␣cat
+    assert "\u2423😀" in labels
+    assert label_bytes(labels) == text.encode()
+
+
+def test_a_token_holding_part_of_a_character_shows_its_bytes(bpe):
+    text = "關注🚀"  # rare here: split inside characters
+    labels = token_labels(bpe, text)[1]
+    assert any(HEX.search(label) for label in labels)
+    assert all("\ufffd" not in label for label in labels)
+    assert label_bytes(labels) == text.encode()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="注意力机制學會關日本語カナ한국어😀🚀 abcdeTheé\n", max_size=24))
+def test_byte_level_labels_always_spell_out_the_text_exactly(bpe, text):
+    ids, labels = token_labels(bpe, text)
+    assert ids == bpe.encode(text)
+    assert label_bytes([lab.replace("\u23ce", "\n") for lab in labels]) == text.encode()
+    assert all(label for label in labels) and not any(MOJIBAKE.search(x) for x in labels)
+
+
+def test_wordpiece_labels_are_the_text_covered_with_continuations_marked():
+    tok = HFTokenizer(wordpiece())
+    ids, labels = token_labels(tok, "The cats sat 😀 on mats 注意")
+    assert ids == tok.encode("The cats sat 😀 on mats 注意")
+    # original case (the text covered, not the lowercased vocabulary entry), ## kept
+    assert labels == ["[CLS]", "The", "cat", "##s", "sat", "😀", "on", "mat", "##s", "注", "意",
+                      "[SEP]"]
+
+
+def test_char_and_word_tokenizer_labels_show_blanks():
+    ids, labels = token_labels(CharTokenizer.from_text("ab c\n"), "a b\nc")
+    assert labels == ["a", "\u2423", "b", "\u23ce", "c"] and len(ids) == 5
+    assert token_labels(WordTokenizer.from_text("the cat"), "the dog")[1] == ["the", "<unk>"]
+    assert visible(" x") == "\u2423x" and visible("\t") == "\u21e5"
+
+
+def test_unknown_tokens_are_reported_in_one_line_naming_the_script():
+    tok = HFTokenizer(wordpiece(with_chinese=False))
+    text = "注意力机制让模型学会关注重要的词。"
+    ids = tok.encode(text)
+    note = unknown_note(tok, ids, text)
+    assert note is not None and "\n" not in note
+    assert note.startswith("17 of 19 tokens are the unknown token")
+    assert "vocabulary does not cover" in note and "CJK" in note
+    assert unknown_note(tok, tok.encode("the cat sat"), "the cat sat") is None
+    assert unknown_note(CharTokenizer.from_text("ab"), [0, 1], "ab") is None
+
+
+def tiny_encoder(vocab_size):
+    from attnlab.models import Encoder
+    from attnlab.models.encoder import EncoderConfig
+
+    torch.manual_seed(0)
+    return Encoder(EncoderConfig(vocab_size=vocab_size, context_length=64, d_model=16,
+                                 num_layers=1, num_heads=2))
+
+
+def test_show_attention_labels_and_notes_unknown_tokens(tmp_path, capsys):
+    tok = HFTokenizer(wordpiece(with_chinese=False))
+    text = "注意力机制让模型 cats"
+    paths = viz.show_attention(tiny_encoder(tok.vocab_size), tok, text, tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "8 of 11 tokens are the unknown token" in err[0]
+    page = paths["html"].read_text("utf-8")
+    assert '"tokens":["[CLS]","[UNK]"' in page and '"cats","[SEP]"' in page
+    assert paths["png"].stat().st_size > 1000
+
+
+def test_show_attention_with_byte_level_bpe_puts_characters_in_the_explorer(bpe, tmp_path):
+    text = "注意力机制让模型学会关注重要的词。 The cat"
+    paths = viz.show_attention(tiny_encoder(bpe.vocab_size), bpe, text, tmp_path)
+    page = paths["html"].read_text("utf-8")
+    assert '"注意力机制让模型学会关注重要的词"' in page and '"\u2423cat"' in page
+    assert not MOJIBAKE.search(page[page.index('"tokens"'):page.index('"layers"')])
