@@ -47,6 +47,8 @@ class Impl:
     # Some peers only run where their dependencies or hardware allow; a reason here
     # is reported instead of a number.
     skip: str | None = None
+    # False for a yardstick whose memory means nothing (a loop over bare matrices).
+    memory: bool = True
 
 
 @dataclass
@@ -129,7 +131,7 @@ def run_cases(cases: Iterable[Case], *, memory: bool = True,
                       **case.extra}
             if "skipped" in s:
                 record["skipped"] = s["skipped"]
-            elif memory and case.memory:
+            elif memory and case.memory and impl.memory:
                 record["peak_mb"] = measure_memory(impl.factory)
             records.append(record)
         by_name = {r["impl"]: r for r in records if r["case"] == case.name

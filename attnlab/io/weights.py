@@ -7,7 +7,10 @@ way and names where the weights came from.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -17,7 +20,8 @@ from torch import nn
 from .files import CheckpointError
 from .tensors import check_file
 
-__all__ = ["load_state", "state_mismatches", "build_loaded", "SafetensorsState"]
+__all__ = ["load_state", "state_mismatches", "build_loaded", "read_into",
+           "SafetensorsState"]
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -103,20 +107,42 @@ def _set_param(model: nn.Module, name: str, value) -> None:
 
 def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor], *,
                  source: str) -> nn.Module:
-    """``make()`` a model without allocating or initialising its weights, then make the
-    tensors of ``state`` its parameters: the weights exist once, never beside a
-    throwaway random copy.
+    """``make()`` a model without allocating or initialising its weights, then give it the
+    tensors of ``state``: the weights exist once, never beside a throwaway random copy.
 
     The model is built on the meta device; names, shapes and dtypes are checked
-    (:func:`load_state`) before anything is assigned. Tied parameters (an output
-    layer sharing the embedding) stay tied to the first name of their group,
-    whether the source stores them once or twice.
+    (:func:`load_state`) before anything is allocated. A parameter in its plain
+    layout takes the given tensor itself (shared with a live model, or memory-mapped
+    from a file). Parameters that are views of one tensor (weights packed for
+    decoding, see :mod:`attnlab.modules.fused`) get that tensor allocated group by
+    group and are filled from the sources, a file's straight from disk in chunks;
+    a ``dict`` state lets go of each tensor as it is copied, so at no point are the
+    weights held twice. Tied parameters (an output layer sharing the embedding) stay
+    tied, whether the source stores them once or twice.
     """
     with torch.device("meta"):
         model = make()
     tied = _tied_groups(model)
     aliases = {name for names in tied for name in names[1:]}
-    load_state(model, state, source=source, allow_missing=aliases, assign=True)
+    own = model.state_dict()
+    problems = state_mismatches({n: (tuple(t.shape), t.dtype) for n, t in own.items()},
+                                _shapes(state), aliases)
+    if problems:
+        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
+                              + "; ".join(problems[:4]))
+    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
+    packed = {name for members in blocks.values()
+              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
+    model.load_state_dict({n: state[n] for n in state if n not in packed},
+                          strict=False, assign=True)
+    # One buffer for every chunk read from a file: a new one per tensor would leave
+    # holes between the blocks that the allocator keeps.
+    bounce = torch.empty(_CHUNK, dtype=torch.uint8)
+    for members in blocks.values():
+        if members[0][0] in packed:
+            _fill_block(model, members, state, bounce)
     for names in tied:
         primary = model.get_parameter(names[0])
         for name in names[1:]:
@@ -126,6 +152,61 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
                               f"missing {left[:5]}")
     return model
+
+
+def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
+                state: Mapping, bounce: torch.Tensor) -> None:
+    """Allocate the one tensor that ``members`` (meta parameters) are views of, in the
+    sources' dtype and device, and copy each source into its view."""
+    given = [state[n] for n, _ in members if n in state]
+    if not given:
+        return
+    first = given[0]
+    del given
+    meta = members[0][1]
+    numel = meta.untyped_storage().nbytes() // meta.element_size()
+    with torch.no_grad():
+        base = torch.empty(numel, dtype=first.dtype, device=first.device)
+        del first
+        views = []
+        for name, p in members:
+            view = base.as_strided(p.shape, p.stride(), p.storage_offset())
+            _set_param(model, name, nn.Parameter(view, requires_grad=p.requires_grad))
+            views.append(view)
+        for (name, _), view in zip(members, views):
+            if name in state:
+                read_into(view, state[name], bounce)
+                if isinstance(state, dict):
+                    del state[name]  # freed now (unless a live model still holds it)
+
+
+_CHUNK = 1 << 20
+
+
+def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None = None) -> None:
+    """``dst.copy_(src)``; a tensor :class:`SafetensorsState` memory-mapped is read from
+    its file in chunks through ``bounce`` (bytes) instead, so its pages never become
+    part of the process."""
+    origin = _ORIGINS.get(src.untyped_storage().data_ptr()) if src.is_contiguous() else None
+    if origin is None or src.ndim == 0 or src.numel() == 0:
+        dst.copy_(src)
+        return
+    path, offset = origin
+    offset += (src.data_ptr() - src.untyped_storage().data_ptr())
+    row = src[0].numel() * src.element_size() if src.ndim > 1 else src.element_size()
+    if bounce is None or bounce.numel() < row:
+        bounce = torch.empty(max(_CHUNK, row), dtype=torch.uint8)
+    step = bounce.numel() // row
+    raw = bounce.numpy()
+    buffer = bounce[:step * row].view(src.dtype).view(step, *src.shape[1:])
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for a in range(0, src.shape[0], step):
+            b = min(a + step, src.shape[0])
+            n = (b - a) * row
+            if f.readinto(memoryview(raw)[:n]) != n:
+                raise CheckpointError(f"{str(path)!r} ended early (truncated?)")
+            dst[a:b].copy_(buffer[:b - a])
 
 
 # --------------------------------------------------------------------- safetensors files
@@ -144,6 +225,8 @@ class SafetensorsState(Mapping):
 
         self._handles = {}
         self._where: dict[str, object] = {}
+        self._device = str(device)
+        self._places: dict[str, tuple] = {}
         for path in files:
             path = Path(path)
             check_file(path)
@@ -155,9 +238,12 @@ class SafetensorsState(Mapping):
             self._handles[path] = handle
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 self._where[name] = handle
+            self._places.update(_places(path))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        if self._device != "cpu":
+            return self._where[name].get_tensor(name)
+        return _mapped(*self._places[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -177,3 +263,38 @@ class SafetensorsState(Mapping):
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+# Where each tensor SafetensorsState mapped lies in its file: storage address -> (path,
+# offset). An entry lives exactly as long as its mapping (weakref.finalize), so an
+# address reused later never points at a stale file.
+_ORIGINS: dict[int, tuple[Path, int]] = {}
+
+
+def _places(path: Path) -> dict[str, tuple]:
+    """name -> (path, offset, shape, safetensors dtype) from the file's header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    start = 8 + n
+    return {name: (path, start + int(info["data_offsets"][0]), tuple(info["shape"]),
+                   info["dtype"]) for name, info in header.items() if name != "__metadata__"}
+
+
+def _mapped(path: Path, offset: int, shape: tuple, dtype: str) -> torch.Tensor:
+    """The tensor memory-mapped from the file (copy on write): nothing is read until
+    it is used, and a page read stays shared with the page cache."""
+    import numpy as np
+
+    want = _DTYPES.get(dtype, torch.uint8)
+    count = 1
+    for d in shape:
+        count *= d
+    if count == 0:
+        return torch.empty(shape, dtype=want)
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset,
+                    shape=(count * torch.empty((), dtype=want).element_size(),))
+    t = torch.from_numpy(raw)
+    ptr = t.untyped_storage().data_ptr()
+    _ORIGINS[ptr] = (path, offset)
+    weakref.finalize(raw, _ORIGINS.pop, ptr, None)
+    return t.view(want).view(shape)

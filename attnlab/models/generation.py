@@ -127,8 +127,10 @@ class GenerationMixin:
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
                 f"exceeds the model's context_length={limit}; use fewer tokens"
             )
-        if mask is not None:
-            mask = mask.to(device)
+        if mask is not None:  # allocated once for the run, like the caches
+            full_mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
+            full_mask[:, :prompt_len] = mask
+            mask = full_mask[:, :prompt_len]
         caches = self.new_cache(batch, total) if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         seq, seq_mask = ids, mask
@@ -155,7 +157,7 @@ class GenerationMixin:
             if not use_cache:  # the cache holds the past; only the window re-reads it
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
             if seq_mask is not None:
-                seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
+                seq_mask = full_mask[:, :seq_mask.shape[1] + 1]
             step_ids = nxt[:, None]
             step_pos = None if step_pos is None else step_pos[:, -1:] + 1
 

@@ -19,8 +19,7 @@ from ..cache import KVCache
 from ..checks import Config, one_of, positive_int
 from ..interop.hf import gpt_layout
 from ..io.weights import build_loaded
-from ..modules import MultiHeadAttention
-from ..modules.fused import FusedLinears
+from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, dropout, make_norm
 from .generation import GenerationMixin
 from .outputs import with_extras
@@ -120,13 +119,19 @@ class GPT(GenerationMixin, nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self._fused_head = FusedLinears()
+        # The output layer is stored (d_model, vocab): a one-row product streams it in
+        # order, much faster than F.linear's rows. Tied, the embedding is that same tensor
+        # (its rows are then strided, which a lookup of a few tokens does not notice).
+        fused.pack((self.lm_head,))
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
-        # GPT-2's initialisation: N(0, 0.02) for weights, zeros for biases.
+        # GPT-2's initialisation: N(0, 0.02) for weights, zeros for biases. Drawn in the
+        # usual (out, in) order and copied, so packed weights get the same numbers.
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+            with torch.no_grad():
+                w = m.weight
+                w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=0.02))
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
@@ -196,9 +201,11 @@ class GPT(GenerationMixin, nn.Module):
             hidden.append(x)
         x = self.norm(x)
         hidden[-1] = x  # transformers' convention: the last entry is after the final norm
-        # Decoding one sequence reads the output layer from a cached (d_model, vocab)
-        # copy: a one-row product streams it in order, much faster than F.linear's rows.
-        (logits,) = self._fused_head(x, (self.lm_head,))
+        # One row without gradients: one product over the (d_model, vocab) tensor,
+        # packed again first if its layout was lost (see modules.fused).
+        logits = fused.joint(x, (self.lm_head,))
+        if logits is None:
+            logits = self.lm_head(x)
         return with_extras(logits, attentions if output_attentions else None,
                            hidden if output_hidden_states else None)
 

@@ -1,83 +1,128 @@
-"""Fused projections for decoding: several ``nn.Linear`` applied as one matmul.
+"""Weights held once, in the layout one-row products want.
 
-Decoding one sequence, one token at a time, on a CPU is dominated by per-call
-overhead and by reading the weights. So for a single input row without gradients
-the Q/K/V projections (and SwiGLU's gate/up) run as one ``x @ W`` over their
-concatenated weights, stored transposed and contiguous, ``(in, out)``. That
-layout matters on its own: for one row, MKL's product streams it 1.3x-1.9x
-faster than ``F.linear``'s ``(out, in)`` rows on this 2-core EPYC (SmolLM's
-576 -> 49152 output layer: 5.2 ms against 9.9 ms), which is why the models read
-their output layer this way too. From 8 rows on ``F.linear`` is the faster one
-(by 10-20%), so larger inputs run through the layers themselves.
+Decoding one sequence, one token at a time, on a CPU is dominated by reading the
+weights and by per-call overhead. For one input row MKL streams a weight stored
+``(in, out)`` (transposed, contiguous) 1.3x-1.9x faster than ``nn.Linear``'s
+usual ``(out, in)`` rows on this 2-core EPYC (SmolLM's 576 -> 49152 output
+layer: 14 ms against 26 ms, one thread), and several projections of the same
+input (Q/K/V, SwiGLU's gate/up) run as one matmul when their weights lie side
+by side.
 
-The price is memory: the copy holds those weights a second time, made on the
-first one-row call. The modules keep their separate ``nn.Linear`` layers
-(checkpoints, initialisation order and hooks are untouched); the copy is rebuilt
-whenever a weight changes (its storage, dtype, device or version counter), and
-skipped while any of the layers has hooks.
+So :func:`pack` stores a group of ``nn.Linear`` weights as the column blocks of
+one ``(in, sum of out)`` tensor, and each layer's ``weight`` stays an ordinary
+``nn.Parameter`` of the usual shape ``(out, in)``: a transposed view of its block
+(strides ``(1, sum of out)``), biases likewise slices of one vector. Nothing is
+held twice. Names, shapes, ``state_dict``, ``load_state_dict`` (which copies into
+the views), optimizers, hooks and in-place edits see plain ``nn.Linear`` layers;
+``F.linear`` multiplies by a transposed view without copying it. A layout that
+was lost (``model.to(dtype)``, ``load_state_dict(assign=True)``, a replaced
+parameter) is packed again by the next one-row call, which moves the weights
+into a new block and frees the old tensors: again one copy.
+
+:func:`joint` is the one-row path: with gradients off and a single input row it
+multiplies the row by the whole block at once; otherwise (or while a layer has
+forward hooks, which must see that layer run) the layers run one by one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-class FusedLinears:
-    """``[m(x) for m in linears]`` (same input size), as one matmul for one row."""
-
-    def __init__(self) -> None:
-        self._key: list | None = None
-        self._weight: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
-        self._sizes: list[int] = []  # out_features of each linear, to split the result
-
-    def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-        out = self.joint(x, linears)
-        if out is None:
-            return [m(x) for m in linears]
-        return out.split_with_sizes(self._sizes, dim=-1)
-
-    def joint(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
-        """All outputs side by side ``(..., sum of out_features)``, from one matmul; or
-        None where the copy is not used: with gradients, hooks, or more than one row."""
-        if torch.is_grad_enabled() or x.numel() != x.shape[-1]:
-            return None
-        key = _weights_key(linears)
-        if key is None:
-            return None
-        if key != self._key:
-            # A normal tensor even under inference_mode: it is kept across calls.
-            with torch.inference_mode(False), torch.no_grad():
-                self._weight = torch.cat([m.weight for m in linears]).t().contiguous()
-                biases = [m.bias if m.bias is not None else
-                          torch.zeros(m.out_features, dtype=m.weight.dtype,
-                                      device=m.weight.device) for m in linears]
-                has_bias = any(m.bias is not None for m in linears)
-                self._bias = torch.cat(biases) if has_bias else None
-                self._sizes = [m.out_features for m in linears]
-            self._key = key
-        out = x @ self._weight  # (..., in) @ (in, sum of out)
-        if self._bias is not None:
-            out += self._bias
-        return out
+__all__ = ["pack", "is_packed", "joint", "split"]
 
 
-def _weights_key(linears: tuple[nn.Linear, ...]) -> list | None:
-    """What identifies the current weights and biases: storage, dtype, device, version;
-    None while a layer has forward hooks, which must see that layer run.
+def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
+    out, at = [], 0
+    for m in linears:
+        out.append(at)
+        at += m._parameters["weight"].shape[0]
+    return [*out, at]
 
-    Read from ``_parameters`` directly: ``nn.Module.__getattr__`` costs about half a
-    microsecond a name, and this runs for every decoded token. Inference tensors have
-    no version counter (and cannot be changed in place outside inference mode); their
-    storage identifies them.
-    """
-    key = []
+
+def is_packed(linears: Sequence[nn.Linear]) -> bool:
+    """Whether the weights (and biases) of ``linears`` are blocks of one tensor as
+    :func:`pack` leaves them. Read from ``_parameters`` directly: this runs for every
+    decoded token, where ``nn.Module.__getattr__`` costs about half a microsecond."""
+    w0 = linears[0]._parameters["weight"]
+    b0 = linears[0]._parameters["bias"]
+    es, total = w0.element_size(), sum(m._parameters["weight"].shape[0] for m in linears)
+    at = 0
+    for m in linears:
+        w, b = m._parameters["weight"], m._parameters["bias"]
+        if (w.dtype != w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1]
+                or w.stride() != (1, total) or w.data_ptr() != w0.data_ptr() + at * es):
+            return False
+        if (b is None) != (b0 is None):
+            return False
+        if b is not None and (b.dtype != w0.dtype or b.stride() != (1,)
+                              or b.data_ptr() != b0.data_ptr() + at * b.element_size()):
+            return False
+        at += w.shape[0]
+    return True
+
+
+def pack(linears: Sequence[nn.Linear]) -> None:
+    """Move the weights of ``linears`` (same ``in_features``) into one ``(in, sum of out)``
+    tensor and make each layer's weight (and bias) a view of its block. The parameter
+    objects stay the same (optimizers and ties keep them); the old tensors are freed
+    unless something else holds them. Works on the meta device too."""
+    if is_packed(linears):
+        return
+    ws = [m.weight for m in linears]
+    offsets = _offsets(linears)
+    total = offsets[-1]
+    # Normal tensors even under inference_mode (they are parameters from now on), unless
+    # the parameters themselves were made there.
+    with torch.inference_mode(ws[0].is_inference()), torch.no_grad():
+        block = torch.empty(ws[0].shape[1], total, dtype=ws[0].dtype, device=ws[0].device)
+        for m, a, b in zip(linears, offsets, offsets[1:]):
+            block[:, a:b].copy_(m.weight.t())
+            m.weight.data = block[:, a:b].t()
+        if all(m.bias is not None for m in linears):
+            biases = torch.empty(total, dtype=ws[0].dtype, device=ws[0].device)
+            for m, a, b in zip(linears, offsets, offsets[1:]):
+                biases[a:b].copy_(m.bias)
+                m.bias.data = biases[a:b]
+        elif any(m.bias is not None for m in linears):  # not one vector: no joint bias
+            for m in linears:
+                if m.bias is not None:
+                    m.bias.data = m.bias.detach().clone()
+
+
+def _block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias."""
+    w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
+    total = w0.stride(1)
+    weight = w0.as_strided((total, w0.shape[1]), (1, total))
+    bias = None if b0 is None else b0.as_strided((total,), (1,))
+    return weight, bias
+
+
+def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+    """All outputs side by side ``(..., sum of out_features)`` from one product over the
+    packed block; or None where the layers should run one by one: with gradients,
+    with hooks on a layer, or for more than one input row."""
+    if torch.is_grad_enabled() or x.numel() != x.shape[-1]:
+        return None
     for m in linears:
         if m._forward_hooks or m._forward_pre_hooks:
             return None
-        for t in m._parameters.values():  # weight, bias (None without one)
-            if t is not None:
-                key += (t.data_ptr(), t.dtype, t.device,
-                        -1 if t.is_inference() else t._version)
-    return key
+    if not is_packed(linears):
+        if any(m._parameters["bias"] is not None for m in linears) and not all(
+                m._parameters["bias"] is not None for m in linears):
+            return None
+        pack(linears)  # the layout was lost (a dtype change, an assigned parameter)
+    weight, bias = _block(linears)
+    return F.linear(x, weight, bias)
+
+
+def split(x: torch.Tensor, linears: Sequence[nn.Linear]) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]``, as one product for one row (see :func:`joint`)."""
+    out = joint(x, linears)
+    if out is None:
+        return [m(x) for m in linears]
+    return list(out.split_with_sizes([m.out_features for m in linears], dim=-1))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import FusedLinears
+from . import fused
 
 __all__ = ["MLP", "MLP_KINDS", "make_norm", "dropout"]
 
@@ -46,11 +46,12 @@ class MLP(nn.Module):
             self.gate = nn.Linear(d_model, d_ff, bias=bias)
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
-        self._fused = FusedLinears()
+        if kind == "swiglu":  # one (d_model, 2 * d_ff) tensor: gate and up in one product
+            fused.pack((self.gate, self.fc))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate, up = self._fused(x, (self.gate, self.fc))  # one matmul for one row
+            gate, up = fused.split(x, (self.gate, self.fc))  # one matmul for one row
             return self.proj(F.silu(gate) * up)
         h = self.fc(x)
         if self.kind == "relu":

@@ -14,7 +14,7 @@ from ..cache import KVCache
 from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
 from ..functional import BACKENDS, attention
 from ..rope import RotaryEmbedding
-from .fused import FusedLinears
+from . import fused
 from .layers import dropout
 
 __all__ = ["MultiHeadAttention"]
@@ -111,7 +111,9 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
-        self._fused_qkv = FusedLinears()
+        # One (d_in, q + k + v) tensor holds the three weights; W_query/W_key/W_value
+        # keep their names and shapes as views of it (see modules.fused).
+        fused.pack((self.W_query, self.W_key, self.W_value))
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
         # them (after RoPE, before the cache), so ablations see the real scores.
@@ -214,7 +216,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("positions is only used with rope=True; this module has rope=False")
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
-        qkv = None if kv is not None else self._fused_qkv.joint(
+        qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
         if qkv is not None:
             # Decoding one sequence (one row, no gradients): one matmul instead of three,
@@ -316,5 +318,6 @@ class MultiHeadAttention(nn.Module):
             out.out_proj.weight.copy_(m.out_proj.weight)
             if m.out_proj.bias is not None:
                 out.out_proj.bias.copy_(m.out_proj.bias)
+        fused.pack((out.W_query, out.W_key, out.W_value))  # .to() may have unpacked them
         out.train(m.training)
         return out

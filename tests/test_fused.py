@@ -1,0 +1,162 @@
+"""Weights held once: the packed (in, out) layout the one-row decoding path reads is the
+only copy, and training, state dicts, checkpoints, ties and in-place edits see plain
+nn.Linear layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import attnlab
+from attnlab.models import GPT, GPTConfig
+from attnlab.modules import fused
+from attnlab.rope import RotaryEmbedding
+
+
+def _gpt(**kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=61, context_length=64, d_model=32, num_layers=2, num_heads=4,
+               num_kv_heads=2, positions="rope", norm="rmsnorm", mlp="swiglu",
+               tie_embeddings=True, out_bias=False, mlp_bias=False)
+    return GPT(GPTConfig(**{**cfg, **kw})).eval()
+
+
+def _tensors(obj, seen, out, depth=0):
+    """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples."""
+    if id(obj) in seen or depth > 40 or isinstance(obj, RotaryEmbedding):
+        return  # (RoPE keeps its cos/sin table: positions, not weights)
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, seen, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, seen, out, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        _tensors(vars(obj), seen, out, depth + 1)
+
+
+def _storages(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _held_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of every storage reachable from the model, bytes of its parameters')."""
+    found: list[torch.Tensor] = []
+    _tensors(model, set(), found)
+    return sum(_storages(found).values()), sum(_storages(model.parameters()).values())
+
+
+def test_decoding_holds_no_second_copy_of_the_weights():
+    for model in (_gpt(), _gpt(tie_embeddings=False, positions="learned", norm="layernorm",
+                               mlp="gelu", qkv_bias=True, out_bias=True, mlp_bias=True)):
+        model.generate(torch.tensor([[1, 2, 3]]), 4, temperature=0)  # the one-row path
+        reachable, params = _held_bytes(model)
+        assert reachable == params
+        n = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert params == n  # packed blocks hold exactly the parameters, nothing beside
+
+
+def test_packed_layout_keeps_the_usual_names_and_shapes():
+    model = _gpt()
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    assert attn.W_query.weight.shape == (32, 32) and attn.W_key.weight.shape == (16, 32)
+    assert attn.W_query.weight.stride() == (1, 64)  # a view of one (32, 32 + 16 + 16) tensor
+    assert fused.is_packed((attn.W_query, attn.W_key, attn.W_value))
+    assert fused.is_packed((mlp.gate, mlp.fc))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.tok_emb.weight.stride() == (1, 61)  # tied: stored (d_model, vocab)
+    state = model.state_dict()
+    assert state["blocks.0.attn.W_value.weight"].shape == (16, 32)
+    fresh = _gpt()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(state)  # copies into the views: the layout stays
+    assert fused.is_packed((fresh.blocks[0].attn.W_query, fresh.blocks[0].attn.W_key,
+                            fresh.blocks[0].attn.W_value))
+    ids = torch.tensor([[4, 5, 6]])
+    torch.testing.assert_close(fresh(ids), model(ids))
+
+
+def test_one_row_path_agrees_with_the_layers_and_follows_in_place_edits():
+    model = _gpt(qkv_bias=True, mlp_bias=True)
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        fast = model(ids)  # one row, no gradients: packed products
+    torch.testing.assert_close(fast, model(ids))  # with gradients: layer by layer
+    with torch.no_grad():
+        model.blocks[1].attn.W_key.weight.mul_(3)
+        model.blocks[0].mlp.fc.bias.add_(1)
+        model.lm_head.weight[5].mul_(2)
+        edited = model(ids)
+    torch.testing.assert_close(edited, model(ids))
+    assert not torch.allclose(edited, fast)
+
+
+def test_training_updates_the_packed_weights_in_place():
+    model = _gpt().train()
+    before = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 61, (2, 9))
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert model.blocks[0].attn.W_query.weight.grad.shape == (32, 32)
+    assert before == {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    model.eval()
+    one = torch.tensor([[3]])
+    with torch.no_grad():
+        fast = model(one)
+    torch.testing.assert_close(fast, model(one))
+
+
+def test_a_lost_layout_is_packed_again_without_a_copy_left_behind():
+    model = _gpt().double()  # .to() gives each parameter its own tensor
+    ids = torch.tensor([[1, 2]])
+    want = model(ids)[:, -1:]  # with gradients: layer by layer
+    caches = model.new_cache(1, 4)
+    with torch.no_grad():
+        model(ids[:, :1], caches=caches)
+        got = model(ids[:, 1:2], caches=caches)  # one row: packs again, then the product
+    assert fused.is_packed((model.blocks[0].attn.W_query, model.blocks[0].attn.W_key,
+                            model.blocks[0].attn.W_value))
+    assert model.lm_head.weight is model.tok_emb.weight
+    torch.testing.assert_close(got[:, -1:], want)
+    reachable, params = _held_bytes(model)
+    assert reachable == params
+
+
+def test_hooks_see_their_layer_run():
+    model = _gpt()
+    seen = []
+    model.blocks[0].attn.W_key.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.generate(torch.tensor([[1, 2]]), 2, temperature=0)
+    assert seen == [(1, 2, 16), (1, 1, 16)]
+
+
+def test_checkpoints_round_trip_the_packed_model(tmp_path):
+    model = _gpt()
+    attnlab.save_checkpoint(model, tmp_path / "ck")
+    loaded = attnlab.load_checkpoint(tmp_path / "ck")
+    blocks = loaded.blocks[1]
+    assert fused.is_packed((blocks.attn.W_query, blocks.attn.W_key, blocks.attn.W_value))
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+    ids = torch.tensor([[9, 8, 7]])
+    torch.testing.assert_close(loaded(ids), model(ids))
+    torch.testing.assert_close(loaded.generate(ids, 5, temperature=0),
+                               model.generate(ids, 5, temperature=0))
+
+
+def test_generation_allocates_its_caches_once(monkeypatch):
+    model = _gpt()
+    calls = []
+    real = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda *a: calls.append(a) or real(*a))
+    model.generate([[1, 2, 3], [4]], 6, temperature=0)  # left-padded: a mask too
+    assert calls == [(2, 9)]
