@@ -10,9 +10,7 @@ one in a rename), read without pickle.
 from __future__ import annotations
 
 import os
-import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,6 @@ from .checks import non_negative_int
 from .io import (
     CONFIG_FILE,
     MODEL_FILE,
-    OWN_FILES,
     STATE_JSON,
     STATE_TENSORS,
     TOKENIZER_FILE,
@@ -35,6 +32,8 @@ from .io import (
     recover_dir,
     save_tensors,
 )
+from .io.locks import output_lock
+from .io.outdir import check_parent_writable, foreign_entries
 from .io.weights import load_state
 
 FORMAT = 1
@@ -66,8 +65,12 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer
     """Save ``model`` (and ``tokenizer``) to ``directory``, replacing it atomically.
 
     ``extra`` keyword arguments (JSON-serialisable) are stored in ``config.json``.
+    ``directory`` must be new, empty or an attnlab checkpoint (:func:`check_out_dir`,
+    the rule ``--out`` follows too): a folder of other files is refused, not replaced.
+    A run writing to it (``attnlab train``) holds its lock, and is not overwritten.
     """
-    with atomic_dir(directory) as tmp:
+    check_out_dir(directory, "directory")
+    with output_lock(directory, "directory"), atomic_dir(directory) as tmp:
         write_model_files(tmp, model, tokenizer=tokenizer, **extra)
     return Path(directory)
 
@@ -131,70 +134,45 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
 # ------------------------------------------------------------------ output directories
 
 
-# What attnlab itself writes into a checkpoint directory (io.OWN_FILES) and the
-# temp files an atomic write killed by SIGKILL leaves beside them
-# (".<name>.<random>.tmp").
-_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
-
-
-def _is_own_file(entry: Path) -> bool:
-    return entry.is_file() and not entry.is_symlink() and (
-        entry.name in OWN_FILES or _OWN_TEMP.fullmatch(entry.name) is not None)
-
-
-def _not_ours(out: Path, why: str) -> ValueError:
+def _not_ours(out: Path, why: str, name: str) -> ValueError:
     return ValueError(
-        f"--out {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
+        f"{name} {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
         "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
+def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
 
-    A checkpoint replaces its directory as a whole (atomically), so writing one
-    into a folder of other files would delete them. A ``config.json`` alone
-    proves nothing (a Hugging Face model has one too): it must be attnlab's, and
-    every other entry a file attnlab writes there. And the folder the checkpoint
-    is built in must accept new entries, or training would fail only at its end.
+    The one rule for every writer of a checkpoint folder (training, the demo,
+    :func:`save_checkpoint`). A checkpoint replaces its directory as a whole
+    (atomically), so writing one into a folder of other files would delete them.
+    A ``config.json`` alone proves nothing (a Hugging Face model has one too): it
+    must be attnlab's, and every other entry a file attnlab writes there
+    (:func:`attnlab.io.outdir.foreign_entries`). ``name`` is what the message
+    calls ``out`` (the CLI option, or the API argument).
     """
-    _check_parent_writable(out)
+    check_parent_writable(out, name)
     out = Path(out)
     if not out.exists():
         return
     if not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; expected a directory for the checkpoint")
-    entries = list(out.iterdir())
+        raise ValueError(f"{name} {str(out)!r} is a file; expected a directory for the "
+                         "checkpoint")
+    entries = sorted(e.name for e in out.iterdir())
     if not entries:
         return
     if not (out / CONFIG_FILE).is_file():
-        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0].name!r}")
+        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0]!r}", name)
     try:
         config = read_json(out / CONFIG_FILE)
     except CheckpointError as exc:
-        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}") from None
+        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}", name) from None
     if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
-        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type")
-    foreign = sorted(e.name for e in entries if not _is_own_file(e))
+        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type", name)
+    foreign = foreign_entries(out)
     if foreign:
         raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
-                        + (" ..." if len(foreign) > 3 else ""))
-
-
-def _check_parent_writable(out: str | os.PathLike) -> None:
-    """The checkpoint is built in a temp folder beside ``out`` and renamed into
-    place, so its parent must exist (it is created, as the writer would) and
-    accept new entries."""
-    parent = Path(os.path.abspath(out)).parent
-    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ValueError(f"--out {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
-                         "expected a directory")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
-    except OSError as exc:
-        raise ValueError(f"--out {str(out)!r} cannot be written: {exc.strerror or exc} "
-                         f"(in {str(parent)!r})") from None
+                        + (" ..." if len(foreign) > 3 else ""), name)
 
 
 def has_checkpoint(out: str | os.PathLike) -> bool:

@@ -78,15 +78,24 @@ def _read_text(path: str | None) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .checkpoint import check_out_dir
+    from .io.locks import output_lock
+
+    # Before anything is read or trained: a bad --out is known at once, and the
+    # lock keeps a second run off this --out for the whole of this one.
+    check_out_dir(args.out)
+    with output_lock(args.out):
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import check_out_dir, load_checkpoint_tokenizer
+    from .checkpoint import load_checkpoint_tokenizer
     from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from .text import CharTokenizer
     from .training import TrainConfig, default_checkpoint_every, train, train_device
 
-    # Before anything is read or trained: a bad --out is known at once.
-    check_out_dir(args.out)
     text = _read_text(args.text)
     every = args.checkpoint_every or default_checkpoint_every(args.steps)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,

@@ -95,9 +95,18 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     Writes ``out/attention.png``, ``out/attention.html``, a checkpoint and
     ``out/summary.json``; returns the summary.
     """
+    from .checkpoint import check_out_dir
+    from .io.locks import output_lock
+
+    # Before the banner: a refused --out is one line, with nothing printed before it.
+    check_out_dir(out)
+    with output_lock(out):
+        return _run_demo(out, steps, seed, log)
+
+
+def _run_demo(out, steps, seed, log) -> dict:
     from pathlib import Path
 
-    from .checkpoint import check_out_dir
     from .io import atomic_write_json
     from .models import ToyAttnLM, ToyConfig
     from .text import CharTokenizer
@@ -105,8 +114,6 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     from .training import TrainConfig, train
     from .viz import show_attention
 
-    # Before the banner: a refused --out is one line, with nothing printed before it.
-    check_out_dir(out)
     text = pattern_corpus(seed=seed)
     tokenizer = CharTokenizer.from_text(text)
     cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,

@@ -14,6 +14,7 @@ global batch and trains on its slice of rows; only rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -33,7 +34,15 @@ from .checkpoint import (
     restore_training_state,
     save_training_state,
 )
-from .checks import Config, finite_float, is_int, optional_positive_int, positive_int
+from .checks import (
+    Config,
+    finite_float,
+    is_int,
+    non_negative_int,
+    optional_positive_int,
+    positive_int,
+)
+from .io.locks import output_lock
 
 
 def check_seed(seed: object) -> int:
@@ -68,6 +77,13 @@ class TrainConfig(Config):
             positive_int(name.replace("_", "-"), getattr(self, name))
         optional_positive_int("checkpoint-every", self.checkpoint_every)
         finite_float("lr", self.lr, positive=True)
+        non_negative_int("warmup", self.warmup)
+        for name in ("weight_decay", "grad_clip"):
+            if finite_float(name, getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got "
+                                 f"{getattr(self, name)!r}")
+        if not 0 <= finite_float("min_lr_ratio", self.min_lr_ratio) <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         check_seed(self.seed)
 
 
@@ -219,9 +235,32 @@ def train(
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
+    with contextlib.ExitStack() as stack:
+        if out is not None and rank == 0:
+            # Held for the whole run: a second run on the same --out is refused, not
+            # interleaved with this one.
+            check_out_dir(out)
+            stack.enter_context(output_lock(out))
+        return _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world,
+                    device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
+                    log=log, meta=meta)
+
+
+def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
+    kept = (f"the last good checkpoint in {str(out)!r} (step {saved}) is kept" if saved
+            else "no checkpoint was written by this run")
+    return TrainingDiverged(
+        f"training stopped at step {step}: the {what} is {value} (not finite); {kept}; "
+        "lower --lr or check the data and the resumed state")
+
+
+class TrainingDiverged(ValueError):
+    """The loss, a gradient or a weight stopped being finite: nothing more is saved."""
+
+
+def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
+         out, resume, tokenizer, progress, log, meta) -> dict:
     step, history, resumed_from = 0, [], None
-    if out is not None and rank == 0:
-        check_out_dir(out)
     if resume:
         if out is not None and has_checkpoint(out):
             step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
@@ -241,6 +280,7 @@ def train(
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", leave=False)
     meta = {**(meta or {}), "train_config": asdict(cfg)}
     start, start_step = time.perf_counter(), step
+    saved = step or None  # the step of the last checkpoint known good
     model.train()
     while step < cfg.steps:
         for group in optimizer.param_groups:
@@ -250,11 +290,16 @@ def train(
         loss = lm_loss(wrapped, rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # The mean over ranks: a NaN on any rank stops every rank at the same step.
+        train_loss = _mean_across(loss, world)
+        if not math.isfinite(train_loss):
+            raise _stop(step + 1, "loss", train_loss, out, saved)
+        norm = float(nn.utils.clip_grad_norm_(model.parameters(),
+                                              cfg.grad_clip or float("inf")))
+        if not math.isfinite(norm):
+            raise _stop(step + 1, "gradient norm", norm, out, saved)
         optimizer.step()
         step += 1
-        train_loss = _mean_across(loss, world)
         eval_loss = None
         if step % cfg.eval_every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, eval_stream, cfg)
@@ -267,6 +312,11 @@ def train(
             bar.update(1)
         due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
+            bad = next((n for n, p in model.named_parameters()
+                        if not bool(torch.isfinite(p).all())), None)
+            if bad is not None:  # a NaN moment or an absurd weight decay: never save it
+                raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
+            saved = step
             save_training_state(Path(out), model, optimizer, gen, step=step,
                                 train_config=asdict(cfg), history=history,
                                 tokenizer=tokenizer, meta=meta)

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..io.locks import output_lock
+from ..io.outdir import check_own_dir
 from .explorer import write_html
 from .heatmap import atomic_write, heatmap, save_heatmaps
 
@@ -64,7 +66,8 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         model: an attnlab model (its weights are captured with ``output_attentions``).
         tokenizer: the model's tokenizer.
         text: the input.
-        out: directory to write into (created if missing).
+        out: directory to write into (created if missing); it must be new, empty or
+            hold only files attnlab writes (:func:`attnlab.io.outdir.check_own_dir`).
         layer, head: restrict the PNG to one layer and/or head; the HTML explorer
             always holds every layer and head.
         title: heading of the explorer page (default: the text).
@@ -72,9 +75,17 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
     Returns:
         ``{"png": path, "html": path}``.
     """
+    # The rule every writer follows: a folder holding files attnlab did not write
+    # is the user's, and is refused before any work.
+    check_own_dir(out)
     tokens, attentions = capture(model, tokenizer, text)
     layers = _pick(len(attentions), layer, "layer")
     heads = _pick(attentions[0].shape[0], head, "head")
+    with output_lock(out):
+        return _write(out, tokens, attentions, layers, heads, title or text)
+
+
+def _write(out, tokens, attentions, layers, heads, title) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     png = out / "attention.png"
@@ -83,5 +94,5 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         atomic_write(png, lambda f: fig.savefig(f, format="png"))
     else:
         save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
-    html = write_html(out / "attention.html", tokens, attentions, title=title or text)
+    html = write_html(out / "attention.html", tokens, attentions, title=title)
     return {"png": png, "html": Path(html)}
