@@ -132,7 +132,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, tiny_ckpt, snap)
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snap(tiny_ckpt)
-        with pytest.raises(ValueError, match=rf"in use by another attnlab run \(pid {holder.pid}\)"):
+        with pytest.raises(ValueError, match=rf"in use by another attnlab run \(pid {holder.pid}"):
             save_checkpoint(ToyAttnLM(ToyConfig()), tiny_ckpt)
         assert snap(tiny_ckpt) == before
     finally:
