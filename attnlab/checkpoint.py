@@ -34,6 +34,7 @@ from .io import (
 )
 from .io.locks import output_lock
 from .io.outdir import check_parent_writable, foreign_entries
+from .io.reading import CONFIG_LIMIT, STATE_LIMIT
 from .io.weights import load_state
 
 FORMAT = 1
@@ -80,7 +81,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     recover_dir(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
-    return read_json(directory / CONFIG_FILE)
+    return read_json(directory / CONFIG_FILE, CONFIG_LIMIT)
 
 
 def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> nn.Module:
@@ -164,7 +165,7 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     if not (out / CONFIG_FILE).is_file():
         raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0]!r}", name)
     try:
-        config = read_json(out / CONFIG_FILE)
+        config = read_json(out / CONFIG_FILE, CONFIG_LIMIT)
     except CheckpointError as exc:
         raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}", name) from None
     if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
@@ -261,7 +262,7 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
             "model it was trained with, or choose another --out")
     load_state(model, load_tensors(out / MODEL_FILE),
                source=f"--resume: the checkpoint in {str(out)!r}")
-    state = read_json(out / STATE_JSON)
+    state = read_json(out / STATE_JSON, STATE_LIMIT)
     tensors = load_tensors(out / STATE_TENSORS)
     per_param: dict[int, dict] = {}
     try:

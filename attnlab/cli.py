@@ -61,17 +61,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: str | None) -> str:
+    from .io.reading import TEXT_LIMIT, read_text
     from .text.corpus import pattern_corpus
 
     if path is None:
         return pattern_corpus()
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--text {path!r} is not UTF-8 text: {exc.reason}") from None
-    except OSError as exc:
-        raise ValueError(f"--text {path!r} cannot be read: {exc.strerror}") from None
+    # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
+    text = read_text(path, TEXT_LIMIT, "--text")
     if not text.strip():
         raise ValueError(f"--text {path!r} is empty")
     return text

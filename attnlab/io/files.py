@@ -119,23 +119,18 @@ def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2) -> No
     atomic_write_text(path, text + "\n")
 
 
-def read_json(path: PathLike) -> dict[str, Any]:
-    """Read a JSON object from ``path``.
+def read_json(path: PathLike, limit: int = 16 << 20, what: str = "file") -> dict[str, Any]:
+    """Read a JSON object from ``path`` (a regular file of at most ``limit`` bytes).
 
     Raises :class:`CheckpointError` naming the path if the file is missing,
-    unreadable, not valid JSON, or holds something other than a JSON object.
+    unreadable, not a regular file (a FIFO or a device would hang the reader),
+    too large, not valid JSON (or nested too deeply), or holds something other
+    than a JSON object.
     """
+    from .reading import parse_json, read_text
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{str(path)!r}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{str(path)!r}: cannot read: {exc}") from exc
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{str(path)!r}: invalid JSON: {exc}") from exc
+    obj = parse_json(read_text(path, limit, what), repr(str(path)))
     if not isinstance(obj, dict):
         raise CheckpointError(
             f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"

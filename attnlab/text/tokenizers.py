@@ -11,7 +11,6 @@ This module does not need torch: ids and masks are plain Python lists.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..io import CheckpointError, atomic_write_json, read_json
+from ..io.reading import TOKENIZER_LIMIT, parse_json, read_text
 
 __all__ = [
     "Tokenizer",
@@ -104,7 +104,7 @@ class Tokenizer:
     @classmethod
     def load(cls, path: PathLike) -> Tokenizer:
         """Read a tokenizer written by :meth:`save` (``CheckpointError`` if unreadable)."""
-        data = read_json(path)
+        data = read_json(path, TOKENIZER_LIMIT)
         kind = data.get("type")
         if cls is not Tokenizer and kind != cls.type_name:
             raise CheckpointError(
@@ -378,15 +378,17 @@ class HFTokenizer(Tokenizer):
             path = Path(source)
             if path.is_dir():
                 path = path / "tokenizer.json"
-            if not path.is_file():
+            if not path.exists():
                 raise CheckpointError(f"{str(path)!r}: tokenizer file not found")
+            text = read_text(path, TOKENIZER_LIMIT, "tokenizer file")
+            data = parse_json(text, repr(str(path)))
             try:
-                text = path.read_text(encoding="utf-8")
-                data = json.loads(text)
                 if isinstance(data, dict) and data.get("type") == self.type_name:
                     text = data["tokenizer"]  # a file written by HFTokenizer.save
                 raw = _HFTok.from_str(text)
-            except Exception as exc:
+            except BaseException as exc:  # a Rust panic is a BaseException (PanicException)
+                if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
+                    raise
                 raise CheckpointError(
                     f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
                 ) from exc
@@ -421,7 +423,9 @@ class HFTokenizer(Tokenizer):
         _check_text(json_str, "json_str")
         try:
             raw = _HFTok.from_str(json_str)
-        except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
+        except BaseException as exc:  # a bare Exception for bad JSON, a panic for worse
+            if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
+                raise
             raise ValueError(f"json_str: not a valid Hugging Face tokenizer.json: {exc}") from exc
         return cls(raw)
 
@@ -528,14 +532,14 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
     A raw Hugging Face ``tokenizer.json`` (no ``"type"``, but a ``"model"``)
     is loaded as an :class:`HFTokenizer`.
     """
-    data = read_json(path)
+    data = read_json(path, TOKENIZER_LIMIT)
     kind = data.get("type")
     classes: dict[str, type[Tokenizer]] = {
         c.type_name: c for c in (CharTokenizer, WordTokenizer, HFTokenizer)
     }
     if kind is None and "model" in data:
         return HFTokenizer(path)
-    if kind not in classes:
+    if not isinstance(kind, str) or kind not in classes:  # ["char"] is not a type name
         raise CheckpointError(
             f"{str(path)!r}: unknown tokenizer type {kind!r}, expected one of {sorted(classes)}"
         )
