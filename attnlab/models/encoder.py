@@ -18,6 +18,7 @@ from ..interop.hf import encoder_layout
 from ..io.weights import load_state
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout
+from .ids import check_ids
 
 
 @dataclass
@@ -120,8 +121,7 @@ class Encoder(nn.Module):
         Returns:
             hidden states ``(batch, seq, d_model)``, or ``(hidden, attentions)``.
         """
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
-            raise ValueError("ids must be a (batch, seq) integer tensor")
+        check_ids(ids, self.config.vocab_size)
         batch, seq = ids.shape
         if seq > self.context_length:
             raise ValueError(f"sequence of {seq} tokens is longer than context_length="

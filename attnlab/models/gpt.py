@@ -22,6 +22,7 @@ from ..modules import MultiHeadAttention
 from ..modules.fused import FusedLinears
 from ..modules.layers import MLP, dropout, make_norm
 from .generation import GenerationMixin
+from .ids import check_ids
 
 _CHOICES = {
     "positions": ("learned", "rope"),
@@ -157,11 +158,7 @@ class GPT(GenerationMixin, nn.Module):
         Returns:
             logits ``(batch, seq, vocab)``, or ``(logits, attentions)``.
         """
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
-            raise ValueError(
-                f"ids must be a (batch, seq) integer tensor, got "
-                f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
-            )
+        check_ids(ids, self.config.vocab_size)
         batch, seq = ids.shape
         past = caches[0].seq_len if caches else 0
         if past + seq > self.context_length:

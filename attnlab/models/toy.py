@@ -18,6 +18,7 @@ from ..cache import KVCache
 from ..checks import Config, positive_int
 from ..modules import MultiHeadAttention
 from .generation import GenerationMixin
+from .ids import check_ids
 
 
 @dataclass
@@ -77,8 +78,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         """Logits ``(batch, seq, vocab)``; with ``output_attentions`` also a list
         with the head's weights ``(batch, 1, seq, past + seq)``. Arguments as
         :meth:`attnlab.models.GPT.forward`."""
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
-            raise ValueError("ids must be a (batch, seq) integer tensor")
+        check_ids(ids, self.config.vocab_size)
         past = caches[0].seq_len if caches else 0
         seq = ids.shape[1]
         if past + seq > self.context_length:
