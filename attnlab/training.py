@@ -37,6 +37,7 @@ from .checkpoint import (
 from .checks import (
     Config,
     finite_float,
+    fits_in_memory,
     is_int,
     non_negative_int,
     optional_positive_int,
@@ -95,6 +96,18 @@ def default_checkpoint_every(steps: int) -> int:
     steps between them.
     """
     return max(1, steps // 10)
+
+
+def activation_bytes(model: nn.Module, batch: int, context: int) -> int:
+    """A rough upper estimate of what one training step holds besides the weights:
+    per token, the logits (and their gradient and softmax) and each layer's
+    activations; per layer and head, the attention weights. Checked before the
+    first step, so ``--batch-size 10**12`` is one line and not an allocator failure."""
+    config = model.config
+    d, vocab = config.d_model, config.vocab_size
+    layers, heads = getattr(config, "num_layers", 1), getattr(config, "num_heads", 1)
+    per_token = 3 * vocab + 24 * d * layers
+    return 4 * batch * context * (per_token + 2 * heads * layers * context)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -230,6 +243,8 @@ def train(
     if cfg.context > model.context_length:
         raise ValueError(f"context {cfg.context} is longer than the model's context_length "
                          f"{model.context_length}")
+    fits_in_memory(f"training with batch-size {cfg.batch_size} and context {cfg.context}",
+                   activation_bytes(model, cfg.batch_size // world, cfg.context))
     train_stream, eval_stream = split(tokens, cfg.context)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)

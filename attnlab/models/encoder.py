@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from .. import masks as _masks
-from ..checks import Config, one_of, positive_int
+from ..checks import (
+    Config,
+    finite_float,
+    fits_in_memory,
+    non_negative_int,
+    one_of,
+    positive_int,
+    probability,
+)
 from ..interop.hf import encoder_layout
 from ..io.weights import load_state
 from ..modules import MultiHeadAttention
@@ -41,6 +49,13 @@ class EncoderConfig(Config):
                      "d_ff", "type_vocab_size"):
             positive_int(f"EncoderConfig.{name}", getattr(self, name))
         one_of("EncoderConfig.activation", self.activation, ("gelu", "gelu_tanh", "relu"))
+        probability("EncoderConfig.dropout", self.dropout)
+        finite_float("EncoderConfig.norm_eps", self.norm_eps, positive=True)
+        non_negative_int("EncoderConfig.pad_id", self.pad_id)
+        d = self.d_model
+        params = (self.vocab_size + self.context_length + self.type_vocab_size) * d + \
+            self.num_layers * (4 * d * d + 2 * d * self.d_ff)
+        fits_in_memory(f"an Encoder of about {params:,} parameters", 4 * params)
 
 
 class EncoderBlock(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import Config, positive_int
+from ..checks import Config, fits_in_memory, positive_int, probability
 from ..modules import MultiHeadAttention
 from .generation import GenerationMixin
 from .ids import check_ids
@@ -32,6 +32,10 @@ class ToyConfig(Config):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model"):
             positive_int(f"ToyConfig.{name}", getattr(self, name))
+        probability("ToyConfig.dropout", self.dropout)
+        d = self.d_model
+        params = (2 * self.vocab_size + self.context_length) * d + 4 * d * d
+        fits_in_memory(f"a ToyAttnLM of about {params:,} parameters", 4 * params)
 
 
 class ToyAttnLM(GenerationMixin, nn.Module):
