@@ -35,7 +35,8 @@ from .io import (
 from .io.locks import output_lock
 from .io.outdir import check_parent_writable, foreign_entries
 from .io.reading import CONFIG_LIMIT, STATE_LIMIT
-from .io.weights import load_state
+from .io.tensors import load_header
+from .io.weights import load_state, state_mismatches
 
 FORMAT = 1
 
@@ -90,19 +91,40 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
 
     directory = Path(directory)
     meta = read_config(directory)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{str(directory / CONFIG_FILE)!r}: format must be {FORMAT}, got "
+            f"{meta.get('format')!r} (written by another attnlab version, or not by attnlab)")
     model_type = meta.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise CheckpointError(
             f"{str(directory / CONFIG_FILE)!r}: model_type must be one of "
             f"{sorted(MODEL_TYPES)}, got {model_type!r}"
         )
     cls, config_cls = MODEL_TYPES[model_type]
     try:
-        model = cls(config_cls.from_dict(meta.get("config", {})))
+        config = config_cls.from_dict(meta.get("config", {}))
+        # Shapes first, on the meta device (nothing allocated): a config that does not
+        # fit the weights is refused before a full-size model is built.
+        with torch.device("meta"):
+            skeleton = cls(config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
+    source = f"{str(directory / MODEL_FILE)!r}"
+    problems = state_mismatches(
+        {n: (tuple(t.shape), t.dtype) for n, t in skeleton.state_dict().items()},
+        load_header(directory / MODEL_FILE))
+    if problems:
+        raise CheckpointError(f"{source} does not fit the {cls.__name__} of "
+                              f"{str(directory / CONFIG_FILE)!r}: " + "; ".join(problems[:4]))
+    model = cls(config)
     state = load_tensors(directory / MODEL_FILE, device=map_location)
-    load_state(model, state, source=f"{str(directory / MODEL_FILE)!r}")
+    bad = next((n for n, t in state.items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # a diverged run's weights: every output would be NaN
+        raise CheckpointError(f"{source}: tensor {bad!r} holds NaN or inf; expected finite "
+                              "weights (the run that wrote them diverged)")
+    load_state(model, state, source=source)
     return model.to(map_location).eval()
 
 
