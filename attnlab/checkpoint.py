@@ -9,6 +9,7 @@ one in a rename), read without pickle.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -271,6 +272,50 @@ def _check_history(history, step) -> list:
     return history
 
 
+def _check_optimizer_state(per_param: dict, groups, optimizer, step: int, out: Path) -> None:
+    """AdamW's saved moments and settings, checked before they are loaded: a wrong
+    shape would fail only mid-step, betas out of range or NaN moments would train to
+    NaN, and a deleted moment would silently restart from zero."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"--resume: the training state in {str(out)!r} is damaged: "
+                               f"{why}")
+
+    own = optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(own) or not all(
+            isinstance(g, dict) for g in groups):
+        raise bad(f"param_groups must be a list of {len(own)} objects, got {str(groups)[:60]}")
+    for g in groups:
+        betas = g.get("betas")
+        if not (isinstance(betas, list | tuple) and len(betas) == 2 and all(
+                isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
+                for b in betas)):
+            raise bad(f"betas must be two numbers in [0, 1), got {betas!r}")
+        for key, low in (("lr", 0.0), ("weight_decay", 0.0), ("eps", 1e-300)):
+            value = g.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= low):
+                raise bad(f"{key} must be a finite number >= {low:g}, got {value!r}")
+    params = [p for group in own for p in group["params"]]
+    expected = set(range(len(params))) if step > 0 else set()
+    if set(per_param) != expected:
+        missing = sorted(expected - set(per_param))
+        extra = sorted(set(per_param) - expected)
+        raise bad(f"optimizer moments for parameters {missing or extra} are "
+                  f"{'missing' if missing else 'unexpected'}")
+    for index, moments in per_param.items():
+        shape = tuple(params[index].shape)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            value = moments.get(key)
+            want = () if key == "step" else shape
+            if value is None:
+                raise bad(f"optim.{index}.{key} is missing")
+            if tuple(value.shape) != want:
+                raise bad(f"optim.{index}.{key} has shape {tuple(value.shape)}, expected {want}")
+            if not bool(torch.isfinite(value).all()) or (key == "exp_avg_sq" and bool(
+                    (value < 0).any())):
+                raise bad(f"optim.{index}.{key} holds NaN, inf or negative values")
+
+
 def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                            gen: torch.Generator, train_config: dict) -> tuple[int, list]:
     """Load the run saved in ``out`` into ``model``, ``optimizer`` and ``gen`` (and
@@ -295,6 +340,11 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
             if name.startswith("optim."):
                 _, index, key = name.split(".", 2)
                 per_param.setdefault(int(index), {})[key] = value
+        if step > train_config.get("steps", step):
+            raise CheckpointError(
+                f"--resume: the checkpoint in {str(out)!r} is at step {step}, beyond --steps "
+                f"{train_config['steps']}; give --steps {step} or more (the total)")
+        _check_optimizer_state(per_param, state["param_groups"], optimizer, step, out)
         optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
         torch.set_rng_state(tensors["rng.torch"])
         gen.set_state(tensors["rng.batches"])
