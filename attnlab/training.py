@@ -318,6 +318,8 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
         eval_loss = None
         if step % cfg.eval_every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, eval_stream, cfg)
+            if not math.isfinite(eval_loss):  # weights that overflow on held-out text
+                raise _stop(step, "eval loss", eval_loss, out, saved)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
         history.append([step, train_loss, eval_loss])
         if bar is not None:
