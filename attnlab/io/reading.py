@@ -46,10 +46,9 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise CheckpointError(f"{name}: file not found") from None
+        raise CheckpointError(f"{name} cannot be read: file not found") from None
     except OSError as exc:
-        raise CheckpointError(f"{name}: cannot read: {exc.strerror or exc}") \
-            from None
+        raise CheckpointError(f"{name} cannot be read: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -73,8 +72,7 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
                                       f"{_size(limit)} for a {what} while it was read")
         return b"".join(chunks)
     except OSError as exc:
-        raise CheckpointError(f"{name}: cannot read: {exc.strerror or exc}") \
-            from None
+        raise CheckpointError(f"{name} cannot be read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
 
