@@ -56,8 +56,8 @@ from .files import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
-    read_json,
 )
+from .reading import read_json
 from .tensors import load_metadata, load_tensors, save_tensors
 
 __all__ = [

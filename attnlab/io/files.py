@@ -117,22 +117,3 @@ def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2) -> No
     except (TypeError, ValueError) as exc:
         raise TypeError(f"obj: cannot be written as JSON to {str(path)!r}: {exc}") from exc
     atomic_write_text(path, text + "\n")
-
-
-def read_json(path: PathLike, limit: int = 16 << 20, what: str = "file") -> dict[str, Any]:
-    """Read a JSON object from ``path`` (a regular file of at most ``limit`` bytes).
-
-    Raises :class:`CheckpointError` naming the path if the file is missing,
-    unreadable, not a regular file (a FIFO or a device would hang the reader),
-    too large, not valid JSON (or nested too deeply), or holds something other
-    than a JSON object.
-    """
-    from .reading import parse_json, read_text
-
-    path = Path(path)
-    obj = parse_json(read_text(path, limit, what), repr(str(path)))
-    if not isinstance(obj, dict):
-        raise CheckpointError(
-            f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"
-        )
-    return obj

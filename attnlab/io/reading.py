@@ -17,8 +17,8 @@ from typing import Any
 
 from .files import CheckpointError, PathLike
 
-__all__ = ["read_bytes", "read_text", "parse_json", "MiB", "CONFIG_LIMIT", "TOKENIZER_LIMIT",
-           "STATE_LIMIT", "TEXT_LIMIT"]
+__all__ = ["read_bytes", "read_text", "parse_json", "read_json", "MiB", "CONFIG_LIMIT",
+           "TOKENIZER_LIMIT", "STATE_LIMIT", "TEXT_LIMIT"]
 
 MiB = 1 << 20
 CONFIG_LIMIT = 1 * MiB  # a model's config.json is a few kilobytes
@@ -99,3 +99,20 @@ def parse_json(text: str | bytes, where: str) -> Any:
         raise CheckpointError(f"{where}: JSON nested too deeply to read") from None
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{where}: not UTF-8 text: {exc.reason}") from None
+
+
+def read_json(path: PathLike, limit: int = 16 * MiB, what: str = "file") -> dict[str, Any]:
+    """Read a JSON object from ``path`` (a regular file of at most ``limit`` bytes).
+
+    Raises :class:`CheckpointError` naming the path if the file is missing,
+    unreadable, not a regular file (a FIFO or a device would hang the reader),
+    too large, not valid JSON (or nested too deeply), or holds something other
+    than a JSON object.
+    """
+    path = Path(path)
+    obj = parse_json(read_text(path, limit, what), repr(str(path)))
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"
+        )
+    return obj
