@@ -36,8 +36,7 @@ from .io import (
 from .io.locks import output_lock
 from .io.outdir import check_parent_writable, foreign_entries
 from .io.reading import CONFIG_LIMIT, STATE_LIMIT
-from .io.tensors import load_header
-from .io.weights import load_state, state_mismatches
+from .io.weights import SafetensorsState, build_loaded, load_state
 
 FORMAT = 1
 
@@ -105,27 +104,18 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     cls, config_cls = MODEL_TYPES[model_type]
     try:
         config = config_cls.from_dict(meta.get("config", {}))
-        # Shapes first, on the meta device (nothing allocated): a config that does not
-        # fit the weights is refused before a full-size model is built.
-        with torch.device("meta"):
-            skeleton = cls(config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
+    # Built on the meta device and checked against the file's header first: a config
+    # that does not fit the weights is refused before anything is allocated.
     source = f"{str(directory / MODEL_FILE)!r}"
-    problems = state_mismatches(
-        {n: (tuple(t.shape), t.dtype) for n, t in skeleton.state_dict().items()},
-        load_header(directory / MODEL_FILE))
-    if problems:
-        raise CheckpointError(f"{source} does not fit the {cls.__name__} of "
-                              f"{str(directory / CONFIG_FILE)!r}: " + "; ".join(problems[:4]))
-    model = cls(config)
-    state = load_tensors(directory / MODEL_FILE, device=map_location)
-    bad = next((n for n, t in state.items()
+    state = SafetensorsState([directory / MODEL_FILE], device=str(map_location))
+    model = build_loaded(lambda: cls(config), state, source=source)
+    bad = next((n for n, t in model.state_dict().items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:  # a diverged run's weights: every output would be NaN
         raise CheckpointError(f"{source}: tensor {bad!r} holds NaN or inf; expected finite "
                               "weights (the run that wrote them diverged)")
-    load_state(model, state, source=source)
     return model.to(map_location).eval()
 
 
@@ -216,7 +206,7 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        gen: torch.Generator, *, step: int, train_config: dict,
+                        gen: torch.Generator, step: int, train_config: dict,
                         history: list, tokenizer=None, meta: dict | None = None) -> None:
     """Write the checkpoint ``out`` of a run at ``step``: the model files and everything
     that makes the next step depend on the steps so far (AdamW moments, the batch

@@ -88,12 +88,61 @@ def format_matrix(weights: torch.Tensor, tokens: list[str]) -> str:
     return "\n".join(lines)
 
 
+def train_demo_model(*, steps: int, seed: int, text: str | None = None,
+                     eval_every: int | None = None, attn_dropout: float | None = None,
+                     resid_dropout: float | None = None, log=None, **train_kw):
+    """The demo's one training recipe: ``ToyAttnLM`` (d_model 32, one causal head)
+    trained on characters, 32 windows of 24 tokens per step at lr 1e-2.
+
+    Args:
+        steps, seed: length of the run; ``seed`` fixes the corpus, the initial
+            weights (``torch.manual_seed`` before the model is built) and the batches.
+        text: the training text; default :func:`~attnlab.text.corpus.pattern_corpus`
+            of ``seed``. The tokenizer is a ``CharTokenizer`` of its characters.
+        eval_every: held-out evaluation interval (default ``steps // 8``, at least 1).
+        attn_dropout, resid_dropout: when given, set on the head after it is built
+            (dropout on the attention weights / on the attention output).
+        log: where the one-line description of the run and training progress go
+            (None: silent).
+        train_kw: passed to :func:`attnlab.training.train` (``out``, ``progress``,
+            ``meta``...); the tokenizer is saved with the model when ``out`` is given.
+
+    Returns:
+        ``(model, tokenizer, summary)``, ``summary`` as :func:`~attnlab.training.train`
+        returns it.
+    """
+    from .models import ToyAttnLM, ToyConfig
+    from .text import CharTokenizer
+    from .text.corpus import PATTERNS, pattern_corpus
+    from .training import TrainConfig, train
+
+    corpus = f"repeating patterns {', '.join(PATTERNS)}" if text is None else "the given text"
+    text = text or pattern_corpus(seed=seed)
+    tokenizer = CharTokenizer.from_text(text)
+    cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,
+                      eval_every=max(1, steps // 8) if eval_every is None else eval_every,
+                      seed=seed)
+    torch.manual_seed(seed)
+    model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size, context_length=cfg.context,
+                                d_model=32))
+    if attn_dropout is not None:
+        model.attn.dropout = attn_dropout
+    if resid_dropout is not None:
+        model.attn.resid_dropout = resid_dropout
+    if log is not None:
+        log(f"Training ToyAttnLM ({sum(p.numel() for p in model.parameters()):,} parameters, "
+            f"one causal head) on {len(text):,} characters of {corpus}")
+    summary = train(model, torch.tensor(tokenizer.encode(text)), cfg, tokenizer=tokenizer,
+                    log=log, **train_kw)
+    return model, tokenizer, summary
+
+
 def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
              log=print) -> dict:
     """Train ``ToyAttnLM`` on :func:`pattern_corpus`, report and draw what the head learned.
 
     Writes ``out/attention.png``, ``out/attention.html``, a checkpoint and
-    ``out/summary.json``; returns the summary.
+    ``out/summary.json`` (names from :mod:`attnlab.io`); returns the summary.
     """
     from .checkpoint import check_out_dir
     from .io.locks import output_lock
@@ -107,25 +156,11 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
 def _run_demo(out, steps, seed, log) -> dict:
     from pathlib import Path
 
-    from .io import atomic_write_json
-    from .models import ToyAttnLM, ToyConfig
-    from .text import CharTokenizer
-    from .text.corpus import PATTERNS, pattern_corpus
-    from .training import TrainConfig, train
+    from .io import SUMMARY_FILE, atomic_write_json
     from .viz import show_attention
 
-    text = pattern_corpus(seed=seed)
-    tokenizer = CharTokenizer.from_text(text)
-    cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,
-                      eval_every=max(1, steps // 8), seed=seed)
-    torch.manual_seed(seed)
-    model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size, context_length=cfg.context,
-                                d_model=32))
-    log(f"Training ToyAttnLM ({sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"one causal head) on {len(text):,} characters of repeating patterns "
-        f"{', '.join(PATTERNS)}")
-    summary = train(model, torch.tensor(tokenizer.encode(text)), cfg, out=out,
-                    tokenizer=tokenizer, log=log, meta={"demo": True})
+    model, tokenizer, summary = train_demo_model(steps=steps, seed=seed, log=log, out=out,
+                                                 meta={"demo": True})
     sample = "ababab acacac xyzxyz"
     paths = show_attention(model, tokenizer, sample, out, title="ToyAttnLM on " + sample)
     with torch.no_grad():
@@ -152,6 +187,6 @@ def _run_demo(out, steps, seed, log) -> dict:
               "attention_shares_at_a": a_shares,
               "files": {"png": str(paths["png"]), "html": str(paths["html"]),
                         "checkpoint": str(out)}}
-    atomic_write_json(Path(out) / "summary.json", result)
-    log(f"Wrote {paths['png']}, {paths['html']}, the checkpoint and summary.json in {out}/")
+    atomic_write_json(Path(out) / SUMMARY_FILE, result)
+    log(f"Wrote {paths['png']}, {paths['html']}, the checkpoint and {SUMMARY_FILE} in {out}/")
     return result

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checks import one_of, probability
+from .demo import train_demo_model
 from .modules import MultiHeadAttention
 
 ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
@@ -75,8 +77,7 @@ def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> I
     that attention received (rotated, ablated) and the context vectors fed to
     ``out_proj`` (lists, in call order).
     """
-    if kind is not None and kind not in _EDITS:
-        raise ValueError(f"ablation must be one of {ABLATIONS} or None, got {kind!r}")
+    one_of("ablation", kind, (*ABLATIONS, None))
     modules = _attention_modules(model)
     previous = [mha.qkv_hook for mha in modules]  # restored on exit (the innermost block wins)
     handles = []
@@ -229,29 +230,19 @@ def dropout_placement(*, p: float = 0.2, steps: int = 200, seed: int = 0,
                       text: str | None = None) -> dict[str, dict[str, float]]:
     """Train the demo's ToyAttnLM three times: dropout on the weights, on the output, none.
 
+    Each run is the demo's recipe (:func:`attnlab.demo.train_demo_model`) with the
+    same seed, so the three differ only in where dropout ``p`` is applied.
+
     Returns ``{"none" | "weights" | "output": {"loss", "train_loss", "eval_loss"}}``
     where ``loss`` is the final held-out loss (dropout is off when evaluating).
     """
-    from .models import ToyAttnLM, ToyConfig
-    from .text import CharTokenizer
-    from .text.corpus import pattern_corpus
-    from .training import TrainConfig, train
-
-    text = text or pattern_corpus(seed=seed)
-    tokenizer = CharTokenizer.from_text(text)
-    tokens = torch.tensor(tokenizer.encode(text))
-    cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, seed=seed,
-                      eval_every=steps)
+    p = probability("p", p)
     out = {}
     for placement in ("none", "weights", "output"):
-        torch.manual_seed(seed)
-        model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size,
-                                    context_length=cfg.context, d_model=32))
-        if placement == "weights":
-            model.attn.dropout = p
-        elif placement == "output":
-            model.attn.resid_dropout = p
-        summary = train(model, tokens, cfg, progress=False, log=None)
+        _, _, summary = train_demo_model(
+            steps=steps, seed=seed, text=text, eval_every=steps, progress=False,
+            attn_dropout=p if placement == "weights" else None,
+            resid_dropout=p if placement == "output" else None)
         out[placement] = {"loss": summary["eval_loss"], "train_loss": summary["final_loss"],
                           "eval_loss": summary["eval_loss"]}
     return out

@@ -65,8 +65,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = float(base)
         # (max_len, head_dim) float32 tables of cos and signed sin, filled on first use.
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
+        # On the CPU even when the model is built on the meta device (loading weights
+        # without a random initialisation): _ensure moves them where the input is.
+        self._cos = torch.empty(0, head_dim, device="cpu")
+        self._sin = torch.empty(0, head_dim, device="cpu")
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

@@ -27,13 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import (
-    check_out_dir,
-    has_checkpoint,
-    nothing_to_resume,
-    restore_training_state,
-    save_training_state,
-)
+from . import checkpoint
+from .checkpoint import check_out_dir, has_checkpoint, nothing_to_resume, restore_training_state
 from .checks import (
     Config,
     finite_float,
@@ -334,9 +329,8 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
             if bad is not None:  # a NaN moment or an absurd weight decay: never save it
                 raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
             saved = step
-            save_training_state(Path(out), model, optimizer, gen, step=step,
-                                train_config=asdict(cfg), history=history,
-                                tokenizer=tokenizer, meta=meta)
+            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
+                                           history, tokenizer, meta)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start

@@ -172,7 +172,7 @@ def test_word_bad_input_messages():
         WordTokenizer.from_text("   ")
     with pytest.raises(TypeError, match="text: expected str, got NoneType"):
         WordTokenizer.from_text(None)
-    with pytest.raises(ValueError, match="min_freq: expected an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="min_freq must be a positive int, got 0"):
         WordTokenizer.from_text("a b", min_freq=0)
     with pytest.raises(ValueError, match="min_freq: no token occurs 5 times"):
         WordTokenizer.from_text("a b", min_freq=5)
@@ -303,7 +303,7 @@ def test_hf_bad_input(wordpiece_file, tmp_path):
         tok.encode_batch("hello")
     with pytest.raises(TypeError, match=r"texts\[1\]: expected str, got int"):
         tok.encode_batch(["a", 1])
-    with pytest.raises(ValueError, match="max_length: expected an int >= 1 or None, got 0"):
+    with pytest.raises(ValueError, match="max_length must be a positive int >= 1 or None, got 0"):
         tok.encode_batch(["a"], max_length=0)
     with pytest.raises(ValueError, match=rf"id {tok.vocab_size} is out of range"):
         tok.decode([tok.vocab_size])

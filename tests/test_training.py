@@ -324,17 +324,18 @@ def test_resume_of_a_model_without_training_state_is_refused(tmp_path):
 
 def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch):
     """Without --checkpoint-every a killed run must still have something to resume."""
+    import attnlab.checkpoint as checkpoint
     import attnlab.training as training
     from attnlab.cli import main
 
     saved_at = []
-    real_save = training.save_training_state
+    real_save = checkpoint.save_training_state
 
-    def spy(out, model, optimizer, gen, **kw):
-        saved_at.append(kw["step"])
-        real_save(out, model, optimizer, gen, **kw)
+    def spy(out, model, optimizer, gen, step, *rest):
+        saved_at.append(step)
+        real_save(out, model, optimizer, gen, step, *rest)
 
-    monkeypatch.setattr(training, "save_training_state", spy)
+    monkeypatch.setattr(checkpoint, "save_training_state", spy)
     assert main(["train", "--model", "toy", "--steps", "20", "--context", "16",
                  "--batch-size", "4", "--out", str(tmp_path / "run")]) == 0
     assert saved_at == list(range(2, 21, 2))
@@ -344,25 +345,25 @@ def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch
 
 def _interrupted_run(out: Path, cfg: TrainConfig, stop_after: int, dropout: float):
     """Train into ``out`` and die right after the checkpoint of ``stop_after``."""
-    import attnlab.training as training
+    import attnlab.checkpoint as checkpoint
 
-    real_save = training.save_training_state
+    real_save = checkpoint.save_training_state
 
     class Killed(BaseException):
         pass
 
-    def save_then_die(out_, model, optimizer, gen, **kw):
-        real_save(out_, model, optimizer, gen, **kw)
-        if kw["step"] == stop_after:
+    def save_then_die(out_, model, optimizer, gen, step, *rest):
+        real_save(out_, model, optimizer, gen, step, *rest)
+        if step == stop_after:
             raise Killed
 
     model, tokens, tok = _toy_setup(dropout)
-    training.save_training_state = save_then_die
+    checkpoint.save_training_state = save_then_die
     try:
         with pytest.raises(Killed):
             train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
     finally:
-        training.save_training_state = real_save
+        checkpoint.save_training_state = real_save
 
 
 def test_resume_with_dropout_is_bit_identical(tmp_path):

@@ -13,27 +13,53 @@ raise a ValueError naming the field.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..io import CONFIG_FILE, read_json
+from ..io.weights import SafetensorsState
 
 Tensors = Mapping[str, torch.Tensor]
 Config = dict[str, Any]
 
 
-class _Named(dict):
-    """A state dict whose missing key is a ValueError naming it, not a KeyError."""
+class _Named(Mapping):
+    """A read-only view of a state dict under ``prefix`` whose missing key is a
+    ValueError naming it (not a KeyError). Tensors are looked up, never copied, so
+    a lazily read file is read once, name by name."""
 
-    def __missing__(self, key: str):
-        raise ValueError(f"weights have no {key!r}, which this layout needs")
+    def __init__(self, state: Tensors, prefix: str = "") -> None:
+        self._state, self._prefix = state, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._prefix + key not in self._state:
+            raise ValueError(f"weights have no {self._prefix + key!r}, which this layout needs")
+        return self._state[self._prefix + key]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._prefix + key in self._state
+
+    def __iter__(self):
+        n = len(self._prefix)
+        return (k[n:] for k in self._state if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _strip(state: Tensors, prefix: str) -> _Named:
     """Keys without ``prefix`` where every key that matters has it (``bert.``, ``model.``)."""
-    if any(k.startswith(prefix) for k in state):
-        return _Named({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-    return _Named(state)
+    return _Named(state, prefix if any(k.startswith(prefix) for k in state) else "")
+
+
+def _own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, copied only where the layout made a view (a transpose, a
+    slice): the weights are not held twice while a model is built from them."""
+    return {k: v.detach().contiguous() for k, v in state.items()}
 
 
 def _require(cfg: Mapping[str, Any], key: str, allowed, default=None):
@@ -127,7 +153,7 @@ def gpt2_state(state: Tensors, cfg: Config,
         for src, dst in (("ln_1", "norm1"), ("ln_2", "norm2")):
             out[b + f"{dst}.weight"] = s[h + f"{src}.weight"]
             out[b + f"{dst}.bias"] = s[h + f"{src}.bias"]
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    return _own(out)
 
 
 # ------------------------------------------------------------------------- Llama
@@ -179,7 +205,7 @@ def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
                 key = f"layers.{i}.{src}.{kind}"
                 if key in s:
                     out[f"blocks.{i}.{dst}.{kind}"] = s[key]
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    return _own(out)
 
 
 # ------------------------------------------------------------------------- BERT
@@ -214,47 +240,88 @@ def bert_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
         for src, dst in names.items():
             for kind in ("weight", "bias"):
                 out[f"blocks.{i}.{dst}.{kind}"] = s[f"encoder.layer.{i}.{src}.{kind}"]
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    return _own(out)
 
 
 # ------------------------------------------------------------------------- entry points
 
 
-def _parts(model: Any) -> tuple[Config, Tensors, torch.dtype]:
-    """(config dict, state dict, dtype) of a live transformers model."""
+def _is_folder_arg(model: Any) -> bool:
+    return isinstance(model, str | os.PathLike)
+
+
+def read_folder(folder: str | os.PathLike) -> tuple[Config, SafetensorsState]:
+    """The transformers config dict and the (lazily read) weights of a folder written by
+    ``save_pretrained``: ``config.json`` and ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json``. Never a pickle, never a download."""
+    path = Path(folder)
+    if not path.exists():
+        hint = (" (it looks like a hub name: attnlab never downloads; save the model with "
+                "save_pretrained and pass that folder)" if "/" in str(folder) and
+                not str(folder).startswith((".", "/", "~")) else "")
+        raise ValueError(f"model folder {str(folder)!r} does not exist{hint}")
+    if not path.is_dir():
+        raise ValueError(f"model folder {str(folder)!r} is a file, expected a folder written "
+                         "by save_pretrained")
+    cfg = read_json(path / CONFIG_FILE)
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{str(index)!r} has no weight_map")
+        names = sorted(set(weight_map.values()))
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+        if bad:
+            raise ValueError(f"{str(index)!r} names shards outside its folder: {bad[:3]}")
+        files = [path / n for n in names]
+    elif any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise ValueError(
+            f"model folder {str(folder)!r} holds only PyTorch pickle weights (*.bin), which "
+            "attnlab never loads (unpickling can run code); convert once with transformers: "
+            "AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
+    else:
+        raise ValueError(f"model folder {str(folder)!r} has no model.safetensors")
+    return cfg, SafetensorsState(files)
+
+
+def _parts(model: Any) -> tuple[Config, Tensors]:
+    """(config dict, state dict) of a live transformers model or a saved folder."""
+    if _is_folder_arg(model):
+        return read_folder(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict") or not hasattr(model, "state_dict"):
-        raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
-    params = next(iter(model.parameters()), None)
-    return config.to_dict(), model.state_dict(), (
-        params.dtype if params is not None else torch.float32)
+        raise TypeError(f"model must be a transformers model or a folder written by "
+                        f"save_pretrained, got {type(model).__name__}")
+    return config.to_dict(), model.state_dict()
 
 
 GPT_LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama"}
 ENCODER_LAYOUTS = {"bert": "BERT"}
 
 
-def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor], torch.dtype]:
-    """GPTConfig values, the attnlab state dict and the dtype of a ``GPT2LMHeadModel``
-    or ``LlamaForCausalLM``."""
-    cfg, state, dtype = _parts(model)
+def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
+    """GPTConfig values and the attnlab state dict of a ``GPT2LMHeadModel``
+    or ``LlamaForCausalLM``, live or as a folder written by ``save_pretrained``."""
+    cfg, state = _parts(model)
     kind = cfg.get("model_type")
     if kind == "gpt2":
         config = gpt2_config(cfg)
-        return config, gpt2_state(state, config, cfg), dtype
+        return config, gpt2_state(state, config, cfg)
     if kind == "llama":
         config = llama_config(cfg)
-        return config, llama_state(state, config), dtype
+        return config, llama_state(state, config)
     raise ValueError(f"model.config.model_type={kind!r} is not supported (expected one of "
                      f"{sorted(GPT_LAYOUTS)})")
 
 
-def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor], torch.dtype]:
-    """EncoderConfig values, the attnlab state dict and the dtype of a ``BertModel``
-    (or a model with ``.bert``)."""
-    cfg, state, dtype = _parts(model)
+def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
+    """EncoderConfig values and the attnlab state dict of a ``BertModel``
+    (or a model with ``.bert``), live or as a folder written by ``save_pretrained``."""
+    cfg, state = _parts(model)
     if cfg.get("model_type") not in ENCODER_LAYOUTS:
         raise ValueError(f"model.config.model_type={cfg.get('model_type')!r} is not supported "
                          f"(expected one of {sorted(ENCODER_LAYOUTS)})")
     config = bert_config(cfg)
-    return config, bert_state(state, config), dtype
+    return config, bert_state(state, config)

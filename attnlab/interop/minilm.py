@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..checks import positive_int
-from ..io import MODEL_FILE, load_tensors
-from ..io.weights import load_state
+from ..io import MODEL_FILE
+from ..io.weights import SafetensorsState, build_loaded
 from ..models import Encoder, EncoderConfig
 from ..text import HFTokenizer
 from .hf import bert_config, bert_state
@@ -56,9 +56,9 @@ def load() -> tuple[Encoder, HFTokenizer]:
 
 def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     cfg = bert_config(json.loads((folder / "config.json").read_text()))
-    encoder = Encoder(EncoderConfig.from_dict(cfg))
-    state = bert_state(load_tensors(folder / MODEL_FILE), cfg)
-    load_state(encoder, state, source=f"{str(folder / MODEL_FILE)!r}")
+    config = EncoderConfig.from_dict(cfg)
+    state = bert_state(SafetensorsState([folder / MODEL_FILE]), cfg)
+    encoder = build_loaded(lambda: Encoder(config), state, source=f"{str(folder / MODEL_FILE)!r}")
     return encoder.eval(), HFTokenizer(folder / "tokenizer.json"), _max_seq_length(folder)
 
 

@@ -64,7 +64,8 @@ def save_tensors(
     atomic_write_bytes(path, data)
 
 
-def _check_file(path: Path) -> None:
+def check_file(path: Path) -> None:
+    """CheckpointError naming ``path`` unless it is an existing regular file."""
     if not path.exists():
         raise CheckpointError(f"{str(path)!r}: file not found")
     if not path.is_file():
@@ -80,7 +81,7 @@ def load_tensors(path: PathLike, device: str = "cpu") -> dict[str, torch.Tensor]
     from safetensors.torch import load_file
 
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     try:
         return load_file(path, device=device)
     except Exception as exc:  # safetensors raises its own error types
@@ -94,34 +95,9 @@ def load_metadata(path: PathLike) -> dict[str, str]:
     from safetensors import safe_open
 
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     try:
         with safe_open(path, framework="pt") as f:
             return dict(f.metadata() or {})
-    except Exception as exc:
-        raise CheckpointError(f"{str(path)!r}: not a valid safetensors file: {exc}") from exc
-
-
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-           "BOOL": "bool"}
-
-
-def load_header(path: PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in a safetensors file, read from its
-    header alone: a file can be checked against a model before any weight is read."""
-    import torch
-    from safetensors import safe_open
-
-    path = Path(path)
-    _check_file(path)
-    try:
-        with safe_open(path, framework="pt") as f:
-            out = {}
-            for name in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-                piece = f.get_slice(name)
-                dtype = getattr(torch, _DTYPES.get(piece.get_dtype(), "float32"))
-                out[name] = (tuple(piece.get_shape()), dtype)
-            return out
     except Exception as exc:
         raise CheckpointError(f"{str(path)!r}: not a valid safetensors file: {exc}") from exc

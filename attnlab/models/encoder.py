@@ -23,9 +23,10 @@ from ..checks import (
     probability,
 )
 from ..interop.hf import encoder_layout
-from ..io.weights import load_state
+from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout
+from .gpt import _source
 from .ids import check_ids
 
 
@@ -99,10 +100,11 @@ class Encoder(nn.Module):
 
     @classmethod
     def from_hf(cls, model) -> Encoder:
-        """Copy a ``transformers`` ``BertModel``."""
-        config, state, dtype = encoder_layout(model)
-        encoder = cls(EncoderConfig.from_dict(config)).to(dtype)
-        return load_state(encoder, state, source=f"the {type(model).__name__}").eval()
+        """An Encoder with the weights of a ``transformers`` ``BertModel`` or of a local
+        folder written by its ``save_pretrained`` (see :meth:`GPT.from_hf`)."""
+        config, state = encoder_layout(model)
+        config = EncoderConfig.from_dict(config)
+        return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
 
     def embed(self, ids: torch.Tensor, *,
               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

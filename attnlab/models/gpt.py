@@ -8,6 +8,7 @@ through ``attnlab.attention``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from ..checks import (
     probability,
 )
 from ..interop.hf import gpt_layout
-from ..io.weights import load_state
+from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention
 from ..modules.fused import FusedLinears
 from ..modules.layers import MLP, dropout, make_norm
@@ -247,12 +248,23 @@ class GPT(GenerationMixin, nn.Module):
 
     @classmethod
     def from_hf(cls, model) -> GPT:
-        """Copy a ``transformers`` ``GPT2LMHeadModel`` or ``LlamaForCausalLM``."""
-        config, state, dtype = gpt_layout(model)
-        gpt = cls(GPTConfig.from_dict(config)).to(dtype)
-        tied = ["lm_head.weight"] if gpt.config.tie_embeddings else []
-        return load_state(gpt, state, source=f"the {type(model).__name__}",
-                          allow_missing=tied).eval()
+        """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel`` or
+        ``LlamaForCausalLM``, or of a local folder written by their ``save_pretrained``
+        (safetensors only; nothing is downloaded).
+
+        The weights are not copied where the layouts agree: a live model's tensors are
+        shared with it, a folder's are read once into this model's parameters.
+        """
+        config, state = gpt_layout(model)
+        config = GPTConfig.from_dict(config)
+        return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _source(model) -> str:
+    """How an error names where the weights came from."""
+    if isinstance(model, str | os.PathLike):
+        return repr(str(model))
+    return f"the {type(model).__name__}"

@@ -6,10 +6,10 @@ punctuation, with ``<pad>`` and ``<unk>``) and ``HFTokenizer`` (a Hugging Face
 ``save``/``load``; ``load_tokenizer(path)`` loads any saved one.
 """
 
+from .hf_tokenizer import HFTokenizer  # also makes load_tokenizer know the "hf" kind
 from .tokenizers import (
     WORD_PATTERN,
     CharTokenizer,
-    HFTokenizer,
     Tokenizer,
     WordTokenizer,
     load_tokenizer,

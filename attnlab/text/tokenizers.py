@@ -1,10 +1,12 @@
-"""Tokenizers: characters, words, and Hugging Face ``tokenizer.json`` files.
+"""Tokenizers: the common interface, characters and words, and loading any saved one.
 
-All three share one interface: ``encode(text) -> list[int]``,
+All tokenizers share one interface: ``encode(text) -> list[int]``,
 ``decode(ids) -> str``, ``vocab_size``, ``save(path)`` and ``load(path)``.
 A saved tokenizer is one JSON file with a ``"type"`` field (``"char"``,
 ``"word"`` or ``"hf"``); :func:`load_tokenizer` reads that field and returns the
 right class. Files are written atomically (temp file, fsync, rename).
+The Hugging Face wrapper, :class:`~attnlab.text.hf_tokenizer.HFTokenizer`,
+lives in its own module and registers itself here by its ``type_name``.
 
 This module does not need torch: ids and masks are plain Python lists.
 """
@@ -16,17 +18,16 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
+from ..checks import boolean, positive_int
 from ..io import CheckpointError, atomic_write_json, read_json
-from ..io.reading import TOKENIZER_LIMIT, parse_json, read_text
+from ..io.reading import TOKENIZER_LIMIT
 
 __all__ = [
     "Tokenizer",
     "CharTokenizer",
     "WordTokenizer",
-    "HFTokenizer",
     "load_tokenizer",
     "WORD_PATTERN",
 ]
@@ -74,6 +75,15 @@ class Tokenizer:
     """Common base: ``encode``, ``decode``, ``vocab_size``, ``save``, ``load``."""
 
     type_name: ClassVar[str] = ""
+    #: ``type_name`` -> class, for :func:`load_tokenizer`. Each subclass that names its own
+    #: ``type_name`` enters itself when it is defined, so this module can load an
+    #: ``"hf"`` file without importing the Hugging Face wrapper (which imports this module).
+    _kinds: ClassVar[dict[str, type[Tokenizer]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("type_name"):
+            Tokenizer._kinds[cls.type_name] = cls
 
     @property
     def vocab_size(self) -> int:
@@ -103,16 +113,25 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: PathLike) -> Tokenizer:
-        """Read a tokenizer written by :meth:`save` (``CheckpointError`` if unreadable)."""
-        data = read_json(path, TOKENIZER_LIMIT)
+        """Read a tokenizer written by :meth:`save` (``CheckpointError`` if unreadable).
+
+        On ``Tokenizer`` itself this is :func:`load_tokenizer` (any kind); on a
+        subclass the file must hold that kind.
+        """
+        data = read_json(path, TOKENIZER_LIMIT)  # the one read; the rest works on data
+        if cls is Tokenizer:
+            return _from_any(path, data)
+        return cls._from_file_data(path, data)
+
+    @classmethod
+    def _from_file_data(cls, path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
+        """Build ``cls`` from ``data``, the JSON object read from ``path`` (named in errors)."""
         kind = data.get("type")
-        if cls is not Tokenizer and kind != cls.type_name:
+        if kind != cls.type_name:
             raise CheckpointError(
                 f"{str(path)!r}: holds a tokenizer of type {kind!r}, "
                 f"expected {cls.type_name!r} for {cls.__name__}"
             )
-        if cls is Tokenizer:
-            return load_tokenizer(path)
         try:
             return cls.from_dict(data)
         except (KeyError, TypeError, ValueError) as exc:
@@ -238,8 +257,7 @@ class WordTokenizer(Tokenizer):
         dupes = sorted({t for t, n in Counter(tokens).items() if n > 1})
         if dupes:
             raise ValueError(f"vocab: tokens must be unique, got duplicates {dupes!r}")
-        if not isinstance(lowercase, bool):
-            raise TypeError(f"lowercase: expected bool, got {type(lowercase).__name__}")
+        boolean("lowercase", lowercase)
         for special in (self.PAD, self.UNK):
             if special not in tokens:
                 tokens.append(special)
@@ -273,8 +291,7 @@ class WordTokenizer(Tokenizer):
         (ties alphabetically).
         """
         _check_text(text)
-        if isinstance(min_freq, bool) or not isinstance(min_freq, int) or min_freq < 1:
-            raise ValueError(f"min_freq: expected an int >= 1, got {min_freq!r}")
+        min_freq = positive_int("min_freq", min_freq)
         words = re.findall(WORD_PATTERN, text.lower() if lowercase else text)
         if not words:
             raise ValueError(
@@ -353,194 +370,24 @@ class WordTokenizer(Tokenizer):
         return f"WordTokenizer(vocab_size={self.vocab_size}, lowercase={self.lowercase})"
 
 
-class HFTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizer.json`` (WordPiece, BPE, Unigram...) via ``tokenizers``.
-
-    ``HFTokenizer(path)`` takes the path of a ``tokenizer.json`` (or of a file
-    written by :meth:`save`, or of a folder holding a ``tokenizer.json``), or a
-    ``tokenizers.Tokenizer``. :meth:`encode` returns the ids
-    of one text, special tokens (e.g. ``[CLS] ... [SEP]``) included by default.
-    As in ``transformers``, the padding and truncation settings stored in the
-    file are not applied implicitly: :meth:`encode` never pads, and truncation
-    happens only when ``max_length`` is given. :meth:`encode_batch` pads on the
-    right with :attr:`pad_id` and returns 1/0 attention masks. The file's
-    settings are kept as they are by :meth:`save`.
-    """
-
-    type_name: ClassVar[str] = "hf"
-
-    def __init__(self, source: PathLike | Any) -> None:
-        from tokenizers import Tokenizer as _HFTok
-
-        if isinstance(source, _HFTok):
-            raw = _HFTok.from_str(source.to_str())
-        elif isinstance(source, str | os.PathLike):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "tokenizer.json"
-            if not path.exists():
-                raise CheckpointError(f"{str(path)!r}: tokenizer file not found")
-            text = read_text(path, TOKENIZER_LIMIT, "tokenizer file")
-            data = parse_json(text, repr(str(path)))
-            try:
-                if isinstance(data, dict) and data.get("type") == self.type_name:
-                    text = data["tokenizer"]  # a file written by HFTokenizer.save
-                raw = _HFTok.from_str(text)
-            except BaseException as exc:  # a Rust panic is a BaseException (PanicException)
-                if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
-                    raise
-                raise CheckpointError(
-                    f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
-                ) from exc
-        else:
-            raise TypeError(
-                "source: expected a path to tokenizer.json or a tokenizers.Tokenizer, "
-                f"got {type(source).__name__}"
-            )
-        self._json: str = raw.to_str()  # the file as given, settings included
-        padding = raw.padding
-        self._pad_id = self._find_pad_id(raw, padding)
-        raw.no_padding()
-        raw.no_truncation()
-        self._tok = raw
-        self._truncating: dict[int, Any] = {}  # max_length -> copy with truncation on
-
-    @staticmethod
-    def _find_pad_id(tok: Any, padding: dict[str, Any] | None) -> int:
-        if padding is not None and padding.get("pad_id") is not None:
-            return int(padding["pad_id"])
-        for token in ("[PAD]", "<pad>"):
-            i = tok.token_to_id(token)
-            if i is not None:
-                return int(i)
-        return 0
-
-    @classmethod
-    def from_str(cls, json_str: str) -> HFTokenizer:
-        """Build from the JSON text of a ``tokenizer.json``."""
-        from tokenizers import Tokenizer as _HFTok
-
-        _check_text(json_str, "json_str")
-        try:
-            raw = _HFTok.from_str(json_str)
-        except BaseException as exc:  # a bare Exception for bad JSON, a panic for worse
-            if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
-                raise
-            raise ValueError(f"json_str: not a valid Hugging Face tokenizer.json: {exc}") from exc
-        return cls(raw)
-
-    @property
-    def backend(self) -> Any:
-        """The wrapped ``tokenizers.Tokenizer`` (padding and truncation off)."""
-        return self._tok
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def pad_id(self) -> int:
-        """Padding id: the file's padding config, else ``[PAD]``/``<pad>``, else 0."""
-        return self._pad_id
-
-    def token_to_id(self, token: str) -> int | None:
-        """Id of ``token``, or None if it is not in the vocabulary."""
-        return self._tok.token_to_id(_check_text(token, "token"))
-
-    def id_to_token(self, i: int) -> str:
-        """Token string of id ``i``."""
-        return self._tok.id_to_token(_check_ids([i], self.vocab_size)[0])
-
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[str]:
-        """Token strings of ``text``."""
-        enc = self._tok.encode(_check_text(text), add_special_tokens=add_special_tokens)
-        return list(enc.tokens)
-
-    def _backend_for(self, max_length: int | None) -> Any:
-        if max_length is None:
-            return self._tok
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length: expected an int >= 1 or None, got {max_length!r}")
-        tok = self._truncating.get(max_length)
-        if tok is None:
-            from tokenizers import Tokenizer as _HFTok
-
-            tok = _HFTok.from_str(self._tok.to_str())
-            tok.enable_truncation(max_length)
-            self._truncating[max_length] = tok
-        return tok
-
-    def encode(
-        self, text: str, *, add_special_tokens: bool = True, max_length: int | None = None
-    ) -> list[int]:
-        """Ids of ``text``; with ``max_length``, truncated to at most that many
-        (special tokens kept)."""
-        _check_text(text)
-        tok = self._backend_for(max_length)
-        try:
-            return list(tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        except Exception as exc:  # e.g. max_length shorter than the special tokens
-            raise ValueError(f"cannot encode text with max_length={max_length}: {exc}") from exc
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        max_length: int | None = None,
-        add_special_tokens: bool = True,
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """Encode several texts; returns ``(ids, attention_mask)`` as lists of lists.
-
-        Every row is padded on the right with :attr:`pad_id` to the longest row
-        (after truncation to ``max_length`` when given); the mask is 1 for real
-        tokens and 0 for padding.
-        """
-        if isinstance(texts, str) or not isinstance(texts, Sequence):
-            raise TypeError(f"texts: expected a list of str, got {type(texts).__name__}")
-        for pos, t in enumerate(texts):
-            _check_text(t, f"texts[{pos}]")
-        tok = self._backend_for(max_length)
-        try:
-            encs = tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        except Exception as exc:
-            raise ValueError(f"cannot encode texts with max_length={max_length}: {exc}") from exc
-        rows = [list(e.ids) for e in encs]
-        width = max((len(r) for r in rows), default=0)
-        ids = [r + [self._pad_id] * (width - len(r)) for r in rows]
-        mask = [[1] * len(r) + [0] * (width - len(r)) for r in rows]
-        return ids, mask
-
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens=False``."""
-        return self._tok.decode(
-            _check_ids(ids, self.vocab_size), skip_special_tokens=skip_special_tokens
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type_name, "version": _FORMAT_VERSION, "tokenizer": self._json}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> HFTokenizer:
-        return cls.from_str(data["tokenizer"])
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id})"
-
 
 def load_tokenizer(path: PathLike) -> Tokenizer:
     """Load any tokenizer saved by ``save`` (dispatching on its ``"type"``).
 
     A raw Hugging Face ``tokenizer.json`` (no ``"type"``, but a ``"model"``)
-    is loaded as an :class:`HFTokenizer`.
+    is loaded as an :class:`~attnlab.text.HFTokenizer`. The file is read once.
     """
-    data = read_json(path, TOKENIZER_LIMIT)
+    return _from_any(path, read_json(path, TOKENIZER_LIMIT))
+
+
+def _from_any(path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer of whatever kind ``data`` (read from ``path``) describes."""
     kind = data.get("type")
-    classes: dict[str, type[Tokenizer]] = {
-        c.type_name: c for c in (CharTokenizer, WordTokenizer, HFTokenizer)
-    }
+    kinds = Tokenizer._kinds
     if kind is None and "model" in data:
-        return HFTokenizer(path)
-    if not isinstance(kind, str) or kind not in classes:  # ["char"] is not a type name
+        return kinds["hf"]._from_raw(path, data)  # type: ignore[attr-defined]
+    if not isinstance(kind, str) or kind not in kinds:  # ["char"] is no type name
         raise CheckpointError(
-            f"{str(path)!r}: unknown tokenizer type {kind!r}, expected one of {sorted(classes)}"
+            f"{str(path)!r}: unknown tokenizer type {kind!r}, expected one of {sorted(kinds)}"
         )
-    return classes[kind].load(path)
+    return kinds[kind]._from_file_data(path, data)

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .heatmap import as_layers, as_tokens, atomic_write
+from ..io import atomic_write_bytes
+from .data import as_layers
 
 __all__ = ["write_html", "render_html", "payload_json"]
 
@@ -67,8 +68,7 @@ def payload_json(tokens: Sequence[str], data: np.ndarray, title: str) -> str:
 
 def render_html(tokens: Sequence[str], attentions: Any, title: str | None = None) -> str:
     """The explorer page as a string (what :func:`write_html` writes)."""
-    tokens = as_tokens(tokens)
-    data = as_layers(attentions, tokens)
+    data, tokens = as_layers(attentions, tokens)
     if title is None:
         title = DEFAULT_TITLE
     elif not isinstance(title, str):
@@ -96,8 +96,9 @@ def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: 
         title: page title, HTML-escaped; defaults to "attnlab explorer".
 
     Returns:
-        The path written. The write is atomic (temp file in the same
-        directory, fsync, rename). Weights are stored as uint8 (error <= 1/510).
+        The path written. The write is atomic (:func:`attnlab.io.atomic_write_bytes`:
+        temp file, fsync, rename, directory fsync). Weights are stored as uint8
+        (error <= 1/510).
 
     Raises:
         ValueError: shapes disagree with each other or with ``tokens``, or the
@@ -107,5 +108,5 @@ def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: 
     text = render_html(tokens, attentions, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Lone surrogates (only possible in the title; the JSON escapes them) become "?".
-    atomic_write(path, lambda f: f.write(text.encode("utf-8", errors="replace")))
+    atomic_write_bytes(path, text.encode("utf-8", errors="replace"))
     return path

@@ -7,15 +7,17 @@ torch is never imported: tensors are recognised by duck typing.
 
 from __future__ import annotations
 
-import contextlib
+import io
 import math
 import os
 import pathlib
-import secrets
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ..io import atomic_write_bytes
+from .data import as_layers, as_matrix
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -24,109 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["heatmap", "heatmap_grid", "save_heatmaps"]
 
 _CMAP = "viridis"
-# Attention weights may overshoot [0, 1] a little in low precision; more is a caller error.
-_WEIGHT_TOLERANCE = 1e-2
-
-
-# --------------------------------------------------------------------------- input checking
-
-
-def to_numpy(x: Any, name: str) -> np.ndarray:
-    """A float64 NumPy copy of ``x`` (torch tensor, NumPy array or nested lists)."""
-    if hasattr(x, "detach") and type(x).__module__.startswith("torch"):
-        x = x.detach().cpu().float().numpy()
-    try:
-        arr = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{name}: expected a torch tensor or numpy array of numbers, "
-            f"got {type(x).__name__} ({exc})"
-        ) from None
-    return arr
-
-
-def as_tokens(tokens: Any) -> list[str]:
-    """``tokens`` as a list of strings; a bare ``str`` is refused as ambiguous."""
-    if isinstance(tokens, str | bytes):
-        raise TypeError(
-            f"tokens: expected a sequence of token strings, got a {type(tokens).__name__} "
-            f"of length {len(tokens)}; pass list(text) for one token per character"
-        )
-    try:
-        return [str(t) for t in tokens]
-    except TypeError:
-        raise TypeError(
-            f"tokens: expected a sequence of token strings, got {type(tokens).__name__}"
-        ) from None
-
-
-def as_layers(attentions: Any, tokens: Sequence[str]) -> np.ndarray:
-    """Check ``attentions`` and stack it as one ``(layers, heads, q_len, k_len)`` array.
-
-    Each layer may be ``(heads, q_len, k_len)`` or ``(1, heads, q_len, k_len)``;
-    all layers must have the same shape, ``k_len == len(tokens)``,
-    ``q_len <= k_len``, and the values must be finite weights in ``[0, 1]``.
-    """
-    if isinstance(attentions, np.ndarray) or hasattr(attentions, "detach"):
-        arr = to_numpy(attentions, "attentions")
-        if arr.ndim not in (4, 5):
-            raise ValueError(
-                "attentions: expected a sequence (one per layer) of (heads, q_len, k_len) "
-                f"arrays, got a single array of shape {tuple(arr.shape)}"
-            )
-        attentions = list(arr)
-    try:
-        layers = list(attentions)
-    except TypeError:
-        raise TypeError(
-            "attentions: expected a sequence (one per layer) of (heads, q_len, k_len) "
-            f"tensors or arrays, got {type(attentions).__name__}"
-        ) from None
-    if not layers:
-        raise ValueError("attentions: expected at least one layer, got an empty sequence")
-    arrays = []
-    for i, layer in enumerate(layers):
-        a = to_numpy(layer, f"attentions[{i}]")
-        if a.ndim == 4:
-            if a.shape[0] != 1:
-                raise ValueError(
-                    f"attentions[{i}]: expected batch size 1 for a 4-D "
-                    f"(batch, heads, q_len, k_len) array, got shape {tuple(a.shape)}; "
-                    "select one sequence first, e.g. attn[0]"
-                )
-            a = a[0]
-        if a.ndim != 3:
-            raise ValueError(
-                f"attentions[{i}]: expected shape (heads, q_len, k_len), "
-                f"got shape {tuple(a.shape)}"
-            )
-        if 0 in a.shape:
-            raise ValueError(f"attentions[{i}]: expected a non-empty array, got shape {a.shape}")
-        if arrays and a.shape != arrays[0].shape:
-            raise ValueError(
-                f"attentions[{i}]: expected the same shape as layer 0 "
-                f"{tuple(arrays[0].shape)}, got {tuple(a.shape)}"
-            )
-        arrays.append(a)
-    stacked = np.stack(arrays)
-    _, _, q_len, k_len = stacked.shape
-    if len(tokens) != k_len:
-        raise ValueError(
-            f"tokens: expected {k_len} tokens (the key length of attentions), got {len(tokens)}"
-        )
-    if q_len > k_len:
-        raise ValueError(
-            f"attentions: expected q_len <= k_len (queries are the last tokens), "
-            f"got q_len={q_len}, k_len={k_len}"
-        )
-    if not np.isfinite(stacked).all():
-        raise ValueError("attentions: expected finite weights, got NaN or infinity")
-    lo, hi = float(stacked.min()), float(stacked.max())
-    if lo < -_WEIGHT_TOLERANCE or hi > 1 + _WEIGHT_TOLERANCE:
-        raise ValueError(
-            f"attentions: expected attention weights in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
-        )
-    return np.clip(stacked, 0.0, 1.0)
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -195,25 +94,8 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
         ValueError: ``weights`` is not 2-D, has ``q_len > k_len``, holds non-finite
             values, or ``len(tokens) != k_len``.
     """
-    w = to_numpy(weights, "weights")
-    if w.ndim != 2:
-        raise ValueError(
-            f"weights: expected a 2-D (q_len, k_len) matrix, got shape {tuple(w.shape)}"
-        )
+    w, tokens = as_matrix(weights, tokens)
     q_len, k_len = w.shape
-    tokens = as_tokens(tokens)
-    if len(tokens) != k_len:
-        raise ValueError(
-            f"tokens: expected {k_len} tokens (k_len of weights {tuple(w.shape)}), "
-            f"got {len(tokens)}"
-        )
-    if q_len > k_len or q_len == 0:
-        raise ValueError(
-            f"weights: expected 1 <= q_len <= k_len (queries are the last tokens), "
-            f"got shape {tuple(w.shape)}"
-        )
-    if not np.isfinite(w).all():
-        raise ValueError("weights: expected finite values, got NaN or infinity")
 
     span = float(np.clip(2.0 + 0.12 * k_len, 4.0, 17.0))  # inches for the matrix itself
     fontsize = _label_fontsize(k_len, span)
@@ -242,8 +124,7 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any) -> Figure:
     tick labels appear on the left column and bottom row when there is room.
     The figure holds ``layers * heads`` heatmap Axes plus the colour bar.
     """
-    tokens = as_tokens(tokens)
-    data = as_layers(attentions, tokens)
+    data, tokens = as_layers(attentions, tokens)
     n_layers, n_heads, q_len, k_len = data.shape
 
     cell = float(np.clip(1.0 + 0.022 * k_len, 1.6, 4.0))
@@ -291,36 +172,24 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any) -> Figure:
     return fig
 
 
+def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
+    """``fig`` rendered as PNG bytes, in memory, so the file is then written in one
+    atomic step (:func:`attnlab.io.atomic_write_bytes`)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig_kw)
+    return buf.getvalue()
+
+
 def save_heatmaps(path: str | os.PathLike[str], tokens: Sequence[str],
                   attentions: Any) -> pathlib.Path:
     """Write a layers x heads grid of heatmaps (see :func:`heatmap_grid`) as one PNG.
 
-    The file is written atomically: a temporary file in the same directory,
-    flushed to disk, then renamed over ``path``. Parent directories are created.
+    The file is written atomically (:func:`attnlab.io.atomic_write_bytes`: temp
+    file, fsync, rename, directory fsync). Parent directories are created.
     Returns the path written.
     """
     path = pathlib.Path(path)
     fig = heatmap_grid(tokens, attentions)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=fig.dpi))
+    atomic_write_bytes(path, png_bytes(fig, dpi=fig.dpi))
     return path
-
-
-def atomic_write(path: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
-    """Call ``write(binary_file)`` on a temp file next to ``path``, fsync, then rename.
-
-    A reader never sees a half-written file: ``path`` is either the old file or the new one.
-    """
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # os.open with 0o666 lets the umask decide the permissions, as for an ordinary file.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

@@ -11,10 +11,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..checks import is_int
+from ..io import EXPLORER_FILE, HEATMAP_FILE, atomic_write_bytes
 from ..io.locks import output_lock
 from ..io.outdir import check_own_dir
 from .explorer import write_html
-from .heatmap import atomic_write, heatmap, save_heatmaps
+from .heatmap import heatmap, png_bytes, save_heatmaps
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -49,18 +51,19 @@ def _pick(n: int, value: int | None, name: str) -> list[int]:
     ``attnlab show`` option, since this is where a bad ``--layer``/``--head`` lands."""
     if value is None:
         return list(range(n))
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} (--{name}) must be an int or None, got {value!r}")
     if not 0 <= value < n:
         raise ValueError(f"{name} (--{name}) must be in [0, {n - 1}] (the model has {n} "
                          f"{name}s), got {value}")
-    return [value]
+    return [int(value)]
 
 
 def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike[str], *,
                    layer: int | None = None, head: int | None = None,
                    title: str | None = None) -> dict[str, Path]:
-    """Write ``attention.png`` and ``attention.html`` for ``text`` into directory ``out``.
+    """Write ``attention.png`` and ``attention.html`` (``io.HEATMAP_FILE``,
+    ``io.EXPLORER_FILE``) for ``text`` into directory ``out``.
 
     Args:
         model: an attnlab model (its weights are captured with ``output_attentions``).
@@ -88,11 +91,11 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
 def _write(out, tokens, attentions, layers, heads, title) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    png = out / "attention.png"
+    png = out / HEATMAP_FILE
     if len(layers) == 1 and len(heads) == 1:
         fig = heatmap(attentions[layers[0]][heads[0]], tokens)
-        atomic_write(png, lambda f: fig.savefig(f, format="png"))
+        atomic_write_bytes(png, png_bytes(fig))
     else:
         save_heatmaps(png, tokens, [attentions[i][heads] for i in layers])
-    html = write_html(out / "attention.html", tokens, attentions, title=title)
+    html = write_html(out / EXPLORER_FILE, tokens, attentions, title=title)
     return {"png": png, "html": Path(html)}
