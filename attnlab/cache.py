@@ -54,6 +54,14 @@ class KVCache:
         self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
         self.head_dim = _positive("head_dim", head_dim)
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', "
+                                 f"got {device!r}") from exc
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._len = 0

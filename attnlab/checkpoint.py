@@ -9,10 +9,9 @@ one in a rename), read without pickle.
 
 from __future__ import annotations
 
+import math
 import os
-import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from .checks import non_negative_int
 from .io import (
     CONFIG_FILE,
     MODEL_FILE,
-    OWN_FILES,
     STATE_JSON,
     STATE_TENSORS,
     TOKENIZER_FILE,
@@ -35,6 +33,9 @@ from .io import (
     recover_dir,
     save_tensors,
 )
+from .io.locks import output_lock
+from .io.outdir import check_parent_writable, foreign_entries
+from .io.reading import CONFIG_LIMIT, STATE_LIMIT
 from .io.weights import SafetensorsState, build_loaded, load_state
 
 FORMAT = 1
@@ -66,8 +67,12 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer
     """Save ``model`` (and ``tokenizer``) to ``directory``, replacing it atomically.
 
     ``extra`` keyword arguments (JSON-serialisable) are stored in ``config.json``.
+    ``directory`` must be new, empty or an attnlab checkpoint (:func:`check_out_dir`,
+    the rule ``--out`` follows too): a folder of other files is refused, not replaced.
+    A run writing to it (``attnlab train``) holds its lock, and is not overwritten.
     """
-    with atomic_dir(directory) as tmp:
+    check_out_dir(directory, "directory")
+    with output_lock(directory, "directory"), atomic_dir(directory) as tmp:
         write_model_files(tmp, model, tokenizer=tokenizer, **extra)
     return Path(directory)
 
@@ -79,7 +84,7 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"{str(directory)!r} is a file, expected a checkpoint directory")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
-    return read_json(directory / CONFIG_FILE)
+    return read_json(directory / CONFIG_FILE, CONFIG_LIMIT)
 
 
 def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> nn.Module:
@@ -88,8 +93,12 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
 
     directory = Path(directory)
     meta = read_config(directory)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{str(directory / CONFIG_FILE)!r}: format must be {FORMAT}, got "
+            f"{meta.get('format')!r} (written by another attnlab version, or not by attnlab)")
     model_type = meta.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise CheckpointError(
             f"{str(directory / CONFIG_FILE)!r}: model_type must be one of "
             f"{sorted(MODEL_TYPES)}, got {model_type!r}"
@@ -101,8 +110,14 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
         raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
     # Built on the meta device and checked against the file's header first: a config
     # that does not fit the weights is refused before anything is allocated.
+    source = f"{str(directory / MODEL_FILE)!r}"
     state = SafetensorsState([directory / MODEL_FILE], device=str(map_location))
-    model = build_loaded(lambda: cls(config), state, source=f"{str(directory / MODEL_FILE)!r}")
+    model = build_loaded(lambda: cls(config), state, source=source)
+    bad = next((n for n, t in model.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # a diverged run's weights: every output would be NaN
+        raise CheckpointError(f"{source}: tensor {bad!r} holds NaN or inf; expected finite "
+                              "weights (the run that wrote them diverged)")
     return model.to(map_location).eval()
 
 
@@ -135,70 +150,45 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
 # ------------------------------------------------------------------ output directories
 
 
-# What attnlab itself writes into a checkpoint directory (io.OWN_FILES) and the
-# temp files an atomic write killed by SIGKILL leaves beside them
-# (".<name>.<random>.tmp").
-_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
-
-
-def _is_own_file(entry: Path) -> bool:
-    return entry.is_file() and not entry.is_symlink() and (
-        entry.name in OWN_FILES or _OWN_TEMP.fullmatch(entry.name) is not None)
-
-
-def _not_ours(out: Path, why: str) -> ValueError:
+def _not_ours(out: Path, why: str, name: str) -> ValueError:
     return ValueError(
-        f"--out {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
+        f"{name} {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
         "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
+def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
 
-    A checkpoint replaces its directory as a whole (atomically), so writing one
-    into a folder of other files would delete them. A ``config.json`` alone
-    proves nothing (a Hugging Face model has one too): it must be attnlab's, and
-    every other entry a file attnlab writes there. And the folder the checkpoint
-    is built in must accept new entries, or training would fail only at its end.
+    The one rule for every writer of a checkpoint folder (training, the demo,
+    :func:`save_checkpoint`). A checkpoint replaces its directory as a whole
+    (atomically), so writing one into a folder of other files would delete them.
+    A ``config.json`` alone proves nothing (a Hugging Face model has one too): it
+    must be attnlab's, and every other entry a file attnlab writes there
+    (:func:`attnlab.io.outdir.foreign_entries`). ``name`` is what the message
+    calls ``out`` (the CLI option, or the API argument).
     """
-    _check_parent_writable(out)
+    check_parent_writable(out, name)
     out = Path(out)
     if not out.exists():
         return
     if not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; expected a directory for the checkpoint")
-    entries = list(out.iterdir())
+        raise ValueError(f"{name} {str(out)!r} is a file; expected a directory for the "
+                         "checkpoint")
+    entries = sorted(e.name for e in out.iterdir())
     if not entries:
         return
     if not (out / CONFIG_FILE).is_file():
-        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0].name!r}")
+        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0]!r}", name)
     try:
-        config = read_json(out / CONFIG_FILE)
+        config = read_json(out / CONFIG_FILE, CONFIG_LIMIT)
     except CheckpointError as exc:
-        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}") from None
+        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}", name) from None
     if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
-        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type")
-    foreign = sorted(e.name for e in entries if not _is_own_file(e))
+        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type", name)
+    foreign = foreign_entries(out)
     if foreign:
         raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
-                        + (" ..." if len(foreign) > 3 else ""))
-
-
-def _check_parent_writable(out: str | os.PathLike) -> None:
-    """The checkpoint is built in a temp folder beside ``out`` and renamed into
-    place, so its parent must exist (it is created, as the writer would) and
-    accept new entries."""
-    parent = Path(os.path.abspath(out)).parent
-    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ValueError(f"--out {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
-                         "expected a directory")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
-    except OSError as exc:
-        raise ValueError(f"--out {str(out)!r} cannot be written: {exc.strerror or exc} "
-                         f"(in {str(parent)!r})") from None
+                        + (" ..." if len(foreign) > 3 else ""), name)
 
 
 def has_checkpoint(out: str | os.PathLike) -> bool:
@@ -274,6 +264,50 @@ def _check_history(history, step) -> list:
     return history
 
 
+def _check_optimizer_state(per_param: dict, groups, optimizer, step: int, out: Path) -> None:
+    """AdamW's saved moments and settings, checked before they are loaded: a wrong
+    shape would fail only mid-step, betas out of range or NaN moments would train to
+    NaN, and a deleted moment would silently restart from zero."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"--resume: the training state in {str(out)!r} is damaged: "
+                               f"{why}")
+
+    own = optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(own) or not all(
+            isinstance(g, dict) for g in groups):
+        raise bad(f"param_groups must be a list of {len(own)} objects, got {str(groups)[:60]}")
+    for g in groups:
+        betas = g.get("betas")
+        if not (isinstance(betas, list | tuple) and len(betas) == 2 and all(
+                isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
+                for b in betas)):
+            raise bad(f"betas must be two numbers in [0, 1), got {betas!r}")
+        for key, low in (("lr", 0.0), ("weight_decay", 0.0), ("eps", 1e-300)):
+            value = g.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= low):
+                raise bad(f"{key} must be a finite number >= {low:g}, got {value!r}")
+    params = [p for group in own for p in group["params"]]
+    expected = set(range(len(params))) if step > 0 else set()
+    if set(per_param) != expected:
+        missing = sorted(expected - set(per_param))
+        extra = sorted(set(per_param) - expected)
+        raise bad(f"optimizer moments for parameters {missing or extra} are "
+                  f"{'missing' if missing else 'unexpected'}")
+    for index, moments in per_param.items():
+        shape = tuple(params[index].shape)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            value = moments.get(key)
+            want = () if key == "step" else shape
+            if value is None:
+                raise bad(f"optim.{index}.{key} is missing")
+            if tuple(value.shape) != want:
+                raise bad(f"optim.{index}.{key} has shape {tuple(value.shape)}, expected {want}")
+            if not bool(torch.isfinite(value).all()) or (key == "exp_avg_sq" and bool(
+                    (value < 0).any())):
+                raise bad(f"optim.{index}.{key} holds NaN, inf or negative values")
+
+
 def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                            gen: torch.Generator, train_config: dict) -> tuple[int, list]:
     """Load the run saved in ``out`` into ``model``, ``optimizer`` and ``gen`` (and
@@ -287,7 +321,7 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
             "model it was trained with, or choose another --out")
     load_state(model, load_tensors(out / MODEL_FILE),
                source=f"--resume: the checkpoint in {str(out)!r}")
-    state = read_json(out / STATE_JSON)
+    state = read_json(out / STATE_JSON, STATE_LIMIT)
     tensors = load_tensors(out / STATE_TENSORS)
     per_param: dict[int, dict] = {}
     try:
@@ -298,6 +332,11 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
             if name.startswith("optim."):
                 _, index, key = name.split(".", 2)
                 per_param.setdefault(int(index), {})[key] = value
+        if step > train_config.get("steps", step):
+            raise CheckpointError(
+                f"--resume: the checkpoint in {str(out)!r} is at step {step}, beyond --steps "
+                f"{train_config['steps']}; give --steps {step} or more (the total)")
+        _check_optimizer_state(per_param, state["param_groups"], optimizer, step, out)
         optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
         torch.set_rng_state(tensors["rng.torch"])
         gen.set_state(tensors["rng.batches"])

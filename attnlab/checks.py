@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "probability",
-           "boolean", "finite_float", "one_of", "is_int", "Config"]
+           "boolean", "finite_float", "one_of", "is_int", "Config", "machine_memory",
+           "fits_in_memory"]
 
 
 def is_int(value: object) -> bool:
@@ -82,6 +84,24 @@ def one_of(name: str, value: T, options: Sequence[T]) -> T:
     if not ok:
         raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
     return value
+
+
+def machine_memory() -> int | None:
+    """Bytes of physical memory of this machine (None where the system cannot say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def fits_in_memory(what: str, nbytes: int | float) -> None:
+    """Refuse, before any allocation, ``what`` needing ``nbytes`` when the machine has
+    less: a config asking for 10**6 layers must be one line, not an allocator traceback
+    after the memory has filled."""
+    total = machine_memory()
+    if total is not None and nbytes > total:
+        raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB of memory, but this "
+                         f"machine has {total / 2**30:,.1f} GiB; expected a smaller size")
 
 
 class Config:

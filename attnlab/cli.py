@@ -80,32 +80,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: str | None) -> str:
+    from .io.reading import TEXT_LIMIT, read_text
     from .text.corpus import pattern_corpus
 
     if path is None:
         return pattern_corpus()
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--text {path!r} is not UTF-8 text: {exc.reason}") from None
-    except OSError as exc:
-        raise ValueError(f"--text {path!r} cannot be read: {exc.strerror}") from None
+    # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
+    text = read_text(path, TEXT_LIMIT, "--text")
     if not text.strip():
         raise ValueError(f"--text {path!r} is empty")
     return text
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .checkpoint import check_out_dir
+    from .io.locks import output_lock
+
+    # Before anything is read or trained: a bad --out is known at once, and the
+    # lock keeps a second run off this --out for the whole of this one.
+    check_out_dir(args.out)
+    with output_lock(args.out):
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import check_out_dir, load_checkpoint_tokenizer
+    from .checkpoint import load_checkpoint_tokenizer
     from .models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from .text import CharTokenizer
     from .training import TrainConfig, default_checkpoint_every, train, train_device
 
-    # Before anything is read or trained: a bad --out is known at once.
-    check_out_dir(args.out)
     text = _read_text(args.text)
     every = args.checkpoint_every or default_checkpoint_every(args.steps)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,

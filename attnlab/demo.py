@@ -144,14 +144,21 @@ def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
     Writes ``out/attention.png``, ``out/attention.html``, a checkpoint and
     ``out/summary.json`` (names from :mod:`attnlab.io`); returns the summary.
     """
-    from pathlib import Path
-
     from .checkpoint import check_out_dir
-    from .io import SUMMARY_FILE, atomic_write_json
-    from .viz import show_attention
+    from .io.locks import output_lock
 
     # Before the banner: a refused --out is one line, with nothing printed before it.
     check_out_dir(out)
+    with output_lock(out):
+        return _run_demo(out, steps, seed, log)
+
+
+def _run_demo(out, steps, seed, log) -> dict:
+    from pathlib import Path
+
+    from .io import SUMMARY_FILE, atomic_write_json
+    from .viz import show_attention
+
     model, tokenizer, summary = train_demo_model(steps=steps, seed=seed, log=log, out=out,
                                                  meta={"demo": True})
     sample = "ababab acacac xyzxyz"

@@ -93,10 +93,14 @@ def attention(
     if mask4 is not None and mask4.dtype != torch.bool:
         mask4 = _masks.shift_rows(mask4)  # exact additive semantics in any dtype
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
-    window = int(window) if window is not None else None
+    # A window wider than both sequences rules nothing out; capped, so that 2**70
+    # stays a valid index on every path instead of overflowing a C long.
+    window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
 
     if backend == "auto":
         backend = _choose(q4, k4, mask4, window, rows, causal=causal)
+    if backend == "tiled" and min(q4.numel(), k4.numel(), v4.numel()) == 0:
+        backend = "eager"  # nothing to tile: an empty batch, head or sequence
     weights = None
     if backend == "eager":
         out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
@@ -171,6 +175,8 @@ def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, back
             f"k has {k.shape[-3]} heads but v has {v.shape[-3]}; expected them equal"
         )
     q_heads, kv_heads = q.shape[-3], k.shape[-3]
+    if q.shape[-1] == 0:
+        raise ValueError(f"q has head_dim 0 (shape {_shape(q)}); expected head_dim >= 1")
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
             f"q has {q_heads} heads and k/v have {kv_heads}; expected q heads to be a "
@@ -197,6 +203,14 @@ def _check_mask(mask, q, k):
         )
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}; expected one device")
+    if mask.dtype != torch.bool:
+        # NaN poisons every row it touches and +inf turns a softmax into NaN; only
+        # -inf ("may not attend") and finite values are additive masks.
+        bad = torch.isnan(mask) | (mask == float("inf"))
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"mask holds {float(mask[at])} at {at}; expected finite values "
+                             "or -inf (a float mask is added to the scores)")
     target = (*q.shape[:-1], k.shape[-2])
     try:
         ok = mask.ndim <= len(target) and torch.broadcast_shapes(mask.shape, target) == target
@@ -357,6 +371,9 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
+    # The fused kernels return 0 for a query row holding NaN; eager and tiled return
+    # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
+    out = out + q.sum(dim=-1, keepdim=True).mul(0).to(out.dtype)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
     return out

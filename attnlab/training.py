@@ -14,9 +14,9 @@ global batch and trains on its slice of rows; only rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,7 +28,17 @@ from torch import nn
 
 from . import checkpoint
 from .checkpoint import check_out_dir, has_checkpoint, nothing_to_resume, restore_training_state
-from .checks import Config, finite_float, is_int, optional_positive_int, positive_int
+from .checks import (
+    Config,
+    finite_float,
+    fits_in_memory,
+    is_int,
+    non_negative_int,
+    optional_positive_int,
+    positive_int,
+)
+from .io.locks import output_lock
+from .progress import Progress
 
 
 def check_seed(seed: object) -> int:
@@ -63,6 +73,13 @@ class TrainConfig(Config):
             positive_int(name.replace("_", "-"), getattr(self, name))
         optional_positive_int("checkpoint-every", self.checkpoint_every)
         finite_float("lr", self.lr, positive=True)
+        non_negative_int("warmup", self.warmup)
+        for name in ("weight_decay", "grad_clip"):
+            if finite_float(name, getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got "
+                                 f"{getattr(self, name)!r}")
+        if not 0 <= finite_float("min_lr_ratio", self.min_lr_ratio) <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         check_seed(self.seed)
 
 
@@ -74,6 +91,18 @@ def default_checkpoint_every(steps: int) -> int:
     steps between them.
     """
     return max(1, steps // 10)
+
+
+def activation_bytes(model: nn.Module, batch: int, context: int) -> int:
+    """A rough upper estimate of what one training step holds besides the weights:
+    per token, the logits (and their gradient and softmax) and each layer's
+    activations; per layer and head, the attention weights. Checked before the
+    first step, so ``--batch-size 10**12`` is one line and not an allocator failure."""
+    config = model.config
+    d, vocab = config.d_model, config.vocab_size
+    layers, heads = getattr(config, "num_layers", 1), getattr(config, "num_heads", 1)
+    per_token = 3 * vocab + 24 * d * layers
+    return 4 * batch * context * (per_token + 2 * heads * layers * context)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -176,54 +205,6 @@ def _mean_across(value: torch.Tensor, world: int) -> float:
     return float(value)
 
 
-# ------------------------------------------------------------------ progress
-
-#: Without a terminal (a pipe, a log file, CI) a progress line is printed at every
-#: tenth of the run, and at least this often in seconds while a tenth takes longer.
-PIPE_PROGRESS_SECONDS = 10.0
-
-
-class _Progress:
-    """Where a run shows its progress on stderr: a tqdm bar on a terminal, else plain
-    lines at a steady pace (a bar redrawn into a pipe would be one endless line)."""
-
-    def __init__(self, cfg: TrainConfig, step: int) -> None:
-        self.total = cfg.steps
-        self.every = max(1, cfg.steps // 10)
-        self.last = time.perf_counter()
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step",
-                            leave=False)
-
-    def through_bar(self, log: Callable[[str], None]) -> Callable[[str], None]:
-        """``log`` wrapped so the bar is cleared before the line and redrawn after it."""
-        from tqdm import tqdm
-
-        def write(msg: str) -> None:
-            with tqdm.external_write_mode():
-                log(msg)
-        return write
-
-    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            self.bar.update(1)
-            return
-        now = time.perf_counter()
-        if step % self.every == 0 or step == self.total or now - self.last >= PIPE_PROGRESS_SECONDS:
-            self.last = now
-            width = len(str(self.total))
-            print(f"train {step:{width}d}/{self.total} steps  loss {loss:.4f}  "
-                  f"{tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 # ------------------------------------------------------------------ the loop
 
 
@@ -271,14 +252,39 @@ def train(
     if cfg.context > model.context_length:
         raise ValueError(f"context {cfg.context} is longer than the model's context_length "
                          f"{model.context_length}")
+    fits_in_memory(f"training with batch-size {cfg.batch_size} and context {cfg.context}",
+                   activation_bytes(model, cfg.batch_size // world, cfg.context))
     train_stream, eval_stream = split(tokens, cfg.context)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
+    with contextlib.ExitStack() as stack:
+        if out is not None and rank == 0:
+            # Held for the whole run: a second run on the same --out is refused, not
+            # interleaved with this one.
+            check_out_dir(out)
+            stack.enter_context(output_lock(out))
+        return _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world,
+                    device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
+                    log=log, meta=meta)
+
+
+def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
+    kept = (f"the last good checkpoint in {str(out)!r} (step {saved}) is kept" if saved
+            else "no checkpoint was written by this run")
+    return TrainingDiverged(
+        f"training stopped at step {step}: the {what} is {value} (not finite); {kept}; "
+        "lower --lr or check the data and the resumed state")
+
+
+class TrainingDiverged(ValueError):
+    """The loss, a gradient or a weight stopped being finite: nothing more is saved."""
+
+
+def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
+         out, resume, tokenizer, progress, log, meta) -> dict:
     step, history, resumed_from = 0, [], None
-    if out is not None and rank == 0:
-        check_out_dir(out)
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
     if resume:
         if out is not None and has_checkpoint(out):
@@ -292,11 +298,12 @@ def train(
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = cfg.batch_size // world
-    show = _Progress(cfg, step) if progress and rank == 0 else None
+    show = Progress(cfg.steps, step) if progress and rank == 0 else None
     if show is not None and show.bar is not None:
         say = show.through_bar(say)  # lines above the bar, never through it
     meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(eval_stream)}
     start, start_step = time.perf_counter(), step
+    saved = step or None  # the step of the last checkpoint known good
     model.train()
     while step < cfg.steps:
         for group in optimizer.param_groups:
@@ -306,14 +313,21 @@ def train(
         loss = lm_loss(wrapped, rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # The mean over ranks: a NaN on any rank stops every rank at the same step.
+        train_loss = _mean_across(loss, world)
+        if not math.isfinite(train_loss):
+            raise _stop(step + 1, "loss", train_loss, out, saved)
+        norm = float(nn.utils.clip_grad_norm_(model.parameters(),
+                                              cfg.grad_clip or float("inf")))
+        if not math.isfinite(norm):
+            raise _stop(step + 1, "gradient norm", norm, out, saved)
         optimizer.step()
         step += 1
-        train_loss = _mean_across(loss, world)
         eval_loss = None
         if step % cfg.eval_every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, eval_stream, cfg)
+            if not math.isfinite(eval_loss):  # weights that overflow on held-out text
+                raise _stop(step, "eval loss", eval_loss, out, saved)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
         history.append([step, train_loss, eval_loss])
         if show is not None:
@@ -322,6 +336,11 @@ def train(
                       (step - start_step) * cfg.batch_size * cfg.context / max(elapsed, 1e-9))
         due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
+            bad = next((n for n, p in model.named_parameters()
+                        if not bool(torch.isfinite(p).all())), None)
+            if bad is not None:  # a NaN moment or an absurd weight decay: never save it
+                raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
+            saved = step
             checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
                                            history, tokenizer, meta)
     if show is not None:

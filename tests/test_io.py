@@ -233,15 +233,18 @@ def test_atomic_dir_rejects_bad_targets(tmp_path):
 
 def _crash_leftovers(final: Path, *, old: int | None, ready: int | None, tmp: bool) -> None:
     """Lay out what a writer killed between the two renames leaves behind."""
-    for version, name in ((old, f"{final.name}.old-999999"),
+    for version, name in ((old, f"{final.name}.old-999999-01234567"),
                           (ready, f".{final.name}.ready-999999-0123abcd")):
         if version is not None:
             d = final.parent / name
             d.mkdir()
             _write_ckpt(d, version)
+            (d / io.ATOMIC_MARKER).write_text(f"{final.name}\n{name.split('-', 1)[1]}\n")
     if tmp:
-        (final.parent / f".{final.name}.tmp-999999-deadbeef").mkdir()
-        (final.parent / f".{final.name}.tmp-999999-deadbeef" / "partial").write_bytes(b"x")
+        d = final.parent / f".{final.name}.tmp-999999-deadbeef"
+        d.mkdir()
+        (d / "partial").write_bytes(b"x")
+        (d / io.ATOMIC_MARKER).write_text(f"{final.name}\n999999-deadbeef\n")
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,7 @@ def test_resume_finds_a_checkpoint_left_beside_its_directory(tmp_path):
     cfg = TrainConfig(steps=2, batch_size=4, context=16, seed=0)
     train(model, torch.tensor(CharTokenizer.from_text(text).encode(text)), cfg, out=out,
           progress=False, log=None)
+    (out / ".attnlab-atomic").write_text("run\n999-0123abcd\n")  # as the writer marks it
     out.rename(tmp_path / ".run.ready-999-0123abcd")
     assert has_checkpoint(out)
     assert (out / "model.safetensors").exists()

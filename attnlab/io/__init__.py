@@ -18,10 +18,14 @@ Atomic directories
 
     1. contents are written to ``.<name>.tmp-<pid>-<rand>`` and fsynced;
     2. that folder is renamed ``.<name>.ready-<pid>-<rand>`` (complete, not live);
-    3. an existing ``<name>`` is renamed ``<name>.old-<pid>``;
-    4. the ready folder is renamed ``<name>``;
-    5. ``<name>.old-<pid>`` is renamed to a temp name and removed (so a crash
+    3. an existing ``<name>`` is marked and renamed ``<name>.old-<pid>-<rand>``;
+    4. the ready folder is renamed ``<name>`` (and its marker removed);
+    5. ``<name>.old-*`` is renamed to a temp name and removed (so a crash
        while deleting never leaves a half-deleted copy that looks complete).
+
+    Every folder of these steps holds a marker file (``.attnlab-atomic``: the
+    final name and the folder's suffix), and recovery touches only folders whose
+    marker matches: a user's ``<name>.old-1/`` merely looks like a leftover.
 
     A crash before 3 leaves the old ``<name>`` in place. A crash between 3 and 4
     leaves no ``<name>`` at all, but both the old copy and the complete new copy
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from .dirs import atomic_dir, recover_dir
 from .files import (
+    ATOMIC_MARKER,
     CONFIG_FILE,
     EXPLORER_FILE,
     HEATMAP_FILE,
@@ -51,8 +56,8 @@ from .files import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
-    read_json,
 )
+from .reading import read_json
 from .tensors import load_metadata, load_tensors, save_tensors
 
 __all__ = [
@@ -67,5 +72,5 @@ __all__ = [
     "atomic_dir",
     "recover_dir",
     "MODEL_FILE", "CONFIG_FILE", "TOKENIZER_FILE", "STATE_TENSORS", "STATE_JSON",
-    "SUMMARY_FILE", "HEATMAP_FILE", "EXPLORER_FILE", "OWN_FILES",
+    "ATOMIC_MARKER", "SUMMARY_FILE", "HEATMAP_FILE", "EXPLORER_FILE", "OWN_FILES",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .files import PathLike, _fsync_dir
+from .files import ATOMIC_MARKER, PathLike, _fsync_dir
 
 try:  # POSIX only; on other systems the directory lock is a no-op.
     import fcntl
@@ -61,21 +61,47 @@ def _parent_lock(parent: Path) -> Iterator[None]:
                 entry[2] = None
 
 
+_SUFFIX = r"(\d+-[0-9a-f]{8})"
+
+
+def _mark(folder: Path, final: Path, suffix: str) -> None:
+    """Write the marker that proves ``folder`` is an attnlab copy of ``final``.
+
+    A sibling named like a leftover proves nothing (a user's ``run.old-1/`` is
+    not ours); only a folder holding this marker, naming ``final`` and the same
+    suffix as its own name, is ever renamed or deleted by recovery.
+    """
+    (folder / ATOMIC_MARKER).write_text(f"{final.name}\n{suffix}\n", encoding="utf-8")
+
+
+def _proven(folder: Path, final: Path, suffix: str) -> bool:
+    marker = folder / ATOMIC_MARKER
+    try:
+        if folder.is_symlink() or not folder.is_dir() or marker.is_symlink() or \
+                not marker.is_file() or marker.stat().st_size > 4096:
+            return False
+        return marker.read_text(encoding="utf-8") == f"{final.name}\n{suffix}\n"
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _leftovers(final: Path) -> tuple[list[Path], list[Path], list[Path]]:
-    """(old copies, complete ready copies, partial temp copies) next to ``final``."""
+    """(old copies, complete ready copies, partial temp copies) next to ``final``
+    that attnlab provably wrote (see :func:`_mark`); anything else is left alone."""
     name = re.escape(final.name)
     patterns = (
-        re.compile(rf"{name}\.old-\d+"),
-        re.compile(rf"\.{name}\.ready-\d+-[0-9a-f]{{8}}"),
-        re.compile(rf"\.{name}\.tmp-\d+-[0-9a-f]{{8}}"),
+        re.compile(rf"{name}\.old-{_SUFFIX}"),
+        re.compile(rf"\.{name}\.ready-{_SUFFIX}"),
+        re.compile(rf"\.{name}\.tmp-{_SUFFIX}"),
     )
     old: list[Path] = []
     ready: list[Path] = []
     tmp: list[Path] = []
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in final.parent.iterdir():
             for pattern, bucket in zip(patterns, (old, ready, tmp)):
-                if pattern.fullmatch(entry.name):
+                match = pattern.fullmatch(entry.name)
+                if match and _proven(entry, final, match.group(1)):
                     bucket.append(entry)
 
     def newest_first(paths: list[Path]) -> list[Path]:
@@ -94,8 +120,10 @@ def _remove(path: Path) -> None:
 
 def _discard(path: Path, final: Path) -> None:
     """Delete a complete copy without ever leaving a half-deleted "complete" copy:
-    it is first renamed to the partial-temp pattern, which is never restored."""
-    trash = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    it is first renamed to the partial-temp pattern, which is never restored. The
+    suffix (and so the marker) is kept, so a crash mid-delete is still cleaned up."""
+    suffix = path.name.rsplit("-", 2)
+    trash = final.parent / f".{final.name}.tmp-{suffix[-2]}-{suffix[-1]}"
     try:
         os.rename(path, trash)
     except OSError:
@@ -111,6 +139,8 @@ def _recover_locked(final: Path) -> bool:
             if candidate.is_dir():
                 os.rename(candidate, final)
                 _fsync_dir(final.parent)
+                with contextlib.suppress(OSError):
+                    (final / ATOMIC_MARKER).unlink()
                 restored = True
                 break
     for p in old + ready:
@@ -127,10 +157,14 @@ def recover_dir(final_dir: PathLike) -> bool:
     If ``final_dir`` is missing but a complete copy exists next to it (a
     ``.<name>.ready-*`` new copy, else a ``<name>.old-*`` old copy), that copy
     is renamed to ``final_dir``. Leftover old, ready and partial temp folders
-    are then removed. Cheap when there is nothing to do (no lock is taken);
-    safe to call while another process writes (it waits for the writer's lock).
+    are then removed. Only folders holding attnlab's marker for ``final_dir``
+    count: a user's own ``<name>.old-1/`` is never renamed or deleted. Cheap
+    when there is nothing to do (no lock is taken); safe to call while another
+    process writes (it waits for the writer's lock).
     """
     final = Path(os.path.abspath(final_dir))
+    if final.is_symlink():
+        final = Path(os.path.realpath(final))
     old, ready, tmp = _leftovers(final)
     if not (old or ready or tmp):
         return False
@@ -157,13 +191,17 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
     """Write a whole directory atomically: ``with atomic_dir(d) as tmp: <write into tmp>``.
 
     Yields a fresh temp directory next to ``final_dir`` (same parent, so the
-    renames stay on one file system). When the block ends normally, every file
-    is fsynced and the temp directory replaces ``final_dir`` (see the module
-    docstring for the exact steps and crash windows). When the block raises,
-    the temp directory is removed and an existing ``final_dir`` is untouched.
+    renames stay on one file system). A ``final_dir`` that is a symlink is
+    followed: the folder it points to is replaced, never the user's link. When
+    the block ends normally, every file is fsynced and the temp directory
+    replaces ``final_dir`` (see the module docstring for the exact steps and
+    crash windows). When the block raises, the temp directory is removed and
+    an existing ``final_dir`` is untouched.
     Not for several writers of the same ``final_dir`` without the POSIX lock.
     """
     final = Path(os.path.abspath(final_dir))
+    if final.is_symlink():  # replace what the link points to, keep the link
+        final = Path(os.path.realpath(final))
     if not final.name or final.name in (".", ".."):
         raise ValueError(f"final_dir: expected a directory path with a name, got {final_dir!r}")
     if final.exists() and not final.is_dir():
@@ -176,21 +214,24 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
         suffix = f"{pid}-{secrets.token_hex(4)}"
         tmp = parent / f".{final.name}.tmp-{suffix}"
         ready = parent / f".{final.name}.ready-{suffix}"
-        old = parent / f"{final.name}.old-{pid}"
+        old_suffix = f"{pid}-{secrets.token_hex(4)}"
+        old = parent / f"{final.name}.old-{old_suffix}"
         tmp.mkdir()
         moved_aside = False
         try:
+            _mark(tmp, final, suffix)
             yield tmp
             _fsync_tree(tmp)
             os.rename(tmp, ready)
             _fsync_dir(parent)
             if final.exists():
-                if old.exists():
-                    _discard(old, final)
+                _mark(final, final, old_suffix)  # so the copy set aside is provably ours
                 os.rename(final, old)
                 moved_aside = True
             os.rename(ready, final)
             _fsync_dir(parent)
+            with contextlib.suppress(OSError):  # the live copy needs no proof
+                (final / ATOMIC_MARKER).unlink()
         except BaseException:
             if moved_aside and not final.exists() and old.exists():
                 os.rename(old, final)  # roll back: the old copy goes back in place

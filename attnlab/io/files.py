@@ -31,6 +31,8 @@ STATE_JSON = "training_state.json"
 SUMMARY_FILE = "summary.json"
 HEATMAP_FILE = "attention.png"
 EXPLORER_FILE = "attention.html"
+# Inside the folders attnlab.io.atomic_dir builds: proves a leftover is attnlab's.
+ATOMIC_MARKER = ".attnlab-atomic"
 OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
                        SUMMARY_FILE, HEATMAP_FILE, EXPLORER_FILE})
 
@@ -115,27 +117,3 @@ def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2) -> No
     except (TypeError, ValueError) as exc:
         raise TypeError(f"obj: cannot be written as JSON to {str(path)!r}: {exc}") from exc
     atomic_write_text(path, text + "\n")
-
-
-def read_json(path: PathLike) -> dict[str, Any]:
-    """Read a JSON object from ``path``.
-
-    Raises :class:`CheckpointError` naming the path if the file is missing,
-    unreadable, not valid JSON, or holds something other than a JSON object.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{str(path)!r}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{str(path)!r}: cannot read: {exc}") from exc
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{str(path)!r}: invalid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise CheckpointError(
-            f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"
-        )
-    return obj

@@ -13,12 +13,21 @@ import torch
 from torch import nn
 
 from .. import masks as _masks
-from ..checks import Config, one_of, positive_int
+from ..checks import (
+    Config,
+    finite_float,
+    fits_in_memory,
+    non_negative_int,
+    one_of,
+    positive_int,
+    probability,
+)
 from ..interop.hf import encoder_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout
 from .gpt import _source
+from .ids import check_ids
 from .outputs import with_extras
 
 
@@ -44,6 +53,13 @@ class EncoderConfig(Config):
             positive_int(f"EncoderConfig.{name}", getattr(self, name))
         one_of("EncoderConfig.activation", self.activation, ("gelu", "gelu_tanh", "relu"))
         one_of("EncoderConfig.positions", self.positions, ("index", "roberta"))
+        probability("EncoderConfig.dropout", self.dropout)
+        finite_float("EncoderConfig.norm_eps", self.norm_eps, positive=True)
+        non_negative_int("EncoderConfig.pad_id", self.pad_id)
+        d = self.d_model
+        params = (self.vocab_size + self.context_length + self.type_vocab_size) * d + \
+            self.num_layers * (4 * d * d + 2 * d * self.d_ff)
+        fits_in_memory(f"an Encoder of about {params:,} parameters", 4 * params)
 
 
 class EncoderBlock(nn.Module):
@@ -140,8 +156,7 @@ class Encoder(nn.Module):
             hidden states ``(batch, seq, d_model)``; with either flag a tuple: hidden,
             then ``attentions`` if asked, then ``hidden_states`` if asked.
         """
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
-            raise ValueError("ids must be a (batch, seq) integer tensor")
+        check_ids(ids, self.config.vocab_size)
         batch, seq = ids.shape
         if seq > self.context_length:
             raise ValueError(f"sequence of {seq} tokens is longer than context_length="

@@ -12,8 +12,9 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from ..checks import non_negative_int, optional_positive_int
+from ..checks import is_int, non_negative_int, optional_positive_int
 from ..text.stream import TextStream
 
 
@@ -27,9 +28,15 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             )
         ids = ids.long()
         return (ids[None] if ids.ndim == 1 else ids), None
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+        raise TypeError(f"ids must be a tensor or a list of prompts (lists of ints), got "
+                        f"{type(ids).__name__}")
     rows = [list(r) for r in ids] if ids and isinstance(ids[0], Sequence) else [list(ids)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("ids must hold at least one token per prompt, got an empty prompt")
+    bad = [x for r in rows for x in r if not is_int(x)]
+    if bad:  # 1.5 would be truncated to 1 by torch.tensor(..., dtype=long)
+        raise TypeError(f"ids must hold int token ids, got {bad[0]!r}")
     width = max(len(r) for r in rows)
     padded = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -42,19 +49,30 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
                 top_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
     """Pick the next token ``(batch,)`` from last-position logits ``(batch, vocab)``."""
+    # NaN logits (overflowing weights) must not break a stream already printing: they
+    # rank lowest, and a row with nothing finite falls back to token 0 via argmax.
+    logits = torch.nan_to_num(logits.double(), nan=float("-inf"))
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # float64: logits / 1e-45 and a top_p of 1e-300 stay finite and non-zero there.
+    logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first over p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # keep the first over p
+        drop[:, 0] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
+    # A degenerate row (nothing finite, so softmax gave NaN) is decided greedily:
+    # sampling never fails after the prompt has been printed.
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    if bool(bad.any()):
+        probs = torch.where(bad[:, None], F.one_hot(logits.argmax(dim=-1), logits.shape[-1])
+                            .to(probs.dtype), probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

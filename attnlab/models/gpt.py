@@ -16,12 +16,22 @@ from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import Config, one_of, positive_int
+from ..checks import (
+    Config,
+    boolean,
+    finite_float,
+    fits_in_memory,
+    one_of,
+    optional_positive_int,
+    positive_int,
+    probability,
+)
 from ..interop.hf import gpt_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, dropout, make_norm
 from .generation import GenerationMixin
+from .ids import check_ids
 from .outputs import with_extras
 
 _CHOICES = {
@@ -67,6 +77,33 @@ class GPTConfig(Config):
         if self.d_ff is None:
             self.d_ff = (4 * self.d_model if self.mlp != "swiglu"
                          else -(-(8 * self.d_model // 3) // 64) * 64)
+        positive_int("GPTConfig.d_ff", self.d_ff)
+        if self.d_model % self.num_heads:
+            raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by "
+                             f"num_heads={self.num_heads}")
+        kv = optional_positive_int("GPTConfig.num_kv_heads", self.num_kv_heads)
+        if kv is not None and self.num_heads % kv:
+            raise ValueError(f"GPTConfig.num_kv_heads={kv} must divide num_heads="
+                             f"{self.num_heads}")
+        optional_positive_int("GPTConfig.window", self.window)
+        for name in ("tie_embeddings", "qkv_bias", "out_bias", "mlp_bias"):
+            boolean(f"GPTConfig.{name}", getattr(self, name))  # "no" is not False
+        probability("GPTConfig.dropout", self.dropout)
+        finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
+        finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
+        fits_in_memory(f"a GPT of {self.num_parameters():,} parameters", 4 * self.num_parameters())
+
+    def num_parameters(self) -> int:
+        """Parameters a GPT of this config holds (computed, nothing allocated)."""
+        d, head_dim = self.d_model, self.d_model // self.num_heads
+        kv_dim = (self.num_kv_heads or self.num_heads) * head_dim
+        attn = d * (d + 2 * kv_dim) + d * d + (3 * d if self.qkv_bias else 0) + d
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff + self.d_ff + d
+        per_layer = attn + mlp + 4 * d
+        emb = self.vocab_size * d + (self.context_length * d if self.positions == "learned"
+                                     else 0)
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return emb + self.num_layers * per_layer + 2 * d + head
 
     @property
     def head_dim(self) -> int:
@@ -171,11 +208,7 @@ class GPT(GenerationMixin, nn.Module):
             logits ``(batch, seq, vocab)``; with either flag a tuple: logits, then
             ``attentions`` (a list) if asked, then ``hidden_states`` (a list) if asked.
         """
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
-            raise ValueError(
-                f"ids must be a (batch, seq) integer tensor, got "
-                f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
-            )
+        check_ids(ids, self.config.vocab_size)
         batch, seq = ids.shape
         past = caches[0].seq_len if caches else 0
         if past + seq > self.context_length:

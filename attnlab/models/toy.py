@@ -15,9 +15,10 @@ from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import Config, positive_int
+from ..checks import Config, fits_in_memory, positive_int, probability
 from ..modules import MultiHeadAttention
 from .generation import GenerationMixin
+from .ids import check_ids
 from .outputs import with_extras
 
 
@@ -32,6 +33,10 @@ class ToyConfig(Config):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model"):
             positive_int(f"ToyConfig.{name}", getattr(self, name))
+        probability("ToyConfig.dropout", self.dropout)
+        d = self.d_model
+        params = (2 * self.vocab_size + self.context_length) * d + 4 * d * d
+        fits_in_memory(f"a ToyAttnLM of about {params:,} parameters", 4 * params)
 
 
 class ToyAttnLM(GenerationMixin, nn.Module):
@@ -81,8 +86,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         ``output_hidden_states`` also ``[embeddings, embeddings + attention]``, each
         ``(batch, seq, d_model)`` (the second is what the output layer reads).
         Arguments and the order of the returned tuple as :meth:`attnlab.models.GPT.forward`."""
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
-            raise ValueError("ids must be a (batch, seq) integer tensor")
+        check_ids(ids, self.config.vocab_size)
         past = caches[0].seq_len if caches else 0
         seq = ids.shape[1]
         if past + seq > self.context_length:

@@ -266,6 +266,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but d_in={self.d_in}"
             )
+        weight = next(self.parameters(), None)
+        if weight is not None and x.dtype != weight.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the module's weights are {weight.dtype}; "
+                            f"expected a {weight.dtype} x (or convert the module with .to())")
         return x.shape[0], x.shape[1]
 
     def _check_kv(self, kv, b: int) -> None:

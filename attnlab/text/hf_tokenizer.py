@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from ..checks import optional_positive_int
 from ..io import CheckpointError
+from ..io.reading import TOKENIZER_LIMIT, parse_json, read_text
 from .tokenizers import _FORMAT_VERSION, PathLike, Tokenizer, _check_ids, _check_text
 
 __all__ = ["HFTokenizer"]
@@ -75,7 +76,8 @@ class HFTokenizer(Tokenizer):
         _check_text(json_str, "json_str")
         try:
             raw = _HFTok.from_str(json_str)
-        except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
+        except BaseException as exc:  # a bare Exception for bad JSON, a Rust panic for worse
+            _reraise_interrupts(exc)
             raise ValueError(f"json_str: not a valid Hugging Face tokenizer.json: {exc}") from exc
         return cls(raw)
 
@@ -98,7 +100,8 @@ class HFTokenizer(Tokenizer):
 
         try:
             raw = _HFTok.from_str(json.dumps(dict(data)))
-        except Exception as exc:
+        except BaseException as exc:  # pyo3's PanicException is not an Exception
+            _reraise_interrupts(exc)
             raise CheckpointError(
                 f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
             ) from exc
@@ -207,6 +210,13 @@ class HFTokenizer(Tokenizer):
         return f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id})"
 
 
+def _reraise_interrupts(exc: BaseException) -> None:
+    """The ``tokenizers`` library panics (a BaseException) on some hostile files: those
+    become one error naming the file, but a Ctrl-C or an exit stays what it is."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
+        raise exc
+
+
 def _read_file(path: Path) -> Any:
     """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``, of a file written by
     :meth:`HFTokenizer.save`, or of a folder holding a ``tokenizer.json``.
@@ -219,15 +229,17 @@ def _read_file(path: Path) -> Any:
 
     if path.is_dir():
         path = path / "tokenizer.json"  # the Hugging Face folder layout
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{str(path)!r}: tokenizer file not found")
+    # A regular file within the limit (a FIFO or /dev/zero would hang or fill memory).
+    text = read_text(path, TOKENIZER_LIMIT, "tokenizer file")
+    data = parse_json(text, repr(str(path)))
     try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text)
         if isinstance(data, dict) and data.get("type") == HFTokenizer.type_name:
             text = data["tokenizer"]  # a file written by HFTokenizer.save
         return _HFTok.from_str(text)
-    except Exception as exc:
+    except BaseException as exc:  # pyo3's PanicException is not an Exception
+        _reraise_interrupts(exc)
         raise CheckpointError(
             f"{str(path)!r}: not a valid Hugging Face tokenizer.json: {exc}"
         ) from exc

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from ..checks import boolean, positive_int
 from ..io import CheckpointError, atomic_write_json, read_json
+from ..io.reading import TOKENIZER_LIMIT
 
 __all__ = [
     "Tokenizer",
@@ -117,7 +118,7 @@ class Tokenizer:
         On ``Tokenizer`` itself this is :func:`load_tokenizer` (any kind); on a
         subclass the file must hold that kind.
         """
-        data = read_json(path)  # the one read of the file; the rest works on data
+        data = read_json(path, TOKENIZER_LIMIT)  # the one read; the rest works on data
         if cls is Tokenizer:
             return _from_any(path, data)
         return cls._from_file_data(path, data)
@@ -376,7 +377,7 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
     A raw Hugging Face ``tokenizer.json`` (no ``"type"``, but a ``"model"``)
     is loaded as an :class:`~attnlab.text.HFTokenizer`. The file is read once.
     """
-    return _from_any(path, read_json(path))
+    return _from_any(path, read_json(path, TOKENIZER_LIMIT))
 
 
 def _from_any(path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
@@ -385,7 +386,7 @@ def _from_any(path: PathLike, data: Mapping[str, Any]) -> Tokenizer:
     kinds = Tokenizer._kinds
     if kind is None and "model" in data:
         return kinds["hf"]._from_raw(path, data)  # type: ignore[attr-defined]
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:  # ["char"] is no type name
         raise CheckpointError(
             f"{str(path)!r}: unknown tokenizer type {kind!r}, expected one of {sorted(kinds)}"
         )

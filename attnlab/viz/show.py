@@ -17,6 +17,8 @@ import numpy as np
 
 from ..checks import is_int
 from ..io import EXPLORER_FILE, HEATMAP_FILE, atomic_write_bytes
+from ..io.locks import output_lock
+from ..io.outdir import check_own_dir
 from ..text.labels import token_labels, unknown_note
 from .explorer import Explorer
 from .heatmap import heatmap, heatmap_grid, png_bytes, save_heatmaps
@@ -99,7 +101,8 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         model: an attnlab model (its weights are captured with ``output_attentions``).
         tokenizer: the model's tokenizer.
         text: the input.
-        out: directory to write into (created if missing).
+        out: directory to write into (created if missing); it must be new, empty or
+            hold only files attnlab writes (:func:`attnlab.io.outdir.check_own_dir`).
         layer, head: restrict the PNG to one layer and/or head; the HTML explorer
             always holds every layer and head.
         title: heading of the explorer page (default: the text).
@@ -111,13 +114,20 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
     Returns:
         ``{"png": path, "html": path}``; in a notebook it displays as the explorer.
     """
+    # The rule every writer follows: a folder holding files attnlab did not write
+    # is the user's, and is refused before any work.
+    check_own_dir(out)
     tokens, attentions = capture(model, tokenizer, text, log=log)
     layers = _pick(len(attentions), layer, "layer")
     heads = _pick(attentions[0].shape[0], head, "head")
+    with output_lock(out):
+        return _write(out, tokens, attentions, layers, heads, title or text, rollout)
+
+
+def _write(out, tokens, attentions, layers, heads, title, rollout) -> ShowResult:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     png = out / HEATMAP_FILE
-    title = title or text
     if rollout:
         flow = _rollout(attentions)  # (seq, seq)
         n_heads = attentions[0].shape[0]

@@ -1,0 +1,72 @@
+"""Which entries of an output folder are attnlab's: the one rule for every writer.
+
+attnlab writes into a folder only the files named in :data:`OWN_FILES` (and the
+temp files an atomic write killed by SIGKILL leaves beside them, and the marker
+:func:`attnlab.io.atomic_dir` puts in the folders it builds). A folder holding
+anything else is the user's, and no writer (a checkpoint, ``show``, the demo)
+may replace or fill it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .files import ATOMIC_MARKER, OWN_FILES, PathLike
+
+__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable"]
+
+# ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
+_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
+
+
+def _is_own_file(entry: Path) -> bool:
+    return entry.is_file() and not entry.is_symlink() and (
+        entry.name in OWN_FILES or entry.name == ATOMIC_MARKER
+        or _OWN_TEMP.fullmatch(entry.name) is not None)
+
+
+def foreign_entries(out: PathLike) -> list[str]:
+    """Sorted names of the entries in folder ``out`` that attnlab did not write."""
+    return sorted(e.name for e in Path(out).iterdir() if not _is_own_file(e))
+
+
+def check_parent_writable(out: PathLike, name: str = "--out") -> None:
+    """Output is built beside ``out`` and renamed into place, so its parent must exist
+    (it is created, as the writer would) and accept new entries: checked before any
+    work, or a run would fail only at its end."""
+    parent = Path(os.path.abspath(out)).parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"{name} {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
+                         "expected a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"{name} {str(out)!r} cannot be written: {exc.strerror or exc} "
+                         f"(in {str(parent)!r})") from None
+
+
+def check_own_dir(out: PathLike, name: str = "--out") -> None:
+    """Refuse an output folder ``out`` that holds anything attnlab did not write.
+
+    ``out`` may be missing (it is created), empty, or hold only attnlab's own
+    files; a symlink to such a folder is followed. Raises ValueError naming
+    ``name`` (the option or argument ``out`` came from) and the first foreign
+    entries.
+    """
+    check_parent_writable(out, name)
+    path = Path(out)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{name} {str(out)!r} is a file; expected a directory")
+    foreign = foreign_entries(path)
+    if foreign:
+        raise ValueError(
+            f"{name} {str(out)!r} holds files attnlab did not write ("
+            f"{', '.join(map(repr, foreign[:3]))}{' ...' if len(foreign) > 3 else ''}); "
+            "expected a new or empty directory or one attnlab wrote")

@@ -1,0 +1,118 @@
+"""Bounded reads: only regular files, never more than a stated size.
+
+A FIFO, ``/dev/zero`` or a directory given where a file is expected would hang
+a reader forever or fill the memory; a 100,000-level JSON nesting would end in
+a ``RecursionError``. Every file attnlab reads as a whole (configs, tokenizers,
+training state, ``--text``) goes through :func:`read_bytes` with a limit suited
+to its kind, and every JSON file through :func:`parse_json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from .files import CheckpointError, PathLike
+
+__all__ = ["read_bytes", "read_text", "parse_json", "read_json", "MiB", "CONFIG_LIMIT",
+           "TOKENIZER_LIMIT", "STATE_LIMIT", "TEXT_LIMIT"]
+
+MiB = 1 << 20
+CONFIG_LIMIT = 1 * MiB  # a model's config.json is a few kilobytes
+TOKENIZER_LIMIT = 64 * MiB  # the largest Hugging Face tokenizer.json files are ~20 MB
+STATE_LIMIT = 256 * MiB  # the training state's JSON: settings and the loss history
+TEXT_LIMIT = 256 * MiB  # a --text corpus, held in memory as one string
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n} bytes"
+
+
+def _name(what: str, path: Path) -> str:
+    return repr(str(path)) if what == "file" else f"{what} {str(path)!r}"
+
+
+def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
+    """The content of regular file ``path``, refused (CheckpointError naming it) when it
+    is a FIFO, a device or a directory, or holds more than ``limit`` bytes.
+
+    Opened non-blocking, so even opening a FIFO without a writer cannot hang.
+    """
+    path = Path(path)
+    name = _name(what, path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} cannot be read: file not found") from None
+    except OSError as exc:
+        raise CheckpointError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(info.st_mode) else
+                    "a FIFO" if stat.S_ISFIFO(info.st_mode) else
+                    "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+                    else "not a regular file")
+            raise CheckpointError(f"{name} is {kind}; expected a regular file")
+        if info.st_size > limit:
+            raise CheckpointError(f"{name} is {_size(info.st_size)}, over the "
+                                  f"limit of {_size(limit)} for a {what}")
+        chunks, total = [], 0
+        while True:  # to the limit, even if the file grows while it is read
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise CheckpointError(f"{name} grew past the limit of "
+                                      f"{_size(limit)} for a {what} while it was read")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise CheckpointError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def read_text(path: PathLike, limit: int, what: str = "file") -> str:
+    """:func:`read_bytes` decoded as UTF-8 (CheckpointError naming the file otherwise)."""
+    data = read_bytes(path, limit, what)
+    name = _name(what, Path(path))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{name} is not UTF-8 text: {exc.reason} at byte "
+                              f"{exc.start}") from None
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """``json.loads`` whose every failure is one CheckpointError naming ``where``:
+    invalid JSON, and nesting too deep for the parser (a RecursionError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{where}: invalid JSON: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deeply to read") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{where}: not UTF-8 text: {exc.reason}") from None
+
+
+def read_json(path: PathLike, limit: int = 16 * MiB, what: str = "file") -> dict[str, Any]:
+    """Read a JSON object from ``path`` (a regular file of at most ``limit`` bytes).
+
+    Raises :class:`CheckpointError` naming the path if the file is missing,
+    unreadable, not a regular file (a FIFO or a device would hang the reader),
+    too large, not valid JSON (or nested too deeply), or holds something other
+    than a JSON object.
+    """
+    path = Path(path)
+    obj = parse_json(read_text(path, limit, what), repr(str(path)))
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"{str(path)!r}: expected a JSON object at the top level, got {type(obj).__name__}"
+        )
+    return obj

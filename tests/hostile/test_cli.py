@@ -1,0 +1,79 @@
+"""The command line under hostile options and files: one line on stderr and exit 2,
+or a correct result; never a traceback, a hang, or a change to the user's files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attnlab.io import load_tensors, save_tensors
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("option", [["--temperature", "1e-45"], ["--top-p", "1e-300"],
+                                    ["--temperature", "1e-300", "--top-k", "1"]])
+def test_generate_with_degenerate_sampling_finishes(tiny_ckpt, tmp_path, cli, option):
+    proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "ab", "--max-new-tokens",
+                "5", *option], cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("ab") and len(proc.stdout.rstrip("\n")) == 7
+
+
+def test_generate_from_a_nan_checkpoint_is_refused_before_output(tiny_ckpt, tmp_path, cli,
+                                                                 one_line_error):
+    weights = load_tensors(tiny_ckpt / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_tensors(tiny_ckpt / "model.safetensors", weights)
+    proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "ab", "--temperature", "0"],
+               cwd=tmp_path)
+    one_line_error(proc, "NaN or inf", name)
+    assert proc.stdout == ""
+
+
+def test_an_unknown_format_number_is_refused(tiny_ckpt, tmp_path, cli, one_line_error):
+    import json
+
+    meta = json.loads((tiny_ckpt / "config.json").read_text())
+    meta["format"] = 99
+    (tiny_ckpt / "config.json").write_text(json.dumps(meta))
+    proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "ab"], cwd=tmp_path)
+    one_line_error(proc, "format must be 1, got 99")
+
+
+def test_train_into_a_symlink_to_a_user_folder_is_refused(tmp_path, cli, one_line_error,
+                                                         snap):
+    user = tmp_path / "thesis"
+    user.mkdir()
+    (user / "chapter1.tex").write_text("\\chapter{One}")
+    (tmp_path / "linkout").symlink_to(user, target_is_directory=True)
+    before = snap(tmp_path)
+    proc = cli(["train", "--model", "toy", "--steps", "2", "--out", "linkout"], cwd=tmp_path)
+    one_line_error(proc, "linkout", "chapter1.tex")
+    assert snap(tmp_path) == before
+
+
+def test_train_into_a_symlink_to_an_empty_folder_follows_it(tmp_path, cli):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "linkout").symlink_to(tmp_path / "target", target_is_directory=True)
+    proc = cli(["train", "--model", "toy", "--steps", "2", "--context", "16",
+                "--batch-size", "4", "--out", "linkout"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.islink(tmp_path / "linkout")
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("option", [["--batch-size", str(10**12)], ["--context", str(10**9)],
+                                    ["--model", "toy", "--context", str(10**9)]])
+def test_absurd_sizes_are_refused_before_allocating(tmp_path, cli, one_line_error, option):
+    proc = cli(["train", *option, "--out", "o"], cwd=tmp_path, timeout=120)
+    one_line_error(proc, "GiB of memory", "this machine has")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_prompt_outside_the_tokenizer_is_one_line(tiny_ckpt, tmp_path, cli, one_line_error):
+    proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "xyz"], cwd=tmp_path)
+    one_line_error(proc, "--prompt")
