@@ -93,11 +93,16 @@ def _read_text(path: str | None) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
     from .checkpoint import check_out_dir
     from .io.locks import output_lock
 
     # Before anything is read or trained: a bad --out is known at once, and the
-    # lock keeps a second run off this --out for the whole of this one.
+    # lock keeps a second run off this --out for the whole of this one. Under
+    # torchrun only rank 0 writes, so only rank 0 checks and holds the lock.
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(args)
     check_out_dir(args.out)
     with output_lock(args.out):
         return _train(args)

@@ -73,7 +73,12 @@ def test_generate_from_a_folder_is_transformers_greedy(gpt2_dir, capsys):
     hf = T.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
     want = hf.generate(torch.tensor([[4, 5]]), max_new_tokens=6, min_new_tokens=6,
                        do_sample=False, pad_token_id=0)[0, 2:]
-    assert out == "the cat" + "".join(WORDS[i] for i in want.tolist())
+    from tokenizers import Tokenizer
+
+    # The streamed text is the tokenizer's own decoding of prompt and new tokens.
+    tok = Tokenizer.from_file(str(gpt2_dir / "tokenizer.json"))
+    assert out == tok.decode([4, 5] + want.tolist())
+    assert out.split() == ["the", "cat", *(WORDS[i] for i in want.tolist())]
 
 
 def test_ablate_heads_on_a_folder(gpt2_dir, text_file, tmp_path, capsys):
