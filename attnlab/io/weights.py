@@ -82,14 +82,21 @@ def load_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, source: s
         CheckpointError: ``"<source> does not fit the <Model>: <what differs>"``;
             the model is unchanged then.
     """
+    check_fits(model, state, source=source, allow_missing=allow_missing)
+    model.load_state_dict(dict(state.items()), strict=False, assign=assign)
+    return model
+
+
+def check_fits(model: nn.Module, state: Mapping[str, torch.Tensor], *, source: str,
+               allow_missing: Collection[str] = ()) -> None:
+    """CheckpointError ``"<source> does not fit the <Model>: ..."`` unless every name,
+    shape and dtype of ``state`` fits ``model`` (which may be on the meta device)."""
     own = model.state_dict()
     problems = state_mismatches({n: (tuple(t.shape), t.dtype) for n, t in own.items()},
                                 _shapes(state), allow_missing)
     if problems:
         raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
                               + "; ".join(problems[:4]))
-    model.load_state_dict(dict(state.items()), strict=False, assign=assign)
-    return model
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:
@@ -124,12 +131,7 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         model = make()
     tied = _tied_groups(model)
     aliases = {name for names in tied for name in names[1:]}
-    own = model.state_dict()
-    problems = state_mismatches({n: (tuple(t.shape), t.dtype) for n, t in own.items()},
-                                _shapes(state), aliases)
-    if problems:
-        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
-                              + "; ".join(problems[:4]))
+    check_fits(model, state, source=source, allow_missing=aliases)
     blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
         blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
