@@ -18,6 +18,7 @@ from pathlib import Path
 from torch import nn
 
 from ..io import CONFIG_FILE, read_json
+from ..io.reading import CONFIG_LIMIT
 from ..models import GPT, MODEL_TYPES, Encoder
 from .hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 
@@ -27,7 +28,7 @@ __all__ = ["load_for_cli", "load_hf_folder"]
 def _model_type(folder: Path) -> object:
     if not (folder / CONFIG_FILE).is_file():
         return None
-    config = read_json(folder / CONFIG_FILE)
+    config = read_json(folder / CONFIG_FILE, CONFIG_LIMIT, "config")
     return config.get("model_type") if isinstance(config, dict) else None
 
 
@@ -37,7 +38,7 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
 
     path = Path(folder)
     kind = _model_type(path) if path.is_dir() else None
-    if kind in MODEL_TYPES and "format" in read_json(path / CONFIG_FILE):
+    if kind in MODEL_TYPES and "format" in read_json(path / CONFIG_FILE, CONFIG_LIMIT, "config"):
         raise ValueError(f"--model {str(folder)!r} is an attnlab checkpoint: use --ckpt "
                          f"{str(folder)!r}")
     if path.is_dir() and kind not in GPT_LAYOUTS and kind not in ENCODER_LAYOUTS:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..io import CONFIG_FILE, read_json
+from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
 from .layout import Config, Tensors, _field, _Named, _own, _require, _strip
@@ -228,12 +229,12 @@ def read_folder(folder: str | os.PathLike) -> tuple[Config, SafetensorsState]:
     if not path.is_dir():
         raise ValueError(f"model folder {str(folder)!r} is a file, expected a folder written "
                          "by save_pretrained")
-    cfg = read_json(path / CONFIG_FILE)
+    cfg = read_json(path / CONFIG_FILE, CONFIG_LIMIT, "config")
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     elif index.is_file():
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json(index, CONFIG_LIMIT, "index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{str(index)!r} has no weight_map")
         names = sorted(set(weight_map.values()))
