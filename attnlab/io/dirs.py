@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .files import ATOMIC_MARKER, PathLike, _fsync_dir
+from .files import ATOMIC_MARKER, PathLike, _fsync_dir, fsync_path
 
 try:  # POSIX only; on other systems the directory lock is a no-op.
     import fcntl
@@ -176,13 +176,8 @@ def _fsync_tree(root: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(root):
         for fn in filenames:
             p = os.path.join(dirpath, fn)
-            if os.path.islink(p):
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if not os.path.islink(p):
+                fsync_path(p)
         _fsync_dir(dirpath)
 
 

@@ -54,15 +54,19 @@ def _default_mode() -> int:
     return 0o666 & ~mask
 
 
-def _fsync_dir(directory: PathLike) -> None:
-    """fsync a directory so that renames and new entries in it are durable."""
-    if os.name != "posix":  # pragma: no cover - Windows cannot open directories
-        return
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: PathLike) -> None:
+    """fsync a file, or a directory (so that renames and new entries in it are durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(directory: PathLike) -> None:
+    if os.name != "posix":  # pragma: no cover - Windows cannot open directories
+        return
+    fsync_path(directory)
 
 
 def atomic_write_bytes(path: PathLike, data: bytes | bytearray | memoryview) -> None:

@@ -225,22 +225,23 @@ class GPT(GenerationMixin, nn.Module):
             positions = None  # learned positions were added by embed, not rotated
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
-        attentions, hidden = [], [x]
+        attentions, hidden = [], ([x] if output_hidden_states else None)
         for i, block in enumerate(self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
             if output_attentions:
                 attentions.append(w)
-            hidden.append(x)
+            if hidden is not None:
+                hidden.append(x)
         x = self.norm(x)
-        hidden[-1] = x  # transformers' convention: the last entry is after the final norm
+        if hidden is not None:
+            hidden[-1] = x  # transformers' convention: the last entry is after the final norm
         # One row without gradients: one product over the (d_model, vocab) tensor,
         # packed again first if its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
         if logits is None:
             logits = self.lm_head(x)
-        return with_extras(logits, attentions if output_attentions else None,
-                           hidden if output_hidden_states else None)
+        return with_extras(logits, attentions if output_attentions else None, hidden)
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:
