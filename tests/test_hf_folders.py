@@ -99,3 +99,32 @@ def test_a_live_model_is_not_copied(tmp_path):
     hf = llama(False)
     ours = GPT.from_hf(hf)
     assert ours.tok_emb.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+
+_LOAD_AND_MEASURE = """
+import sys, torch
+from attnlab.models import GPT, Encoder
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+before = rss_mb()
+model = {cls}.from_hf(sys.argv[1])
+weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+print(rss_mb() - before - weights)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("cls, make", [("GPT", lambda: llama(False)), ("Encoder", None)])
+def test_loading_a_folder_adds_little_beside_the_weights(cls, make, tmp_path):
+    """Built on the meta device, a model runs no random initialisation: torch's meta
+    ``normal_`` would import its Python decompositions (about 70 MB) into the process."""
+    import subprocess
+    import sys
+
+    hf = make() if make else T.BertModel(T.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE.format(cls=cls),
+                          str(tmp_path / "m")], capture_output=True, text=True, check=True)
+    assert float(out.stdout.split()[-1]) < 25, out.stdout

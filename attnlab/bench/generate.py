@@ -18,9 +18,9 @@ token, so ``of_ceiling`` (tokens/s over the loop's) says how much of the
 machine's speed a decoder reaches.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
-importing this module, which imports torch, transformers and attnlab's models
-and loads torch's meta-device kernels (about 70 MB of Python modules, paid once
-by any process that builds a model on the meta device, whatever its size).
+importing this module, which imports torch, transformers and attnlab's models.
+Whatever loading a model imports later (torch's Python decompositions, about
+70 MB, if a random initialisation runs on the meta device) counts against it.
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers as T  # noqa: E402
 
 from ..models import GPT  # noqa: E402
-
-with torch.device("meta"):  # load torch's meta kernels before the probe's baseline
-    torch.nn.Linear(2, 2)
 
 MOD = __name__
 # The peer whose time the Markdown table divides by.

@@ -25,7 +25,7 @@ from ..checks import (
 from ..interop.hf import encoder_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention
-from ..modules.layers import MLP, dropout
+from ..modules.layers import MLP, dropout, embedding
 from .gpt import _source
 from .ids import check_ids
 from .outputs import with_extras
@@ -96,10 +96,10 @@ class Encoder(nn.Module):
         # RoBERTa's positions start after pad_id: fewer tokens fit its position table.
         self.context_length = config.context_length - (
             config.pad_id + 1 if config.positions == "roberta" else 0)
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
+        self.tok_emb = embedding(config.vocab_size, config.d_model,
                                     padding_idx=config.pad_id)
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
-        self.type_emb = nn.Embedding(config.type_vocab_size, config.d_model)
+        self.pos_emb = embedding(config.context_length, config.d_model)
+        self.type_emb = embedding(config.type_vocab_size, config.d_model)
         self.emb_norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
 

@@ -29,7 +29,7 @@ from ..checks import (
 from ..interop.hf import gpt_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, dropout, make_norm
+from ..modules.layers import MLP, dropout, embedding, make_norm
 from .generation import GenerationMixin
 from .ids import check_ids
 from .outputs import with_extras
@@ -147,8 +147,8 @@ class GPT(GenerationMixin, nn.Module):
         super().__init__()
         self.config = config
         self.context_length = config.context_length
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = (nn.Embedding(config.context_length, config.d_model)
+        self.tok_emb = embedding(config.vocab_size, config.d_model)
+        self.pos_emb = (embedding(config.context_length, config.d_model)
                         if config.positions == "learned" else None)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
@@ -166,6 +166,8 @@ class GPT(GenerationMixin, nn.Module):
         # GPT-2's initialisation: N(0, 0.02) for weights, zeros for biases. Drawn in the
         # usual (out, in) order and copied, so packed weights get the same numbers.
         if isinstance(m, (nn.Linear, nn.Embedding)):
+            if m.weight.is_meta:  # built to be loaded: nothing to draw
+                return
             with torch.no_grad():
                 w = m.weight
                 w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=0.02))

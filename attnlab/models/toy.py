@@ -17,6 +17,7 @@ from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import Config, fits_in_memory, positive_int, probability
 from ..modules import MultiHeadAttention
+from ..modules.layers import embedding
 from .generation import GenerationMixin
 from .ids import check_ids
 from .outputs import with_extras
@@ -52,8 +53,8 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         config = config or ToyConfig(**kwargs)
         self.config = config
         self.context_length = config.context_length
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        self.tok_emb = embedding(config.vocab_size, config.d_model)
+        self.pos_emb = embedding(config.context_length, config.d_model)
         self.attn = MultiHeadAttention(
             config.d_model, config.d_model, 1, context_length=config.context_length,
             causal=True, dropout=config.dropout, backend=config.backend,

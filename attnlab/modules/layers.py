@@ -13,7 +13,7 @@ from torch import nn
 
 from . import fused
 
-__all__ = ["MLP", "MLP_KINDS", "make_norm", "dropout"]
+__all__ = ["MLP", "MLP_KINDS", "make_norm", "dropout", "embedding"]
 
 MLP_KINDS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
@@ -22,6 +22,16 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """``F.dropout`` in training with ``p > 0``; otherwise ``x`` itself, without a call
     (decoding runs every layer once per token, where even a no-op call costs)."""
     return F.dropout(x, p) if training and p > 0 else x
+
+
+def embedding(num: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
+    """``nn.Embedding(num, dim, padding_idx)``; built on the meta device (weights to be
+    loaded, see ``io.weights.build_loaded``) it skips the random initialisation, whose
+    ``normal_`` on meta tensors imports torch's Python decompositions: about 70 MB that
+    a process loading a model would otherwise carry for nothing."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, padding_idx=padding_idx, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim, padding_idx=padding_idx)
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
