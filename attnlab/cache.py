@@ -148,6 +148,20 @@ class KVCache:
         self._len = end
         return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
 
+    def reserve(self, t: int) -> int:
+        """Count ``t`` new positions as filled and return where they start; the caller
+        writes ``k[:, :, start:start + t]`` and ``v[...]`` itself (a fused decoding
+        step writes them in place). ValueError, changing nothing, if they do not fit."""
+        start = self._len
+        if not is_int(t) or not 0 <= t <= self.max_seq_len - start:
+            raise ValueError(
+                f"KV cache overflow: asked to reserve {t!r} positions but only "
+                f"{self.max_seq_len - start} of max_seq_len={self.max_seq_len} remain "
+                f"({start} filled); make the cache larger or reset() it"
+            )
+        self._len = start + t
+        return start
+
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(B, Hkv, seq_len, D)`` of the keys and values filled so far."""
         return self.k[:, :, : self._len], self.v[:, :, : self._len]

@@ -373,7 +373,11 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
     )
     # The fused kernels return 0 for a query row holding NaN; eager and tiled return
     # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
-    out = out + q.sum(dim=-1, keepdim=True).mul(0).to(out.dtype)
+    nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
+    if out.requires_grad:
+        out = out + nan_carry.mul(0)
+    else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
+        out.add_(nan_carry, alpha=0)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
     return out

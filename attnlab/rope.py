@@ -103,6 +103,15 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos_signed_sin(self._angles(torch.arange(size, device=device)))
             self._cos, self._sin = cos.float(), sin.float()
 
+    def tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float32 tables ``(P, head_dim)`` of cos and signed sin for positions
+        ``0 .. P-1``, ``P >= length``, on ``device`` (what :meth:`factors` slices); None
+        beyond the cached range (``TABLE_MAX``)."""
+        if length > TABLE_MAX:
+            return None
+        self._ensure(length, device)
+        return self._cos, self._sin
+
     def factors(
         self,
         seq_len: int,

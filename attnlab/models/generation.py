@@ -51,9 +51,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     """Pick the next token ``(batch,)`` from last-position logits ``(batch, vocab)``."""
     # NaN logits (overflowing weights) must not break a stream already printing: they
     # rank lowest, and a row with nothing finite falls back to token 0 via argmax.
+    if temperature == 0:  # the float32 logits decide it: no float64 copy of the vocab
+        return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
     logits = torch.nan_to_num(logits.double(), nan=float("-inf"))
-    if temperature == 0:
-        return logits.argmax(dim=-1)
     # float64: logits / 1e-45 and a top_p of 1e-300 stay finite and non-zero there.
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:

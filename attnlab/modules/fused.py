@@ -45,24 +45,28 @@ def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
 
 def is_packed(linears: Sequence[nn.Linear]) -> bool:
     """Whether the weights (and biases) of ``linears`` are blocks of one tensor as
-    :func:`pack` leaves them. Read from ``_parameters`` directly: this runs for every
-    decoded token, where ``nn.Module.__getattr__`` costs about half a microsecond."""
+    :func:`pack` leaves them. Read from ``_parameters`` directly and with as few tensor
+    calls as tell it: this runs for every decoded token, twice per layer."""
     w0 = linears[0]._parameters["weight"]
     b0 = linears[0]._parameters["bias"]
-    es, total = w0.element_size(), sum(m._parameters["weight"].shape[0] for m in linears)
+    n_in, es, dtype = w0.shape[1], w0.element_size(), w0.dtype
+    total = w0.stride(1)
+    ptr, bptr = w0.data_ptr(), None if b0 is None else b0.data_ptr()
     at = 0
     for m in linears:
         w, b = m._parameters["weight"], m._parameters["bias"]
-        if (w.dtype != w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1]
-                or w.stride() != (1, total) or w.data_ptr() != w0.data_ptr() + at * es):
+        # Adjacent columns of one (in, total) block: same dtype, transposed strides,
+        # each starting where the one before ended (a device change moves them apart).
+        if (w.dtype != dtype or w.shape[1] != n_in or w.stride() != (1, total)
+                or w.data_ptr() != ptr + at * es):
             return False
         if (b is None) != (b0 is None):
             return False
-        if b is not None and (b.dtype != w0.dtype or b.stride() != (1,)
-                              or b.data_ptr() != b0.data_ptr() + at * b.element_size()):
+        if b is not None and (b.dtype != dtype or b.stride() != (1,)
+                              or b.data_ptr() != bptr + at * es):
             return False
         at += w.shape[0]
-    return True
+    return at == total
 
 
 def pack(linears: Sequence[nn.Linear]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _decode
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
@@ -208,16 +209,26 @@ class MultiHeadAttention(nn.Module):
 
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rot = self.rotary
+        if rot is None and positions is not None:
+            raise ValueError("positions is only used with rope=True; this module has rope=False")
+        # (B, T, (H + 2 Hkv) * D) for one row without gradients, else None.
+        qkv = None if kv is not None else fused.joint(
+            x, (self.W_query, self.W_key, self.W_value))
+        if (qkv is not None and cache is not None and mask is None and positions is None
+                and not return_weights and self.qkv_hook is None
+                and self.backend in ("auto", "flash")
+                and not (self.training and self.dropout > 0)):
+            # Decoding one token: RoPE, cache append and attention in one native call.
+            window = None if self.window is None else min(self.window, past + 1)
+            out = _decode.step(qkv, cache, rot, window, heads, kv_heads)
+            if out is not None:
+                return dropout(self.out_proj(out), self.resid_dropout, self.training)
         if rot is not None:
             dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
             cos, sin = rot.factors(t, past if positions is None else positions,
                                    device=x.device, dtype=dtype)  # (T, D) or (B, 1, T, D)
-        elif positions is not None:
-            raise ValueError("positions is only used with rope=True; this module has rope=False")
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
-        qkv = None if kv is not None else fused.joint(
-            x, (self.W_query, self.W_key, self.W_value))
         if qkv is not None:
             # Decoding one sequence (one row, no gradients): one matmul instead of three,
             # and the heads of q|k|v lie side by side, so RoPE rotates q and k at once.
@@ -266,7 +277,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but d_in={self.d_in}"
             )
-        weight = next(self.parameters(), None)
+        # Read directly: this runs for every layer of every decoded token.
+        weight = self.W_query._parameters["weight"]
         if weight is not None and x.dtype != weight.dtype:
             raise TypeError(f"x has dtype {x.dtype} but the module's weights are {weight.dtype}; "
                             f"expected a {weight.dtype} x (or convert the module with .to())")

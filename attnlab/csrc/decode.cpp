@@ -1,0 +1,185 @@
+// The small operations of decoding one sequence, each one call instead of several.
+//
+// decode_step: one decoding step of one attention layer, fused: rotate the new token's query
+// and key (RoPE, half-split), write its key and value into the KV cache, attend
+// from the query to every cached key the window leaves.
+//
+// Decoding one sequence costs a weight read per matrix and, for the rest, the
+// number of small operations per layer: done as PyTorch ops the step above is
+// about fifteen of them (views, roll, two products for RoPE, four cache slices
+// and copies, SDPA, the output reshape), each a dispatch of a few microseconds
+// on 64 numbers per head. Here it is one call.
+//
+// Shapes: qkv (B, 1, (Hq + 2 Hkv) * D), the packed projection of the new token
+// (queries, then keys, then values, head by head); cos and sin the rotary tables
+// (P, D) in rope.py's convention (sin signed: rot(x) = x cos + roll(x, D/2) sin),
+// or undefined for no rotation; k_cache and v_cache (B, Hkv, Lmax, D), contiguous.
+// The new token sits at position `pos` of the cache; it sees keys
+// max(0, pos - window + 1) .. pos (window 0: all of them). Returns (B, 1, Hq * D).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "tile_math.h"
+
+namespace attnlab {
+namespace {
+
+ATTNLAB_CLONES static float dot(const float* a, const float* b, int64_t n) {
+  f8 acc{};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc += load8(a + j) * load8(b + j);
+  float out = sum8(acc);
+  for (; j < n; ++j) out += a[j] * b[j];
+  return out;
+}
+
+// y += a * x
+ATTNLAB_CLONES static void axpy(float* y, const float* x, float a, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+// dst = x * cos + roll(x, n / 2) * sin (sin signed as rope.py keeps it); dst != x.
+static void rotate(float* dst, const float* x, const float* cos, const float* sin, int64_t n) {
+  const int64_t half = n / 2;
+  for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * cos[i] + x[(i + half) % n] * sin[i];
+}
+
+at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_table,
+                       const c10::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
+                       at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
+                       int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat,
+              "attnlab decode_step: CPU float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "attnlab decode_step: contiguous float32 caches of one shape");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), Lmax = k_cache.size(2),
+                D = k_cache.size(3), Hq = num_heads;
+  TORCH_CHECK(Hkv == num_kv_heads && Hkv > 0 && Hq % Hkv == 0 && D > 0,
+              "attnlab decode_step: bad head layout");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 &&
+                  qkv.size(2) == (Hq + 2 * Hkv) * D && qkv.stride(2) == 1,
+              "attnlab decode_step: qkv must be (B, 1, (Hq + 2 Hkv) * D)");
+  TORCH_CHECK(pos >= 0 && pos < Lmax, "attnlab decode_step: position outside the cache");
+  const bool rope = cos_table.has_value() && cos_table->defined();
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  if (rope) {
+    for (const at::Tensor* t : {&*cos_table, &*sin_table}) {
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                      t->size(0) > pos && t->size(1) == D && D % 2 == 0,
+                  "attnlab decode_step: rotary tables (P > pos, D) float32");
+    }
+    cos = cos_table->data_ptr<float>() + pos * D;
+    sin = sin_table->data_ptr<float>() + pos * D;
+  }
+  const int64_t G = Hq / Hkv, row = qkv.stride(0);
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - lo;
+  const float* src = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  // The new key and value go into the cache first: the query attends to itself too.
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* k = src + b * row + (Hq + h) * D;
+      const float* v = src + b * row + (Hq + Hkv + h) * D;
+      float* kd = kc + ((b * Hkv + h) * Lmax + pos) * D;
+      if (rope) {
+        rotate(kd, k, cos, sin, D);
+      } else {
+        std::copy(k, k + D, kd);
+      }
+      std::copy(v, v + D, vc + ((b * Hkv + h) * Lmax + pos) * D);
+    }
+  }
+  at::Tensor out = at::empty({B, 1, Hq * D}, qkv.options());
+  float* o = out.data_ptr<float>();
+  // Small problems stay on one thread: waking the other costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n * D));
+  at::parallel_for(0, B * Hq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(D), s(n);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hq, h = item % Hq, hk = h / G;
+      const float* qs = src + b * row + h * D;
+      if (rope) {
+        rotate(q.data(), qs, cos, sin, D);
+      } else {
+        std::copy(qs, qs + D, q.data());
+      }
+      const float* keys = kc + ((b * Hkv + hk) * Lmax + lo) * D;
+      const float* vals = vc + ((b * Hkv + hk) * Lmax + lo) * D;
+      for (int64_t j = 0; j < n; ++j) s[j] = dot(q.data(), keys + j * D, D) * float(scale);
+      const float sum = exp_shift_sum(s.data(), n, row_max(s.data(), n));
+      float* od = o + b * Hq * D + h * D;
+      std::fill(od, od + D, 0.0f);
+      for (int64_t j = 0; j < n; ++j) axpy(od, vals + j * D, s[j], D);
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < D; ++d) od[d] *= inv;
+    }
+  });
+  return out;
+}
+
+// rms_norm: x * rsqrt(mean(x^2) + eps) * weight over the last dimension, one pass per
+// row. torch's CPU rms_norm is six dispatched operations (square, mean, add,
+// rsqrt, two products); at one row per call that is most of its cost.
+ATTNLAB_CLONES static void rms_norm_row(float* out, const float* x, const float* w, int64_t n,
+                                        float eps) {
+  f8 acc{};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const f8 v = load8(x + j);
+    acc += v * v;
+  }
+  float sq = sum8(acc);
+  for (; j < n; ++j) sq += x[j] * x[j];
+  const float r = 1.0f / std::sqrt(sq / float(n) + eps);
+  if (w == nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r;
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
+              "attnlab rms_norm: CPU float32 only");
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : xc.numel() / n;
+  const float* w = nullptr;
+  if (weight.has_value() && weight->defined()) {
+    TORCH_CHECK(weight->is_contiguous() && weight->scalar_type() == at::kFloat &&
+                    weight->numel() == n,
+                "attnlab rms_norm: weight (n,) float32");
+    w = weight->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(dst + r * n, src + r * n, w, n, float(eps));
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace attnlab
+
+TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
+  m.def(
+      "decode_step(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, int pos, int window, int num_heads, int num_kv_heads, "
+      "float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
+  m.impl("decode_step", &attnlab::decode_step);
+  m.impl("rms_norm", &attnlab::rms_norm);
+}

@@ -1,0 +1,218 @@
+"""The fused one-token decoding step (``_decode``) and the native RMSNorm against the
+PyTorch paths they stand in for: values, the cache they leave, and where they stand aside.
+
+With the kernel switched off (``ATTNLAB_NATIVE=0``) every test here still runs and
+checks the PyTorch path against the same references.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import _decode, _native
+from attnlab.cache import KVCache
+from attnlab.models import GPT, GPTConfig
+from attnlab.modules import MultiHeadAttention
+from attnlab.modules.layers import RMSNorm
+
+needs_native = pytest.mark.skipif(not _native.available(),
+                                  reason=f"native kernel: {_native.unavailable_reason()}")
+
+
+@contextmanager
+def native_off():
+    old = os.environ.get(_native.ENV_SWITCH)
+    os.environ[_native.ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[_native.ENV_SWITCH]
+        else:
+            os.environ[_native.ENV_SWITCH] = old
+
+
+@contextmanager
+def counting_fused_steps():
+    """Count the decoding steps the fused kernel answered."""
+    count, original = [0], _decode.step
+
+    def step(*args, **kwargs):
+        out = original(*args, **kwargs)
+        count[0] += out is not None
+        return out
+    _decode.step = step
+    try:
+        yield count
+    finally:
+        _decode.step = original
+
+
+def _decode_one_by_one(mha, x, prompt_len):
+    """Feed ``x`` (1, T, d) to ``mha`` with a cache: the prompt at once, then one token
+    at a time; returns the outputs of the single-token steps and the cache."""
+    cache = mha.new_cache(1, x.shape[1])
+    outs = []
+    with torch.inference_mode():
+        mha(x[:, :prompt_len], cache=cache)
+        for t in range(prompt_len, x.shape[1]):
+            outs.append(mha(x[:, t:t + 1], cache=cache))
+    return torch.cat(outs, dim=1), cache
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv_heads=st.sampled_from([1, 2, 4]), group=st.integers(1, 3),
+       head_dim=st.sampled_from([2, 8, 14, 64]), rope=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 9)), prompt_len=st.integers(1, 6),
+       steps=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_one_token_steps_equal_the_full_causal_attention(kv_heads, group, head_dim, rope,
+                                                         window, prompt_len, steps, seed):
+    """Decoding token by token through the cache (the fused step where the kernel is
+    built) gives the rows the eager backend computes over the whole sequence."""
+    heads = kv_heads * group
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(16, heads * head_dim, heads, num_kv_heads=kv_heads, causal=True,
+                             rope=rope, window=window, qkv_bias=bool(seed % 2)).eval()
+    x = torch.randn(1, prompt_len + steps, 16)
+    with counting_fused_steps() as fused:
+        got, cache = _decode_one_by_one(mha, x, prompt_len)
+    # (a one-token prompt is a decoding step too)
+    assert fused[0] == ((steps + (prompt_len == 1)) if _native.available() else 0)
+    mha.backend = "eager"
+    with torch.no_grad():
+        want = mha(x)[:, prompt_len:]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    # The cache holds what the PyTorch path would have written: rotated keys, values.
+    mha.backend = "auto"
+    with native_off():
+        _, plain = _decode_one_by_one(mha, x, prompt_len)
+    assert cache.seq_len == plain.seq_len == x.shape[1]
+    torch.testing.assert_close(cache.k, plain.k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.v, plain.v)
+
+
+@needs_native
+def test_a_gpt_decodes_the_same_tokens_and_logits_fused_or_not():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, d_model=48, num_heads=6, num_kv_heads=2,
+                          num_layers=2, positions="rope", norm="rmsnorm", mlp="swiglu",
+                          window=6)).eval()
+    prompt = torch.randint(0, 64, (1, 5))
+    with counting_fused_steps() as fused:
+        tokens = model.generate(prompt, 12, temperature=0)
+    assert fused[0] == 11 * 2  # every step after the prompt, in both layers
+    with native_off():
+        assert torch.equal(model.generate(prompt, 12, temperature=0), tokens)
+
+
+def test_the_fused_step_stands_aside_where_the_pytorch_path_must_run():
+    """Hooks on q/k/v, masks, explicit positions, weights asked for, float64, gradients,
+    a chosen backend: the module runs its PyTorch path (and the hook sees every token)."""
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(8, 8, 2, causal=True, rope=True).eval()
+    x = torch.randn(1, 4, 8)
+    seen = []
+
+    def hook(q, k, v):
+        seen.append(q.shape[2])
+        return q, k, v.mul(0)
+    cases = {
+        "hook": dict(setup=lambda m: setattr(m, "qkv_hook", hook)),
+        "mask": dict(kwargs=dict(mask=torch.ones(1, 4, dtype=torch.bool))),
+        "positions": dict(kwargs=dict(positions=torch.tensor([3]))),
+        "weights": dict(kwargs=dict(return_weights=True)),
+        "backend": dict(setup=lambda m: setattr(m, "backend", "sdpa")),
+    }
+    for name, case in cases.items():
+        m = MultiHeadAttention(8, 8, 2, causal=True, rope=True).eval()
+        m.load_state_dict(mha.state_dict())
+        case.get("setup", lambda m: None)(m)
+        cache = m.new_cache(1, 4)
+        with torch.no_grad(), counting_fused_steps() as fused:
+            m(x[:, :3], cache=cache)
+            kwargs = dict(case.get("kwargs", {}))
+            if "mask" in kwargs:
+                kwargs["mask"] = kwargs["mask"][:, :4]
+            m(x[:, 3:], cache=cache, **kwargs)
+        assert fused[0] == 0, name
+    assert seen == [3, 1]  # the hook saw the prompt and the decoded token
+    m = MultiHeadAttention(8, 8, 2, causal=True, rope=True).double().eval()
+    cache = m.new_cache(1, 4)
+    with torch.no_grad(), counting_fused_steps() as fused:
+        m(x[:, :3].double(), cache=cache)
+        m(x[:, 3:].double(), cache=cache)
+    assert fused[0] == 0
+    cache = mha.new_cache(1, 4)
+    with counting_fused_steps() as fused:  # gradients on: the step must be differentiable
+        mha(x[:, :3], cache=cache)
+        mha(x[:, 3:], cache=cache).sum().backward()
+    assert fused[0] == 0 and mha.W_query.weight.grad is not None
+
+
+@needs_native
+def test_a_nan_query_gives_nan_as_every_backend_does():
+    mha = MultiHeadAttention(4, 4, 1, causal=True).eval()
+    x = torch.randn(1, 3, 4)
+    x[0, 2, 0] = float("nan")
+    got, _ = _decode_one_by_one(mha, x, 2)
+    assert torch.isnan(got).all()
+
+
+def test_a_full_cache_is_refused_and_left_as_it_was():
+    mha = MultiHeadAttention(4, 4, 1, causal=True).eval()
+    cache = mha.new_cache(1, 2)
+    with torch.no_grad():
+        mha(torch.randn(1, 2, 4), cache=cache)
+        before = cache.k.clone()
+        with pytest.raises(ValueError, match="longer than|overflow"):
+            mha(torch.randn(1, 1, 4), cache=cache)
+    assert cache.seq_len == 2 and torch.equal(cache.k, before)
+
+
+def test_reserve_counts_positions_and_refuses_what_does_not_fit():
+    cache = KVCache(1, 4, 1, 2)
+    assert cache.reserve(3) == 0 and cache.seq_len == 3
+    with pytest.raises(ValueError, match="reserve 2 positions but only 1"):
+        cache.reserve(2)
+    assert cache.seq_len == 3 and cache.reserve(1) == 3 and cache.remaining == 0
+
+
+# ------------------------------------------------------------------- RMSNorm
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple),
+       dim=st.sampled_from([1, 7, 8, 64, 576]), eps=st.sampled_from([1e-5, 1e-6, None]),
+       affine=st.booleans(), seed=st.integers(0, 2**16))
+def test_rmsnorm_equals_torch(shape, dim, eps, affine, seed):
+    torch.manual_seed(seed)
+    norm = RMSNorm(dim, eps=eps, elementwise_affine=affine)
+    if affine:
+        torch.nn.init.normal_(norm.weight)
+    x = torch.randn(*shape, dim) * 3
+    with torch.no_grad():
+        got = norm(x)
+    want = F.rms_norm(x, (dim,), norm.weight, eps)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_rmsnorm_trains_and_keeps_torchs_state_dict():
+    norm = RMSNorm(6, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm) and list(norm.state_dict()) == ["weight"]
+    x = torch.randn(3, 6, requires_grad=True)
+    norm(x).square().sum().backward()
+    ref = torch.nn.RMSNorm(6, eps=1e-5)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(norm.weight.grad, ref.weight.grad)
+    with torch.no_grad():
+        nan_row = norm(torch.tensor([[1.0, float("nan"), 2.0, 0, 0, 0]]))
+    assert torch.isnan(nan_row).all()
