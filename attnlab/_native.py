@@ -38,10 +38,14 @@ CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
 _state: dict = {"ops": None, "reason": None, "tried": False}
 
 
+_OFF = ("0", "false", "no", "off")
+
+
 def disabled_reason() -> str | None:
     """Why the kernel is switched off by the environment, or None."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"switched off by {ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+    switch = os.environ.get(ENV_SWITCH)
+    if switch is not None and switch.strip().lower() in _OFF:
+        return f"switched off by {ENV_SWITCH}={switch}"
     return None
 
 
@@ -95,8 +99,12 @@ def load(verbose: bool = False):
     The build is tried once per process; after a failure :func:`unavailable_reason`
     says why and every later call returns None at once.
     """
-    if disabled_reason() is not None:
+    # Asked per layer for every decoded token: the environment is read inline.
+    switch = os.environ.get(ENV_SWITCH)
+    if switch is not None and switch.strip().lower() in _OFF:
         return None
+    if _state["ops"] is not None:
+        return _state["ops"]
     if not _state["tried"]:
         _state["tried"] = True
         try:
@@ -119,6 +127,17 @@ def _write_log(exc: Exception) -> Path | None:
         return path
     except OSError:
         return None
+
+
+def for_inference(*tensors: torch.Tensor | None):
+    """The ops when ``tensors`` (None entries skipped) can take the inference-only
+    kernels: gradients off, float32 on the CPU, the kernel built. Else None."""
+    if torch.is_grad_enabled():
+        return None
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            return None
+    return load()
 
 
 def available() -> bool:

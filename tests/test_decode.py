@@ -216,3 +216,20 @@ def test_rmsnorm_trains_and_keeps_torchs_state_dict():
     with torch.no_grad():
         nan_row = norm(torch.tensor([[1.0, float("nan"), 2.0, 0, 0, 0]]))
     assert torch.isnan(nan_row).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 5), d_model=st.sampled_from([4, 24]), d_ff=st.sampled_from([1, 8, 50]),
+       seed=st.integers(0, 2**16))
+def test_swiglu_mlp_without_gradients_equals_its_training_path(rows, d_model, d_ff, seed):
+    """One row (joint product, native silu * up) and several rows give what the same
+    MLP computes with gradients on, layer by layer."""
+    from attnlab.modules.layers import MLP
+
+    torch.manual_seed(seed)
+    mlp = MLP(d_model, d_ff, "swiglu", bias=bool(seed % 2))
+    for x in (torch.randn(1, 1, d_model) * 3, torch.randn(rows, 2, d_model)):
+        want = mlp.proj(F.silu(mlp.gate(x)) * mlp.fc(x))
+        with torch.no_grad():
+            got = mlp(x)
+        torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=2e-5)

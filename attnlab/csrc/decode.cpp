@@ -99,27 +99,41 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
   }
   at::Tensor out = at::empty({B, 1, Hq * D}, qkv.options());
   float* o = out.data_ptr<float>();
-  // Small problems stay on one thread: waking the other costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n * D));
-  at::parallel_for(0, B * Hq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(D), s(n);
+  // One work item per (sequence, kv head): its G query heads read each cached key
+  // and value row once, while the row is in cache. Small problems stay on one
+  // thread: waking the other costs more than it saves.
+  const int64_t grain = B * Hq * n * D < (int64_t{1} << 17) ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(G * D), s(G * n);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hq, h = item % Hq, hk = h / G;
-      const float* qs = src + b * row + h * D;
-      if (rope) {
-        rotate(q.data(), qs, cos, sin, D);
-      } else {
-        std::copy(qs, qs + D, q.data());
+      const int64_t b = item / Hkv, hk = item % Hkv;
+      for (int64_t g = 0; g < G; ++g) {  // the group's queries, rotated and scaled
+        const float* qs = src + b * row + (hk * G + g) * D;
+        if (rope) {
+          rotate(q.data() + g * D, qs, cos, sin, D);
+        } else {
+          std::copy(qs, qs + D, q.data() + g * D);
+        }
+        for (int64_t d = 0; d < D; ++d) q[g * D + d] *= float(scale);
       }
       const float* keys = kc + ((b * Hkv + hk) * Lmax + lo) * D;
       const float* vals = vc + ((b * Hkv + hk) * Lmax + lo) * D;
-      for (int64_t j = 0; j < n; ++j) s[j] = dot(q.data(), keys + j * D, D) * float(scale);
-      const float sum = exp_shift_sum(s.data(), n, row_max(s.data(), n));
-      float* od = o + b * Hq * D + h * D;
-      std::fill(od, od + D, 0.0f);
-      for (int64_t j = 0; j < n; ++j) axpy(od, vals + j * D, s[j], D);
-      const float inv = 1.0f / sum;
-      for (int64_t d = 0; d < D; ++d) od[d] *= inv;
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(q.data() + g * D, keys + j * D, D);
+      }
+      float* od = o + b * Hq * D + hk * G * D;  // the group's G heads lie side by side
+      std::fill(od, od + G * D, 0.0f);
+      std::vector<float> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * n;
+        inv[g] = 1.0f / exp_shift_sum(sg, n, row_max(sg, n));
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t g = 0; g < G; ++g) axpy(od + g * D, vals + j * D, s[g * n + j], D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t d = 0; d < D; ++d) od[g * D + d] *= inv[g];
+      }
     }
   });
   return out;
@@ -168,6 +182,31 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight
   return out;
 }
 
+// silu_mul: SwiGLU's silu(gate) * up from the joint (..., 2F) product [gate | up] to
+// (..., F): one pass instead of a split, a silu and a product.
+ATTNLAB_CLONES static void silu_mul_row(float* out, const float* gate, const float* up,
+                                        int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "attnlab silu_mul: CPU float32 (..., 2F)");
+  const at::Tensor gu = gate_up.contiguous();
+  const int64_t n = gu.size(-1) / 2, rows = n == 0 ? 0 : gu.numel() / (2 * n);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, gu.options());
+  const float* src = gu.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(dst + r * n, src + r * 2 * n, src + r * 2 * n + n, n);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace attnlab
 
@@ -177,9 +216,11 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
       "Tensor(b!) v_cache, int pos, int window, int num_heads, int num_kv_heads, "
       "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("decode_step", &attnlab::decode_step);
   m.impl("rms_norm", &attnlab::rms_norm);
+  m.impl("silu_mul", &attnlab::silu_mul);
 }

@@ -42,14 +42,10 @@ class RMSNorm(nn.RMSNorm):
     decoding one token at a time pays twice per layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (not torch.is_grad_enabled() and x.dtype == torch.float32
-                and x.device.type == "cpu" and len(self.normalized_shape) == 1
-                and (w is None or (w.dtype == torch.float32 and w.device.type == "cpu"))):
-            ops = _native.load()
-            if ops is not None:
-                eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-                return ops.rms_norm(x, w, eps)
+        ops = _native.for_inference(x, self.weight) if len(self.normalized_shape) == 1 else None
+        if ops is not None:
+            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+            return ops.rms_norm(x, self.weight, eps)
         return super().forward(x)
 
 
@@ -82,7 +78,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate, up = fused.split(x, (self.gate, self.fc))  # one matmul for one row
+            gate_up = fused.joint(x, (self.gate, self.fc))  # one matmul for one row
+            ops = None if gate_up is None else _native.for_inference(gate_up)
+            if ops is not None:  # decoding: silu(gate) * up in one pass
+                return self.proj(ops.silu_mul(gate_up))
+            gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
+                        else (self.gate(x), self.fc(x)))
             return self.proj(F.silu(gate) * up)
         (h,) = fused.split(x, (self.fc,))
         if self.kind == "relu":
