@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]" "torch==2.13.0"
 	$(PY) -m pip install -q --no-deps "llms-from-scratch>=1.0.19"
-	$(PY) -m attnlab._native --build
+	$(PY) -c "import sys; from attnlab._native import main; sys.exit(main(['--build']))"
 	touch $(STAMP)
 
 demo: install

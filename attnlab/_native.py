@@ -1,7 +1,7 @@
 """Build and load the native kernel (``attnlab/csrc``) once, with torch's extension tooling.
 
 The C++ sources ship inside the package. The first use (or ``make install``, which
-runs ``python -m attnlab._native --build``) compiles them with ninja into a
+runs :func:`main`, ``python -m attnlab._native --build``) compiles them with ninja into a
 directory keyed by the sources, the flags, torch's version and Python's, so a
 rebuild happens only when one of them changes:
 
