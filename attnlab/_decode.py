@@ -38,10 +38,8 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
         are not what it takes; the cache is then unchanged and the caller runs the
         PyTorch path.
     """
-    ops = _native.load()
-    if ops is None or qkv.dtype != torch.float32 or qkv.device.type != "cpu" \
-            or cache.k.dtype != torch.float32 or cache.k.device != qkv.device \
-            or cache.remaining < 1:
+    ops = _native.for_inference(qkv, cache.k)
+    if ops is None or cache.remaining < 1:
         return None
     pos = cache.seq_len
     cos = sin = None

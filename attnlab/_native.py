@@ -99,9 +99,7 @@ def load(verbose: bool = False):
     The build is tried once per process; after a failure :func:`unavailable_reason`
     says why and every later call returns None at once.
     """
-    # Asked per layer for every decoded token: the environment is read inline.
-    switch = os.environ.get(ENV_SWITCH)
-    if switch is not None and switch.strip().lower() in _OFF:
+    if disabled_reason() is not None:
         return None
     if _state["ops"] is not None:
         return _state["ops"]

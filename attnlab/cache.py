@@ -134,12 +134,7 @@ class KVCache:
         b, h, t, d = k.shape
         self.check_layout(b, h, d, who="k/v")
         start = self._len
-        if t > self.max_seq_len - start:
-            raise ValueError(
-                f"KV cache overflow: asked to append {t} positions but only "
-                f"{self.max_seq_len - start} of max_seq_len={self.max_seq_len} remain "
-                f"({start} filled); make the cache larger or reset() it"
-            )
+        self._check_room(t, "append")
         end = start + t
         # narrow() rather than [:, :, start:end]: the same views for less per-call work,
         # which counts when decoding one token at a time.
@@ -153,14 +148,18 @@ class KVCache:
         writes ``k[:, :, start:start + t]`` and ``v[...]`` itself (a fused decoding
         step writes them in place). ValueError, changing nothing, if they do not fit."""
         start = self._len
-        if not is_int(t) or not 0 <= t <= self.max_seq_len - start:
-            raise ValueError(
-                f"KV cache overflow: asked to reserve {t!r} positions but only "
-                f"{self.max_seq_len - start} of max_seq_len={self.max_seq_len} remain "
-                f"({start} filled); make the cache larger or reset() it"
-            )
+        self._check_room(t, "reserve")
         self._len = start + t
         return start
+
+    def _check_room(self, t: int, verb: str) -> None:
+        """ValueError unless ``t`` more positions fit (the one overflow rule)."""
+        if not is_int(t) or not 0 <= t <= self.max_seq_len - self._len:
+            raise ValueError(
+                f"KV cache overflow: asked to {verb} {t!r} positions but only "
+                f"{self.max_seq_len - self._len} of max_seq_len={self.max_seq_len} remain "
+                f"({self._len} filled); make the cache larger or reset() it"
+            )
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(B, Hkv, seq_len, D)`` of the keys and values filled so far."""

@@ -114,7 +114,7 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
         } else {
           std::copy(qs, qs + D, q.data() + g * D);
         }
-        for (int64_t d = 0; d < D; ++d) q[g * D + d] *= float(scale);
+        scale_row(q.data() + g * D, D, float(scale));
       }
       const float* keys = kc + ((b * Hkv + hk) * Lmax + lo) * D;
       const float* vals = vc + ((b * Hkv + hk) * Lmax + lo) * D;
@@ -131,9 +131,7 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t g = 0; g < G; ++g) axpy(od + g * D, vals + j * D, s[g * n + j], D);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t d = 0; d < D; ++d) od[g * D + d] *= inv[g];
-      }
+      for (int64_t g = 0; g < G; ++g) scale_row(od + g * D, D, inv[g]);
     }
   });
   return out;

@@ -222,7 +222,7 @@ class MultiHeadAttention(nn.Module):
             window = None if self.window is None else min(self.window, past + 1)
             out = _decode.step(qkv, cache, rot, window, heads, kv_heads)
             if out is not None:
-                return dropout(self.out_proj(out), self.resid_dropout, self.training)
+                return self._project(out)
         if rot is not None:
             dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
             cos, sin = rot.factors(t, past if positions is None else positions,
@@ -264,9 +264,12 @@ class MultiHeadAttention(nn.Module):
         weights = None
         if return_weights is not False and return_weights is not None:
             out, weights = out
-        out = self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
-        out = dropout(out, self.resid_dropout, self.training)
+        out = self._project(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
         return out if weights is None else (out, weights)
+
+    def _project(self, merged: torch.Tensor) -> torch.Tensor:
+        """The heads side by side ``(B, T, d_out)`` -> output projection, dropout."""
+        return dropout(self.out_proj(merged), self.resid_dropout, self.training)
 
     def _check_x(self, x) -> tuple[int, int]:
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
