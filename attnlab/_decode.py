@@ -41,18 +41,18 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
     ops = _native.for_inference(qkv, cache.k)
     if ops is None or cache.remaining < 1:
         return None
-    pos = cache.seq_len
     cos = sin = None
     if rotary is not None:
-        tables = rotary.tables(pos + 1, qkv.device)
+        tables = rotary.tables(cache.seq_len + 1, qkv.device)
         if tables is None:
             return None
         cos, sin = tables
-    head_dim = cache.head_dim
-    cache.reserve(1)
+    pos = cache.reserve(1)
+    # A window wider than the cache rules nothing out; capped, it stays a C long.
+    window = 0 if window is None else min(window, pos + 1)
     try:
-        return ops.decode_step(qkv, cos, sin, cache.k, cache.v, pos, window or 0, num_heads,
-                               num_kv_heads, 1.0 / math.sqrt(head_dim))
+        return ops.decode_step(qkv, cos, sin, cache.k, cache.v, pos, window, num_heads,
+                               num_kv_heads, 1.0 / math.sqrt(cache.head_dim))
     except BaseException:
         cache.crop(pos)
         raise

@@ -91,7 +91,8 @@ class GPTConfig(Config):
         probability("GPTConfig.dropout", self.dropout)
         finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
         finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
-        fits_in_memory(f"a GPT of {self.num_parameters():,} parameters", 4 * self.num_parameters())
+        count = self.num_parameters()
+        fits_in_memory(f"a GPT of {count:,} parameters", 4 * count)
 
     def num_parameters(self) -> int:
         """Parameters a GPT of this config holds (computed, nothing allocated)."""

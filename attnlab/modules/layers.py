@@ -85,7 +85,9 @@ class MLP(nn.Module):
             gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
                         else (self.gate(x), self.fc(x)))
             return self.proj(F.silu(gate) * up)
-        (h,) = fused.split(x, (self.fc,))
+        h = fused.joint(x, (self.fc,))
+        if h is None:
+            h = self.fc(x)
         if self.kind == "relu":
             h = F.relu(h)
         else:

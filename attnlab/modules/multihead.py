@@ -219,8 +219,7 @@ class MultiHeadAttention(nn.Module):
                 and self.backend in ("auto", "flash")
                 and not (self.training and self.dropout > 0)):
             # Decoding one token: RoPE, cache append and attention in one native call.
-            window = None if self.window is None else min(self.window, past + 1)
-            out = _decode.step(qkv, cache, rot, window, heads, kv_heads)
+            out = _decode.step(qkv, cache, rot, self.window, heads, kv_heads)
             if out is not None:
                 return self._project(out)
         if rot is not None:
