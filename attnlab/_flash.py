@@ -29,6 +29,21 @@ def unavailable(q: torch.Tensor) -> str | None:
     return _native.unavailable_reason()
 
 
+def tile_kernel() -> bool:
+    """Whether the kernel multiplies float32 tiles with its AVX-512 routine (the CPU has
+    it) rather than the BLAS torch links. False where the kernel is not available."""
+    global _tiles
+    ops = _native.load()
+    if ops is None:
+        return False
+    if _tiles is None:  # a property of the CPU: asked once
+        _tiles = bool(ops.tile_kernel_active())
+    return _tiles
+
+
+_tiles: bool | None = None
+
+
 def _blocks(q_len: int, k_len: int, causal: bool, window: int,
             backward: bool = False) -> tuple[int, int]:
     """Tile shape (query rows, keys): large enough to amortise the BLAS packing of each

@@ -129,7 +129,8 @@ def measure(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
         return float(F.cross_entropy(logits[real], ids[:, 1:][real]))
     now = pooled(model, ids, mask)
     intact = now if intact is None else intact
-    return float(1 - F.cosine_similarity(now, intact, dim=-1).mean())
+    # float64: in float32, 1 - cos(x, x) comes out near +-1e-7, not the baseline's 0.
+    return float(1 - F.cosine_similarity(now.double(), intact.double(), dim=-1).mean())
 
 
 @torch.no_grad()

@@ -10,11 +10,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnlab
 from attnlab import _flash, _native
+from attnlab import reference as ref
 from attnlab.functional import _choose
 
 needs_native = pytest.mark.skipif(not _native.available(),
@@ -71,11 +75,19 @@ def test_build_step_never_fails(monkeypatch, capsys):
 
 
 @needs_native
-def test_auto_picks_flash_where_a_rule_leaves_work_to_skip():
+def test_auto_picks_flash_where_a_rule_leaves_work_to_skip(monkeypatch):
     q, k, _ = _qkv(1, 2, 256, 8)
     assert _choose(q, k, None, None, None, causal=True) == "flash"
     assert _choose(q, k, None, 64, None) == "flash"
-    assert _choose(q, k, None, None, None) == "sdpa"  # dense rows: SDPA matches it
+    # Dense rows: flash with the AVX-512 tile products (faster than SDPA there), SDPA
+    # with BLAS tiles (which only match it).
+    for tiles, dense in ((True, "flash"), (False, "sdpa")):
+        monkeypatch.setattr(_flash, "_tiles", tiles)
+        assert _choose(q, k, None, None, None) == dense
+        assert _choose(q[:, :, :63], k, None, None, None) == "sdpa"  # too short to pay
+        assert _choose(q, k, None, None, None, causal=True) == "flash"
+    monkeypatch.setattr(_flash, "_tiles", None)
+    assert _flash.tile_kernel() == _native.load().tile_kernel_active()
     assert _choose(q[:, :, :1], k, None, None, None, causal=True) == "sdpa"  # decoding
     assert _choose(q.double(), k.double(), None, None, None, causal=True) == "sdpa"
     meta = torch.zeros(1, 2, 256, 8, device="meta")  # stands in for CUDA: never the CPU kernel
@@ -110,21 +122,32 @@ def test_backward_is_bitwise_reproducible():
 
 
 @needs_native
-def test_aten_gemm_fallback_gives_the_same_numbers():
-    """Where torch exposes no BLAS symbol, the tile products go through ATen."""
-    q, k, v = _qkv(1, 2, 150, 8, grad=True)
+@pytest.mark.parametrize("path", ["auto", "blas", "aten"])
+@pytest.mark.parametrize("head_dim", [8, 64, 80])
+def test_every_tile_product_path_gives_the_same_numbers(path, head_dim):
+    """The tile products run through the AVX-512 tile kernel where the CPU has it
+    ("auto"), the BLAS torch links, or ATen where torch exposes no BLAS symbol: each
+    gives the eager path's values and gradients (head_dim 80: a masked last vector)."""
+    q, k, v = _qkv(1, 2, 150, head_dim, kv_heads=1, grad=True)
     ops = _native.load()
-    ops.set_aten_gemm(True)
+    before = ops.set_gemm_path(path)
     try:
-        out = attnlab.attention(q, k, v, causal=True, backend="flash")
+        out = attnlab.attention(q, k, v, causal=True, window=100, backend="flash")
         got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     finally:
-        ops.set_aten_gemm(False)
-    ref = attnlab.attention(q, k, v, causal=True, backend="eager")
+        ops.set_gemm_path(before)
+    ref = attnlab.attention(q, k, v, causal=True, window=100, backend="eager")
     want = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_gemm_path_names_are_checked():
+    with pytest.raises(RuntimeError, match="auto, blas or aten"):
+        _native.load().set_gemm_path("fast")
+    assert _native.load().set_gemm_path("auto") == "auto"
 
 
 @needs_native
@@ -152,3 +175,55 @@ def test_backward_tiles_differently_from_the_forward_and_agrees():
                                              generator=torch.Generator().manual_seed(4)))
     for got, want in zip(grads["flash"], grads["eager"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@st.composite
+def full_size_problems(draw):
+    """Problems at the kernel's own tile sizes: head dims that fill the tile products'
+    16-float vectors or leave a masked last one, lengths that cross the 64-key panels
+    of packed K^T, windows that start tiles off a panel, GQA, every mask kind."""
+    kv_heads = draw(st.integers(1, 2))
+    return dict(
+        batch=draw(st.integers(1, 2)), kv_heads=kv_heads,
+        q_heads=kv_heads * draw(st.sampled_from([1, 3])),
+        q_len=draw(st.sampled_from([1, 63, 64, 65, 130, 300])),
+        k_len=draw(st.sampled_from([1, 64, 65, 200, 300])),
+        head_dim=draw(st.sampled_from([16, 24, 64, 80, 128])),
+        v_dim=draw(st.sampled_from([None, 40])),
+        causal=draw(st.booleans()), window=draw(st.sampled_from([None, 1, 37, 100])),
+        mask=draw(st.sampled_from(["none", "padding", "float"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(p=full_size_problems())
+def test_full_size_tiles_match_the_reference_and_eager_gradients(p):
+    g = torch.Generator().manual_seed(p["seed"])
+    b, hq, hkv, lq, lk, d = (p[n] for n in ("batch", "q_heads", "kv_heads", "q_len", "k_len",
+                                             "head_dim"))
+    q = torch.randn(b, hq, lq, d, generator=g)
+    k = torch.randn(b, hkv, lk, d, generator=g)
+    v = torch.randn(b, hkv, lk, p["v_dim"] or d, generator=g)
+    mask = None
+    if p["mask"] == "padding":
+        mask = attnlab.masks.padding(torch.randint(0, lk + 1, (b,), generator=g), lk)
+    elif p["mask"] == "float":
+        mask = torch.randn(b, 1, lq, lk, generator=g)
+        mask[torch.rand(mask.shape, generator=g) > 0.8] = float("-inf")
+    kw = dict(mask=mask, causal=p["causal"], window=p["window"])
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnlab.attention(*ins, backend="flash", **kw)
+    m = None if mask is None else mask.double().numpy() if mask.is_floating_point() else (
+        mask.numpy())
+    want = ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), m,
+                         causal=p["causal"], window=p["window"])
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=2e-5, rtol=1e-4)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, ins, grad)
+    ins64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = attnlab.attention(*ins64, backend="eager", **dict(
+        kw, mask=None if mask is None else mask if mask.dtype == torch.bool else mask.double()))
+    for a, e in zip(got, torch.autograd.grad(out64, ins64, grad.double())):
+        torch.testing.assert_close(a.double(), e, atol=1e-4, rtol=1e-4)

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -38,10 +39,11 @@ struct ForwardScratch {
       : s(P.bq * P.bk), m(P.bq), l(P.bq), lo(P.bq), hi(P.bq) {}
 };
 
+// `kt` is K^T packed for the tile kernel (all kv heads, pack_keys) or null.
 template <typename T>
 void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, const Rows& kr,
-                   const T* v, const Rows& vr, T* out, T* lse, int64_t b, int64_t h,
-                   int64_t qs, ForwardScratch<T>& w) {
+                   const T* kt, const T* v, const Rows& vr, T* out, T* lse, int64_t b,
+                   int64_t h, int64_t qs, ForwardScratch<T>& w) {
   constexpr T NEG = -std::numeric_limits<T>::infinity();
   const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs, hk = h / P.G;
   T* o = out + ((b * P.Hq + h) * P.Lq + qs) * P.Dv;  // the accumulator, (nr, Dv)
@@ -55,11 +57,16 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
     P.keys_of_row(qs + r, w.lo[r], w.hi[r]);
   }
   const T* qb = q + qr.at(b, h, qs);
-  for (int64_t ks = lo; ks < hi; ks += P.bk) {
+  const int64_t panels = (P.Lk + PANEL - 1) / PANEL;
+  const RightT<T> keys{k + kr.at(b, hk, 0), kr.sl, P.D,
+                       kt == nullptr ? nullptr : kt + (b * P.Hkv + hk) * panels * P.D * PANEL};
+  // Packed tiles start on a panel: the few columns before `lo` are left out by every
+  // row's [a, e) below, and each tile product is then whole panels.
+  const int64_t start = kt != nullptr && P.bk % PANEL == 0 ? lo - lo % PANEL : lo;
+  for (int64_t ks = start; ks < hi; ks += P.bk) {
     const int64_t nc = std::min(ks + P.bk, hi) - ks;
     T* S = w.s.data();
-    gemm_rm<T>(false, true, nr, nc, P.D, T(P.scale), qb, qr.sl, k + kr.at(b, hk, ks), kr.sl,
-               T(0), S, nc);
+    times_transposed<T>(nr, ks, nc, T(P.scale), qb, qr.sl, keys, S, nc);
     for (int64_t r = 0; r < nr; ++r) {
       T* row = S + r * nc;
       const int64_t a = std::clamp<int64_t>(w.lo[r] - ks, 0, nc);
@@ -79,8 +86,8 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
       w.m[r] = m_new;
       if (P.dropout_p > 0) apply_dropout(P, b, h, qs + r, ks + a, row + a, e - a);
     }
-    gemm_rm<T>(false, false, nr, P.Dv, nc, T(1), S, nc, v + vr.at(b, hk, ks), vr.sl, T(1), o,
-               P.Dv);
+    product<T>(kt != nullptr, false, nr, P.Dv, nc, T(1), S, nc, v + vr.at(b, hk, ks), vr.sl,
+               true, o, P.Dv);
   }
   for (int64_t r = 0; r < nr; ++r) {
     if (w.l[r] == T(0)) {  // a row with nothing to attend: zeros, and lse = +inf
@@ -91,6 +98,23 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
       L[r] = w.m[r] + std::log(w.l[r]);
     }
   }
+}
+
+// K^T of every (batch, kv head) in the tile kernel's panels, packed once: each key
+// tile is then read by every query block of the G heads that share it. As much memory
+// as K (rounded up to whole panels).
+template <typename T>
+std::vector<T> pack_keys(const Problem& P, const T* k, const Rows& kr) {
+  const int64_t panels = (P.Lk + PANEL - 1) / PANEL, per_panel = P.D * PANEL;
+  std::vector<T> kt(P.B * P.Hkv * panels * per_panel);
+  at::parallel_for(0, P.B * P.Hkv * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / panels, j0 = (item % panels) * PANEL;
+      pack_transposed(k + kr.at(bh / P.Hkv, bh % P.Hkv, j0), kr.sl,
+                      std::min(PANEL, P.Lk - j0), P.D, kt.data() + item * per_panel);
+    }
+  });
+  return kt;
 }
 
 template <typename T>
@@ -107,13 +131,14 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   const Rows qr(q), kr(k), vr(v);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   T *op = out.data_ptr<T>(), *lp = lse.data_ptr<T>();
+  const std::vector<T> kt = use_tile_kernel<T>() ? pack_keys<T>(P, kp, kr) : std::vector<T>();
   const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
   std::vector<std::unique_ptr<ForwardScratch<T>>> scratch(workers);
   run_items(longest_first(cost), workers, [&](int64_t worker, int64_t item) {
     if (!scratch[worker]) scratch[worker] = std::make_unique<ForwardScratch<T>>(P);
     const int64_t bh = item / nqb;
-    forward_block<T>(P, qp, qr, kp, kr, vp, vr, op, lp, bh / P.Hq, bh % P.Hq,
-                     (item % nqb) * P.bq, *scratch[worker]);
+    forward_block<T>(P, qp, qr, kp, kr, kt.empty() ? nullptr : kt.data(), vp, vr, op, lp,
+                     bh / P.Hq, bh % P.Hq, (item % nqb) * P.bq, *scratch[worker]);
   });
 }
 
@@ -121,9 +146,11 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
 
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> p, dp, kept;
-  explicit BackwardScratch(const Problem& P)
-      : p(P.bq * P.bk), dp(P.bq * P.bk), kept(P.dropout_p > 0 ? P.bq * P.bk : 0) {}
+  std::vector<T> p, dp, kept, kt, vt;  // kt, vt: the key block's K^T, V^T for the tile kernel
+  BackwardScratch(const Problem& P, bool tiles)
+      : p(P.bq * P.bk), dp(P.bq * P.bk), kept(P.dropout_p > 0 ? P.bq * P.bk : 0),
+        kt(tiles ? (P.bk + PANEL - 1) / PANEL * PANEL * P.D : 0),
+        vt(tiles ? (P.bk + PANEL - 1) / PANEL * PANEL * P.Dv : 0) {}
 };
 
 struct BackwardArgs {
@@ -141,6 +168,13 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
   T* dkb = static_cast<T*>(A.dk) + ((b * P.Hkv + hk) * P.Lk + ks) * P.D;
   T* dvb = static_cast<T*>(A.dv) + ((b * P.Hkv + hk) * P.Lk + ks) * P.Dv;
   const T scale = T(P.scale);
+  const bool tiles = !w.kt.empty();
+  if (tiles) {  // packed once, read by every query block of the G heads
+    pack_transposed(kb, A.kr.sl, nc, P.D, w.kt.data());
+    pack_transposed(vb, A.vr.sl, nc, P.Dv, w.vt.data());
+  }
+  const RightT<T> keys{kb, A.kr.sl, P.D, tiles ? w.kt.data() : nullptr};
+  const RightT<T> values{vb, A.vr.sl, P.Dv, tiles ? w.vt.data() : nullptr};
   for (int64_t h = hk * P.G; h < (hk + 1) * P.G; ++h) {
     const T* lse = static_cast<const T*>(A.lse) + (b * P.Hq + h) * P.Lq;
     const T* delta = static_cast<const T*>(A.delta) + (b * P.Hq + h) * P.Lq;
@@ -152,7 +186,7 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
       const T* qb = static_cast<const T*>(A.q) + A.qr.at(b, h, qs);
       const T* dob = static_cast<const T*>(A.dout) + A.dr.at(b, h, qs);
       T *S = w.p.data(), *dP = w.dp.data();
-      gemm_rm<T>(false, true, nr, nc, P.D, scale, qb, A.qr.sl, kb, A.kr.sl, T(0), S, nc);
+      times_transposed<T>(nr, 0, nc, scale, qb, A.qr.sl, keys, S, nc);
       bool any = false;
       for (int64_t r = 0; r < nr; ++r) {
         T* row = S + r * nc;
@@ -170,7 +204,7 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
         exp_shift_sum(row + a, e - a, lse[qs + r]);
       }
       if (!any) continue;
-      gemm_rm<T>(false, true, nr, nc, P.Dv, T(1), dob, A.dr.sl, vb, A.vr.sl, T(0), dP, nc);
+      times_transposed<T>(nr, 0, nc, T(1), dob, A.dr.sl, values, dP, nc);
       const T* used = S;  // the weights the forward multiplied V by
       if (P.dropout_p > 0) {
         std::copy(S, S + nr * nc, w.kept.data());
@@ -180,10 +214,10 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
         }
         used = w.kept.data();
       }
-      gemm_rm<T>(true, false, nc, P.Dv, nr, T(1), used, nc, dob, A.dr.sl, T(1), dvb, P.Dv);
+      product<T>(tiles, true, nc, P.Dv, nr, T(1), used, nc, dob, A.dr.sl, true, dvb, P.Dv);
       for (int64_t r = 0; r < nr; ++r) softmax_grad_row(S + r * nc, dP + r * nc, nc, delta[qs + r]);
-      gemm_rm<T>(true, false, nc, P.D, nr, scale, S, nc, qb, A.qr.sl, T(1), dkb, P.D);
-      gemm_rm<T>(false, false, nr, P.D, nc, scale, S, nc, kb, A.kr.sl, T(1),
+      product<T>(tiles, true, nc, P.D, nr, scale, S, nc, qb, A.qr.sl, true, dkb, P.D);
+      product<T>(tiles, false, nr, P.D, nc, scale, S, nc, kb, A.kr.sl, true,
                  dq + ((b * P.Hq + h) * P.Lq + qs) * P.D, P.D);
     }
   }
@@ -209,7 +243,8 @@ void backward_impl(const Problem& P, const BackwardArgs& A, Tensor& dq_parts) {
   const int64_t part = P.B * P.Hq * P.Lq * P.D;
   std::vector<std::unique_ptr<BackwardScratch<T>>> scratch(workers);
   run_items_fixed(cost, workers, [&](int64_t worker, int64_t item) {
-    if (!scratch[worker]) scratch[worker] = std::make_unique<BackwardScratch<T>>(P);
+    if (!scratch[worker])
+      scratch[worker] = std::make_unique<BackwardScratch<T>>(P, use_tile_kernel<T>());
     const int64_t bh = item / nkb;
     backward_block<T>(P, A, bh / P.Hkv, bh % P.Hkv, (item % nkb) * P.bk, dq + worker * part,
                       *scratch[worker]);
@@ -288,7 +323,19 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(
   return {dq, dk, dv};
 }
 
-void set_aten_gemm(bool on) { use_aten_gemm() = on; }
+// The tile products' routine, for tests: "auto", "blas" or "aten"; returns the one before.
+std::string set_gemm_path(const std::string& path) {
+  static const char* names[] = {"auto", "blas", "aten"};
+  const std::string before = names[static_cast<int>(gemm_path())];
+  for (int i = 0; i < 3; ++i)
+    if (path == names[i]) gemm_path() = static_cast<GemmPath>(i);
+  TORCH_CHECK(path == names[static_cast<int>(gemm_path())],
+              "attnlab set_gemm_path: auto, blas or aten, got ", path);
+  return before;
+}
+
+// Whether float tiles go through the AVX-512 tile kernel (tile_gemm.h) now.
+bool tile_kernel_active() { return use_tile_kernel<float>(); }
 
 }  // namespace
 }  // namespace attnlab
@@ -301,7 +348,8 @@ TORCH_LIBRARY(attnlab_native, m) {
       "flash_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
       "Tensor grad_out, bool causal, int window, float scale, float dropout_p, int seed, "
       "int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
-  m.def("set_aten_gemm(bool on) -> ()", &attnlab::set_aten_gemm);
+  m.def("set_gemm_path(str path) -> str", &attnlab::set_gemm_path);
+  m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

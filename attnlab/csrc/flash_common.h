@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "tile_gemm.h"
 #include "tile_math.h"
 
 namespace attnlab {
@@ -99,6 +100,54 @@ template <typename T>
 void zero_outside(T* row, int64_t a, int64_t e, int64_t n) {
   std::fill(row, row + a, T(0));
   std::fill(row + e, row + n, T(0));
+}
+
+// Whether float tiles go through tile_gemm (else gemm_rm: BLAS or ATen).
+template <typename T>
+bool use_tile_kernel() {
+  return std::is_same_v<T, float> && gemm_path() == GemmPath::Auto && tile_gemm_supported();
+}
+
+// C (m x n) = alpha op(A) B (+ C when add); op(A) = A^T when ta (A then stored k x m),
+// B's rows contiguous with leading dimension ldb.
+template <typename T>
+void product(bool tiles, bool ta, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+             int64_t lda, const T* b, int64_t ldb, bool add, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (tiles) {
+      tile_gemm(m, n, k, alpha, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, add, c, ldc);
+      return;
+    }
+  }
+  gemm_rm<T>(ta, false, m, n, k, alpha, a, lda, b, ldb, add ? T(1) : T(0), c, ldc);
+}
+
+// X^T as the right operand of a product, X a row-major (rows x cols) operand (keys or
+// values) with row stride ld: `packed` holds it as pack_transposed leaves it for the
+// tile kernel, or is null and BLAS reads X in place.
+template <typename T>
+struct RightT {
+  const T* x;
+  int64_t ld, cols;
+  const T* packed;
+};
+
+// C (m x n) = alpha * A X[j0 : j0 + n]^T, A (m x cols) row-major with leading dim lda.
+template <typename T>
+void times_transposed(int64_t m, int64_t j0, int64_t n, T alpha, const T* a, int64_t lda,
+                      const RightT<T>& x, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (x.packed != nullptr) {  // one call per panel the columns touch
+      for (int64_t j = j0; j < j0 + n;) {
+        const int64_t off = j % PANEL, w = std::min(PANEL - off, j0 + n - j);
+        tile_gemm(m, w, x.cols, alpha, a, lda, 1, x.packed + (j / PANEL) * x.cols * PANEL + off,
+                  PANEL, false, c + (j - j0), ldc);
+        j += w;
+      }
+      return;
+    }
+  }
+  gemm_rm<T>(false, true, m, n, x.cols, alpha, a, lda, x.x + j0 * x.ld, x.ld, T(0), c, ldc);
 }
 
 // Run `work(worker, item)` over items in the given order, pulled by workers from a

@@ -163,9 +163,13 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 
 namespace attnlab {
 
-inline bool& use_aten_gemm() {  // a switch for tests of the fallback
-  static bool flag = false;
-  return flag;
+// Which routine multiplies the tiles; tests switch it to check each one. Auto: the
+// AVX-512 kernel of tile_gemm.h for float where the CPU has it (flash_common.h),
+// else the BLAS torch links; Blas: always that BLAS; Aten: ATen's addmm.
+enum class GemmPath : int { Auto = 0, Blas = 1, Aten = 2 };
+inline GemmPath& gemm_path() {
+  static GemmPath path = GemmPath::Auto;
+  return path;
 }
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(X) = X^T when tX.
@@ -178,12 +182,12 @@ void gemm_rm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T
   const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k);
   const int LA = static_cast<int>(lda), LB = static_cast<int>(ldb), LC = static_cast<int>(ldc);
   if constexpr (std::is_same_v<T, float>) {
-    if (sgemm_ != nullptr && !use_aten_gemm()) {
+    if (sgemm_ != nullptr && gemm_path() != GemmPath::Aten) {
       sgemm_(&cb, &ca, &N, &M, &K, &alpha, b, &LB, a, &LA, &beta, c, &LC);
       return;
     }
   } else {
-    if (dgemm_ != nullptr && !use_aten_gemm()) {
+    if (dgemm_ != nullptr && gemm_path() != GemmPath::Aten) {
       dgemm_(&cb, &ca, &N, &M, &K, &alpha, b, &LB, a, &LA, &beta, c, &LC);
       return;
     }

@@ -1,0 +1,169 @@
+// The float tile products of the flash kernel on CPUs with AVX-512.
+//
+// Why our own: the BLAS torch links (MKL) takes its AVX2 path on non-Intel CPUs,
+// about 100 GFLOP/s a core on the Zen 5 this was tuned on, where 512-bit FMAs
+// peak near 240. torch's own CPU attention multiplies its tiles through that same
+// BLAS. The tiles are small (k = head_dim or a tile's rows), so a register-blocked
+// kernel with no packing of A needs none of BLAS's machinery.
+//
+// One routine: C (m x n) = alpha * A (m x k) B (k x n) [+ C], where
+//   - A is read element by element, A(i, p) = a[i * a_rs + p * a_cs], so A or A^T
+//     of a row-major tile is the same call;
+//   - B's row p is contiguous: b + p * ldb, n floats (a K^T or V^T operand is packed
+//     into that form first, see pack_transposed);
+//   - C is row-major with leading dimension ldc.
+// The block of MR rows x NV vectors of 16 columns stays in registers over the whole
+// k loop; the last vector of a row is masked, so any n works.
+//
+// Compiled only for GCC on x86-64 (the target pragma below); callers check
+// tile_gemm_supported() at run time and otherwise use BLAS.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ATTNLAB_TILE_GEMM 1
+#include <immintrin.h>
+
+namespace attnlab {
+
+inline bool tile_gemm_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+// Width of a packed panel: keys per row of a packed K^T (or V^T) panel.
+constexpr int64_t PANEL = 64;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,fma")
+
+namespace tile {
+
+template <int MR, int NV>
+__attribute__((always_inline)) inline void block(int64_t k, const float* a, int64_t a_rs,
+                                                 int64_t a_cs, const float* b, int64_t ldb,
+                                                 __mmask16 last, float alpha, bool add,
+                                                 float* c, int64_t ldc) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const float* bp = b + p * ldb;
+    const float* ap = a + p * a_cs;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV - 1; ++j) bv[j] = _mm512_loadu_ps(bp + 16 * j);
+    bv[NV - 1] = _mm512_maskz_loadu_ps(last, bp + 16 * (NV - 1));
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(ap[i * a_rs]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(ai, bv[j], acc[i][j]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha);
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 m = j == NV - 1 ? last : __mmask16(0xFFFF);
+      float* cp = c + i * ldc + 16 * j;
+      const __m512 r = add ? _mm512_fmadd_ps(acc[i][j], va, _mm512_maskz_loadu_ps(m, cp))
+                           : _mm512_mul_ps(acc[i][j], va);
+      _mm512_mask_storeu_ps(cp, m, r);
+    }
+  }
+}
+
+// Rows rows (< MR) at the bottom of a panel: the same block, fewer registers.
+template <int MR, int NV>
+inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                 const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
+                 float* c, int64_t ldc) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc);
+    } else {
+      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc);
+    }
+  }
+}
+
+// All rows of one panel of NV vectors: MR x NV accumulators plus NV B vectors and
+// one broadcast fit the 32 registers (6 x 4, 8 x 3, 12 x 2, 12 x 1).
+template <int NV>
+inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                  const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
+                  float* c, int64_t ldc) {
+  constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : 12;
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    block<MR, NV>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc);
+  if (i < m)
+    tail<MR - 1, NV>(static_cast<int>(m - i), k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha,
+                     add, c + i * ldc, ldc);
+}
+
+}  // namespace tile
+
+// C = alpha * A B (+ C when add), the layout of the file comment.
+__attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha,
+                                                const float* a, int64_t a_rs, int64_t a_cs,
+                                                const float* b, int64_t ldb, bool add, float* c,
+                                                int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {  // an empty sum: C = 0 (or unchanged)
+    if (!add)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = 0.0f;
+    return;
+  }
+  for (int64_t j = 0; j < n; j += 64) {
+    const int64_t w = n - j < 64 ? n - j : 64;
+    const int nv = static_cast<int>((w + 15) / 16);
+    const __mmask16 last = static_cast<__mmask16>((1u << (w - 16 * (nv - 1))) - 1u);
+    const float* bj = b + j;
+    float* cj = c + j;
+    switch (nv) {
+      case 4: tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
+      case 3: tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
+      case 2: tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
+      default: tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace attnlab
+
+#else
+namespace attnlab {
+inline bool tile_gemm_supported() { return false; }
+constexpr int64_t PANEL = 64;
+inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t,
+                      const float*, int64_t, bool, float*, int64_t) {}
+}  // namespace attnlab
+#endif
+
+namespace attnlab {
+
+// dst (cols x PANEL panels) = src^T for rows [0, n) of a row-major (n x cols) block
+// with row stride ld: panel c holds rows 64c..64c+63 as a (cols x PANEL) row-major
+// matrix, so B = src^T restricted to those rows is read with ldb = PANEL.
+template <typename T>
+void pack_transposed(const T* src, int64_t ld, int64_t n, int64_t cols, T* dst) {
+  for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
+    const int64_t w = n - j0 < PANEL ? n - j0 : PANEL;
+    T* panel = dst + (j0 / PANEL) * cols * PANEL;
+    for (int64_t jj = 0; jj < w; ++jj) {
+      const T* row = src + (j0 + jj) * ld;
+      for (int64_t d = 0; d < cols; ++d) panel[d * PANEL + jj] = row[d];
+    }
+  }
+}
+
+}  // namespace attnlab
