@@ -8,8 +8,9 @@ factory is used in this process for timing and in a fresh subprocess for memory,
 so both measure the same thing.
 
 Timing: every implementation of a case is warmed up, then the implementations
-take turns (round-robin, ``repeats`` rounds) so that a noisy neighbour slows all
-of them alike; we report the median and the ratio of medians to each peer.
+take turns (``repeats`` rounds, each in its own order, seeded by the case's name)
+so that a noisy neighbour, or the one before, slows all of them alike; we report
+the median and the ratio of medians to each peer.
 
 Memory: a fresh ``python -m attnlab.bench.memprobe`` per (case, implementation)
 builds the step and runs it once; ``peak_mb`` is its RSS high-water mark
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -92,9 +94,15 @@ def time_case(case: Case, warmup: int = 1) -> dict[str, dict]:
             steps.pop(impl.name, None)
             results[impl.name] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    order = random.Random(f"{case.suite}/{case.name}")  # the same orders on every run
     for _ in range(case.repeats):
-        for name, step in steps.items():
-            times[name].append(_time_once(step))
+        # A new order every round: no implementation always runs right after the same
+        # one (measured: the step after the textbook path or the tiled one, which free
+        # large score buffers, ran 10-25% slower on a 2 ms attention).
+        order.shuffle(names)
+        for name in names:
+            times[name].append(_time_once(steps[name]))
     for name, ts in times.items():
         results[name] = {"median_ms": statistics.median(ts), "times_ms": ts}
     steps.clear()
