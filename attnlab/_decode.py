@@ -1,24 +1,83 @@
-"""One decoding step of one attention layer in one native call (``csrc/decode.cpp``).
+"""Decoding one token in as few native calls as possible (``csrc/decode.cpp``).
 
 Decoding a single sequence reads every weight once per token; what is left is the
-count of small operations per layer. Between the q|k|v product and the output
-projection, :class:`~attnlab.modules.MultiHeadAttention` does about fifteen (split
-heads, RoPE, cache append, attention, merge heads), each a few microseconds of
-dispatch for 64 numbers per head. :func:`step` does them as one: the same math as
-``rope.RotaryEmbedding.rotate``, ``KVCache.update`` and :func:`attnlab.attention`
-(causal, end-aligned, sliding window), which stay the statement of it and the path
-for everything else (gradients, masks, hooks, weights, other dtypes and devices).
+count of small operations per layer, each a few microseconds of dispatch for a
+handful of numbers. Two fused steps, each standing aside (returning None, nothing
+changed) where it cannot take the inputs, so that the modules run instead:
+
+- :func:`step`, the attention of one layer: RoPE, cache append and attention over the
+  cache in one call, between :class:`~attnlab.modules.MultiHeadAttention`'s q|k|v
+  product and its output projection (about fifteen PyTorch ops otherwise);
+- :func:`layers`, a run of whole pre-norm decoder layers for one row: norms,
+  streamed products (the residuals folded into them), the step above and the MLP,
+  layer after layer, in one call (about forty Python-level calls a layer through
+  the modules).
+
+The math is that of ``rope.RotaryEmbedding.rotate``, ``KVCache.update``,
+:func:`attnlab.attention` (causal, end-aligned, sliding window) and the modules,
+which stay the statement of it and the path for everything else (gradients, masks,
+hooks, weights, other dtypes and devices).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from . import _native
 from .cache import KVCache
 from .rope import RotaryEmbedding
+
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
+
+
+class Layer(NamedTuple):
+    """One pre-norm decoder layer as :func:`layers` takes it.
+
+    ``params``: the layer's 18 tensors in the order of ``decode_layers`` in
+    ``csrc/decode.cpp``, weight then bias of: norm1, norm2, W_query, W_key, W_value,
+    out_proj, the MLP's gate (SwiGLU only), fc and proj; None where the layer has
+    none. Q/K/V and gate/fc must be packed groups (``modules.fused.pack``): the kernel
+    checks that they still lie side by side and multiplies each group at once.
+    ``norm`` is one of :data:`NORMS`, ``mlp`` one of :data:`MLPS`.
+    """
+
+    params: Sequence[torch.Tensor | None]
+    rotary: RotaryEmbedding | None
+    window: int | None
+    num_heads: int
+    num_kv_heads: int
+    norm: str
+    eps: float
+    mlp: str
+
+
+def _reserved(caches: Sequence[KVCache], call):
+    """Count one new position in each cache and run ``call(positions)``; every cache
+    gets its position back when the call raises or declines with None."""
+    positions = [cache.reserve(1) for cache in caches]
+    try:
+        out = call(positions)
+    except BaseException:
+        for cache, pos in zip(caches, positions):
+            cache.crop(pos)
+        raise
+    if out is None:
+        for cache, pos in zip(caches, positions):
+            cache.crop(pos)
+    return out
+
+
+def _tables(rotary: RotaryEmbedding | None, cache: KVCache, device):
+    """(cos, sin) for the new token's position, (None, None) without RoPE, or None
+    beyond the tables RoPE keeps."""
+    if rotary is None:
+        return None, None
+    return rotary.tables(cache.seq_len + 1, device)
 
 
 def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
@@ -39,20 +98,49 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
         PyTorch path.
     """
     ops = _native.for_inference(qkv, cache.k)
-    if ops is None or cache.remaining < 1:
+    tables = _tables(rotary, cache, qkv.device)
+    if ops is None or cache.remaining < 1 or tables is None:
         return None
-    cos = sin = None
-    if rotary is not None:
-        tables = rotary.tables(cache.seq_len + 1, qkv.device)
-        if tables is None:
+    cos, sin = tables
+    return _reserved([cache], lambda positions: ops.decode_step(
+        qkv, cos, sin, cache.k, cache.v, positions[0], _window(window, positions[0]),
+        num_heads, num_kv_heads, 1.0 / math.sqrt(cache.head_dim)))
+
+
+def layers(x: torch.Tensor, run: Sequence[Layer],
+           caches: Sequence[KVCache]) -> torch.Tensor | None:
+    """One new token through a run of pre-norm decoder layers,
+    ``y = x + attn(norm1(x))``, then ``y + mlp(norm2(y))``, layer after layer, each
+    appending to its cache.
+
+    Args:
+        x: ``(1, 1, d_model)`` the token's hidden state, float32 on the CPU.
+        run: the layers, in order; caches: one per layer (batch size 1).
+
+    Returns:
+        ``(1, 1, d_model)``, or None (every cache unchanged) where the kernel cannot
+        take these inputs; the caller then runs the modules.
+    """
+    ops = _native.for_inference(x)
+    if ops is None:
+        return None
+    cos, sin = [], []
+    for layer, cache in zip(run, caches):
+        tables = _tables(layer.rotary, cache, x.device)
+        if cache.remaining < 1 or tables is None:
             return None
-        cos, sin = tables
-    pos = cache.reserve(1)
-    # A window wider than the cache rules nothing out; capped, it stays a C long.
-    window = 0 if window is None else min(window, pos + 1)
-    try:
-        return ops.decode_step(qkv, cos, sin, cache.k, cache.v, pos, window, num_heads,
-                               num_kv_heads, 1.0 / math.sqrt(cache.head_dim))
-    except BaseException:
-        cache.crop(pos)
-        raise
+        cos.append(tables[0])
+        sin.append(tables[1])
+    params = [p for layer in run for p in layer.params]
+    return _reserved(caches, lambda positions: ops.decode_layers(
+        x, params, cos, sin, [c.k for c in caches], [c.v for c in caches], positions,
+        [_window(layer.window, pos) for layer, pos in zip(run, positions)],
+        [layer.num_heads for layer in run], [layer.num_kv_heads for layer in run],
+        [1.0 / math.sqrt(c.head_dim) for c in caches], [NORMS.index(layer.norm) for layer in run],
+        [layer.eps for layer in run], [MLPS.index(layer.mlp) for layer in run]))
+
+
+def _window(window: int | None, pos: int) -> int:
+    """The kernels' window for a token at ``pos``: 0 for none; one wider than the cache
+    rules nothing out, so it is capped and stays a C long."""
+    return 0 if window is None else min(window, pos + 1)

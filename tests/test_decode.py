@@ -40,31 +40,47 @@ def native_off():
 
 
 @contextmanager
-def counting_fused_steps():
-    """Count the decoding steps the fused kernel answered."""
-    count, original = [0], _decode.step
+def counting_fused_steps(name="step"):
+    """Count what the fused kernel answered: attention steps (``_decode.step``) or, for
+    ``"layers"``, decoder layers (``_decode.layers`` takes a run of them per call)."""
+    count, original = [0], getattr(_decode, name)
 
-    def step(*args, **kwargs):
+    def fused(*args, **kwargs):
         out = original(*args, **kwargs)
-        count[0] += out is not None
+        if out is not None:
+            count[0] += len(args[1]) if name == "layers" else 1
         return out
-    _decode.step = step
+    setattr(_decode, name, fused)
     try:
         yield count
     finally:
-        _decode.step = original
+        setattr(_decode, name, original)
+
+
+@contextmanager
+def fused_layers_off():
+    """The GPT blocks run their modules (the fused attention step still runs)."""
+    original = _decode.layers
+    _decode.layers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _decode.layers = original
+
+
+def _one_by_one(run, x, prompt_len):
+    """``run`` on the prompt ``x[:, :prompt_len]`` at once, then on each later position
+    alone (inference mode); the single-position outputs side by side."""
+    with torch.inference_mode():
+        run(x[:, :prompt_len])
+        return torch.cat([run(x[:, t:t + 1]) for t in range(prompt_len, x.shape[1])], dim=1)
 
 
 def _decode_one_by_one(mha, x, prompt_len):
     """Feed ``x`` (1, T, d) to ``mha`` with a cache: the prompt at once, then one token
     at a time; returns the outputs of the single-token steps and the cache."""
     cache = mha.new_cache(1, x.shape[1])
-    outs = []
-    with torch.inference_mode():
-        mha(x[:, :prompt_len], cache=cache)
-        for t in range(prompt_len, x.shape[1]):
-            outs.append(mha(x[:, t:t + 1], cache=cache))
-    return torch.cat(outs, dim=1), cache
+    return _one_by_one(lambda chunk: mha(chunk, cache=cache), x, prompt_len), cache
 
 
 @settings(max_examples=40, deadline=None)
@@ -105,11 +121,130 @@ def test_a_gpt_decodes_the_same_tokens_and_logits_fused_or_not():
                           num_layers=2, positions="rope", norm="rmsnorm", mlp="swiglu",
                           window=6)).eval()
     prompt = torch.randint(0, 64, (1, 5))
-    with counting_fused_steps() as fused:
+    with counting_fused_steps("layers") as fused:
         tokens = model.generate(prompt, 12, temperature=0)
     assert fused[0] == 11 * 2  # every step after the prompt, in both layers
     with native_off():
         assert torch.equal(model.generate(prompt, 12, temperature=0), tokens)
+    with fused_layers_off(), counting_fused_steps() as attention_only:
+        assert torch.equal(model.generate(prompt, 12, temperature=0), tokens)
+    assert attention_only[0] == 11 * 2
+
+
+def _decode_logits(model, ids, prompt_len):
+    """Logits of every single-token step after the prompt, and the caches left."""
+    caches = model.new_cache(1, ids.shape[1])
+    return _one_by_one(lambda chunk: model(chunk, caches=caches), ids, prompt_len), caches
+
+
+@settings(max_examples=30, deadline=None)
+@given(positions=st.sampled_from(["learned", "rope"]),
+       norm=st.sampled_from(["layernorm", "rmsnorm"]),
+       mlp=st.sampled_from(["gelu", "gelu_tanh", "swiglu"]), kv_heads=st.sampled_from([1, 2, 4]),
+       biases=st.booleans(), window=st.one_of(st.none(), st.integers(1, 5)),
+       tie=st.booleans(), prompt_len=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_fused_layers_give_the_logits_and_caches_of_the_modules(
+        positions, norm, mlp, kv_heads, biases, window, tie, prompt_len, seed):
+    """Every GPT flavour the fused decoder layer knows (learned or rotary positions,
+    LayerNorm or RMSNorm, GELU/GELU-tanh/SwiGLU, MHA/GQA/MQA, with or without biases,
+    windows, tied output): logits and caches equal the modules' token by token."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=50, context_length=32, d_model=32, num_heads=4,
+                    num_kv_heads=kv_heads, num_layers=2, positions=positions, norm=norm,
+                    mlp=mlp, qkv_bias=biases, out_bias=biases, mlp_bias=biases,
+                    window=window, tie_embeddings=tie)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # biases and norm weights away from their 0 / 1 initialisation
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    ids = torch.randint(0, 50, (1, prompt_len + 6))
+    with counting_fused_steps("layers") as fused:
+        got, caches = _decode_logits(model, ids, prompt_len)
+    assert fused[0] == (6 + (prompt_len == 1)) * 2 if _native.available() else fused[0] == 0
+    with fused_layers_off():
+        want, plain = _decode_logits(model, ids, prompt_len)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for c, p in zip(caches, plain):
+        assert c.seq_len == p.seq_len == ids.shape[1]
+        torch.testing.assert_close(c.k, p.k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(c.v, p.v, atol=1e-6, rtol=1e-6)
+
+
+@needs_native
+def test_fused_layers_stand_aside_where_the_modules_must_run():
+    """A hook anywhere in a block (also one for every module), qkv_hook, dropout in
+    training, a chosen backend, float64: that block runs its modules, the hook sees
+    every token, and the tokens are the modules' tokens."""
+    torch.manual_seed(2)
+    cfg = GPTConfig(vocab_size=40, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2,
+                    positions="rope", norm="rmsnorm", mlp="swiglu")
+    model = GPT(cfg).eval()
+    prompt = torch.randint(0, 40, (1, 4))
+    with fused_layers_off():
+        want = model.generate(prompt, 5, temperature=0)
+    seen = []
+
+    def forward_hook(module, args, out):
+        seen.append(args[0].shape[1])
+
+    def qkv_hook(q, k, v):
+        seen.append(q.shape[2])
+        return q, k, v
+    block = model.blocks[1]
+    register = {
+        "block": lambda: block.register_forward_hook(forward_hook),
+        "linear": lambda: block.mlp.proj.register_forward_hook(forward_hook),
+        "norm pre": lambda: block.norm2.register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].shape[1])),
+        "global": lambda: torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: seen.append(args[0].shape[1]) if m is block else None),
+    }
+    for name, add in register.items():
+        seen.clear()
+        handle = add()
+        with counting_fused_steps("layers") as fused:
+            assert torch.equal(model.generate(prompt, 5, temperature=0), want), name
+        handle.remove()
+        assert seen == [4, 1, 1, 1, 1], name  # the prompt, then every decoded token
+        assert fused[0] == (0 if name == "global" else 4), name  # block 0 still fused
+    seen.clear()
+    block.attn.qkv_hook = qkv_hook
+    with counting_fused_steps("layers") as fused:
+        assert torch.equal(model.generate(prompt, 5, temperature=0), want)
+    assert seen == [4, 1, 1, 1, 1] and fused[0] == 4
+    block.attn.qkv_hook = None
+    for name, change in {"backend": lambda: setattr(block.attn, "backend", "sdpa"),
+                         "dropout": lambda: (setattr(block, "dropout", 0.5),
+                                             model.train())}.items():
+        change()
+        with counting_fused_steps("layers") as fused:
+            model.generate(prompt, 5, temperature=0)
+        assert fused[0] == 4, name  # block 0 only
+        block.attn.backend, block.dropout = "auto", 0.0
+        model.eval()
+    with counting_fused_steps("layers") as fused:
+        model.double().generate(prompt, 5, temperature=0)
+    assert fused[0] == 0
+    # Back to float32: the first decoded token repacks the layouts, the rest are fused.
+    with counting_fused_steps("layers") as fused:
+        assert torch.equal(model.float().generate(prompt, 5, temperature=0), want)
+    assert fused[0] >= 6
+
+
+@needs_native
+def test_a_declined_fused_layer_leaves_the_cache_as_it_was():
+    """Parameters the kernel does not take (here a float64 one) give None and the
+    cache position back, so the modules can run the token instead."""
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=30, d_model=16, num_heads=2, num_layers=1,
+                          positions="rope", norm="rmsnorm", mlp="swiglu")).eval()
+    block, cache = model.blocks[0], model.new_cache(1, 4)[0]
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        block.norm2.weight.data = block.norm2.weight.data.double()
+        assert block.decode(x, cache) is None
+    assert cache.seq_len == 0 and not cache.k.any()
 
 
 def test_the_fused_step_stands_aside_where_the_pytorch_path_must_run():
@@ -233,3 +368,28 @@ def test_swiglu_mlp_without_gradients_equals_its_training_path(rows, d_model, d_
         with torch.no_grad():
             got = mlp(x)
         torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=2e-5)
+
+
+@needs_native
+def test_a_piece_or_parameter_replaced_between_tokens_is_used_at_the_next():
+    """Nothing about a block is remembered between tokens: a new output projection, a
+    parameter given new storage, a norm changed in place all show in the next token's
+    logits, which stay the modules' logits."""
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(vocab_size=30, d_model=32, num_heads=4, num_kv_heads=2,
+                          num_layers=2, positions="rope", norm="rmsnorm", mlp="swiglu")).eval()
+    ids = torch.randint(0, 30, (1, 8))
+    edits = [
+        lambda b: setattr(b.attn, "out_proj", torch.nn.Linear(32, 32)),
+        lambda b: setattr(b.mlp.proj.weight, "data", torch.randn(32, b.mlp.proj.in_features)),
+        lambda b: b.norm2.weight.data.mul_(3.0),
+    ]
+    for edit in edits:
+        with torch.no_grad():
+            edit(model.blocks[1])
+        with counting_fused_steps("layers") as fused:
+            got, _ = _decode_logits(model, ids, 4)
+        assert fused[0] == 4 * 2
+        with fused_layers_off():
+            want, _ = _decode_logits(model, ids, 4)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -12,9 +12,10 @@ load that folder, in this process for timing and in a fresh process for memory.
 
 The ceiling (``one-row ceiling``, batch 1): a loop that only multiplies a row by
 every weight matrix of the model once per token, each in whichever layout
-(``(in, out)`` or ``(out, in)``) multiplies faster here, timed in the same
-round-robin as the models. Decoding must at least read every weight once per
-token, so ``of_ceiling`` (tokens/s over the loop's) says how much of the
+(``(in, out)`` or ``(out, in)``) and by whichever product (torch's matmul, or
+attnlab's streamed row product where the native kernel is built) is fastest here,
+timed in the same rounds as the models. Decoding must at least read every weight
+once per token, so ``of_ceiling`` (tokens/s over the loop's) says how much of the
 machine's speed a decoder reaches.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .. import _native
 from .runner import Case, Impl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,34 +139,49 @@ def _matrix_shapes(shape: str) -> list[tuple[int, int]]:
     return layer * spec["num_hidden_layers"] + [(d, spec["vocab_size"])]
 
 
-def _product(layout: str, n_in: int, n_out: int):
-    """A row times a new random ``n_in x n_out`` matrix stored ``layout``."""
+# The ways to multiply a row by a matrix the ceiling chooses from: (product, layout).
+# "torch" is torch's matmul (the BLAS it links); "attnlab" is the native streamed
+# product (csrc/row_product.h) that attnlab's decoding uses where it is built.
+WAYS = [(product, layout) for product in ("torch", "attnlab")
+        for layout in ("(in, out)", "(out, in)")]
+
+
+def _product(way: tuple[str, str], n_in: int, n_out: int):
+    """A row times a new random ``n_in x n_out`` matrix, multiplied and stored ``way``."""
     import torch.nn.functional as F
 
+    product, layout = way
     w = torch.randn(n_out, n_in) * 0.02
     if layout == "(in, out)":
         wt = w.t().contiguous()
-        return lambda x: x @ wt
+        w = wt.t()  # the (out, in) weight as a view of the (in, out) storage
+        if product == "torch":
+            return lambda x: x @ wt
+    if product == "attnlab":
+        ops = _native.load()
+        return lambda x: ops.linear(x, w, None, None)
     return lambda x: F.linear(x, w)
 
 
-def _faster(n_in: int, n_out: int, reps: int = 7) -> str:
-    """The layout in which a row times an ``n_in x n_out`` matrix is faster here, timed
-    as decoding meets it: streamed from memory, not from a cache that holds it. Each
-    layout is timed over enough distinct matrices to exceed the caches (64 MB)."""
+def _faster(n_in: int, n_out: int, reps: int = 7) -> tuple[str, str]:
+    """The product and layout that multiply a row by an ``n_in x n_out`` matrix fastest
+    here, timed as decoding meets it: streamed from memory, not from a cache that holds
+    it. Each way is timed over enough distinct matrices to exceed the caches (64 MB)."""
     import time
 
     count = max(2, min(64, (64 << 20) // (4 * n_in * n_out)))
     x = torch.randn(1, n_in)
     best = {}
-    for layout in ("(in, out)", "(out, in)"):
-        products, ts = [_product(layout, n_in, n_out) for _ in range(count)], []
+    for way in WAYS:
+        if way[0] == "attnlab" and not _native.available():
+            continue
+        products, ts = [_product(way, n_in, n_out) for _ in range(count)], []
         for _ in range(reps):
             start = time.perf_counter()
             for f in products:
                 f(x)
             ts.append(time.perf_counter() - start)
-        best[layout] = sorted(ts)[reps // 2]
+        best[way] = sorted(ts)[reps // 2]
         del products
     return min(best, key=best.get)
 
@@ -172,7 +189,7 @@ def _faster(n_in: int, n_out: int, reps: int = 7) -> str:
 def make_ceiling(shape: str, new_tokens: int = NEW_TOKENS, **_):
     """The one-row ceiling: per token, a row times every weight matrix (random weights
     of the model's shapes, one matrix each, each in its faster layout)."""
-    chosen: dict[tuple[int, int], str] = {}
+    chosen: dict[tuple[int, int], tuple[str, str]] = {}
     products = []
     for n_in, n_out in _matrix_shapes(shape):
         if (n_in, n_out) not in chosen:

@@ -1,9 +1,10 @@
 """Autoregressive generation shared by the decoder models (``GPT``, ``ToyAttnLM``).
 
-A model provides ``forward(ids, *, attention_mask, caches, positions)`` returning
-logits ``(batch, seq, vocab)``, ``new_cache(batch_size, max_seq_len)`` and
-``context_length``. Prompts of different lengths are left-padded; each
-sequence's positions count only its real tokens, so padding changes nothing.
+A model provides ``forward(ids, *, attention_mask, caches, positions, logits_to_keep)``
+returning logits ``(batch, seq, vocab)`` (the last ``logits_to_keep`` positions),
+``new_cache(batch_size, max_seq_len)`` and ``context_length``. Prompts of different
+lengths are left-padded; each sequence's positions count only its real tokens, so
+padding changes nothing.
 """
 
 from __future__ import annotations
@@ -157,13 +158,14 @@ class GenerationMixin:
         step_ids = ids
         step_pos = None if mask is None else _positions(mask, 0, prompt_len, device, batch)
         for _ in range(max_new_tokens):
+            # Only the last position's logits are sampled from.
             if use_cache:
                 logits = self(step_ids, attention_mask=seq_mask, caches=caches,
-                              positions=step_pos)
+                              positions=step_pos, logits_to_keep=1)
             else:
                 window = seq[:, -limit:]
                 win_mask = None if seq_mask is None else seq_mask[:, -limit:]
-                logits = self(window, attention_mask=win_mask,
+                logits = self(window, attention_mask=win_mask, logits_to_keep=1,
                               positions=_positions(win_mask, 0, window.shape[1], device, batch))
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
             if eos_id is not None:

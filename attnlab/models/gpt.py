@@ -21,6 +21,7 @@ from ..checks import (
     boolean,
     finite_float,
     fits_in_memory,
+    non_negative_int,
     one_of,
     optional_positive_int,
     positive_int,
@@ -30,6 +31,7 @@ from ..interop.hf import gpt_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, dropout, embedding, make_norm
+from . import decoding
 from .generation import GenerationMixin
 from .ids import check_ids
 from .outputs import with_extras
@@ -135,6 +137,14 @@ class Block(nn.Module):
         x = x + a
         return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training), weights
 
+    def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """What ``forward`` gives for one new token ``x (1, 1, d_model)`` with its cache,
+        in one native call (``models.decoding``); None, nothing changed, where that
+        cannot stand in for the modules: a hook or ``qkv_hook`` that must see them run,
+        dropout in training, a chosen backend, a replaced piece or a lost packed layout,
+        other dtypes or devices, no kernel (gradients are ruled out by the caller)."""
+        return decoding.step(self, x, cache)
+
 
 class GPT(GenerationMixin, nn.Module):
     """Decoder-only language model.
@@ -188,8 +198,9 @@ class GPT(GenerationMixin, nn.Module):
         positions: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        logits_to_keep: int = 0,
     ):
-        """Logits for every position.
+        """Logits for every position (or the last ``logits_to_keep``).
 
         Args:
             ids: ``(batch, seq)`` token ids.
@@ -206,12 +217,17 @@ class GPT(GenerationMixin, nn.Module):
                 ``(batch, seq, d_model)``, the embeddings (the input of layer 0), then
                 each layer's output, the last one after the final norm (the input of
                 the output layer).
+            logits_to_keep: 0 for the logits of every position, else of the last
+                ``logits_to_keep`` positions only (as transformers; generation needs
+                the last one, and the output layer is the largest product).
 
         Returns:
-            logits ``(batch, seq, vocab)``; with either flag a tuple: logits, then
+            logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given);
+            with either flag a tuple: logits, then
             ``attentions`` (a list) if asked, then ``hidden_states`` (a list) if asked.
         """
         check_ids(ids, self.config.vocab_size)
+        non_negative_int("logits_to_keep", logits_to_keep)
         batch, seq = ids.shape
         past = caches[0].seq_len if caches else 0
         if past + seq > self.context_length:
@@ -229,7 +245,15 @@ class GPT(GenerationMixin, nn.Module):
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
         attentions, hidden = [], ([x] if output_hidden_states else None)
-        for i, block in enumerate(self.blocks):
+        # One row decoded with a cache and nothing asked beyond the logits: the blocks
+        # in native calls where they can (models.decoding), else through their modules.
+        fused_rows = (caches is not None and batch * seq == 1 and mask is None
+                      and positions is None and not output_attentions
+                      and hidden is None and not torch.is_grad_enabled()
+                      and not _global_forward_hooks())
+        if fused_rows:
+            x = decoding.run(self.blocks, x, caches)
+        for i, block in enumerate(() if fused_rows else self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
             if output_attentions:
@@ -239,8 +263,10 @@ class GPT(GenerationMixin, nn.Module):
         x = self.norm(x)
         if hidden is not None:
             hidden[-1] = x  # transformers' convention: the last entry is after the final norm
-        # One row without gradients: one product over the (d_model, vocab) tensor,
-        # packed again first if its layout was lost (see modules.fused).
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        # In inference one product over the (d_model, vocab) tensor, packed again first
+        # if its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
         if logits is None:
             logits = self.lm_head(x)
@@ -284,6 +310,14 @@ class GPT(GenerationMixin, nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks registered for every module are in force (they must see
+    each module run, so the fused decoding step stands aside)."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 def _source(model) -> str:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import Config, fits_in_memory, positive_int, probability
+from ..checks import Config, fits_in_memory, non_negative_int, positive_int, probability
 from ..modules import MultiHeadAttention
 from ..modules.layers import embedding
 from .generation import GenerationMixin
@@ -81,6 +81,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         positions: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        logits_to_keep: int = 0,
     ):
         """Logits ``(batch, seq, vocab)``; with ``output_attentions`` also a list
         with the head's weights ``(batch, 1, seq, past + seq)``; with
@@ -103,5 +104,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         if output_attentions:
             a, w = a
         h = x + a
-        return with_extras(self.out(h), None if w is None else [w],
+        non_negative_int("logits_to_keep", logits_to_keep)
+        kept = h[:, -logits_to_keep:] if logits_to_keep else h
+        return with_extras(self.out(kept), None if w is None else [w],
                            [x, h] if output_hidden_states else None)

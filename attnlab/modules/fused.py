@@ -19,9 +19,12 @@ was lost (``model.to(dtype)``, ``load_state_dict(assign=True)``, a replaced
 parameter) is packed again by the next one-row call, which moves the weights
 into a new block and frees the old tensors: again one copy.
 
-:func:`joint` is the one-row path: with gradients off and a single input row it
-multiplies the row by the whole block at once; otherwise (or while a layer has
-forward hooks, which must see that layer run) the layers run one by one.
+:func:`joint` is the inference path: with gradients off it multiplies one row,
+or a few (up to 64: a prompt, a batch being decoded), by the whole block at once:
+one row by the native kernel's streamed product (``csrc/row_product.h``; else
+``F.linear``), a few by its AVX-512 tile products where the CPU has them;
+otherwise (or while a layer has forward hooks, which must see that layer run)
+the layers run one by one.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["pack", "is_packed", "joint", "split"]
+from .. import _native
+
+__all__ = ["pack", "is_packed", "block", "joint", "split"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -97,8 +102,9 @@ def pack(linears: Sequence[nn.Linear]) -> None:
                     m.bias.data = m.bias.detach().clone()
 
 
-def _block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias."""
+def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
+    (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
     w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
     total = w0.stride(1)
     weight = w0.as_strided((total, w0.shape[1]), (1, total))
@@ -108,9 +114,15 @@ def _block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
 
 def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     """All outputs side by side ``(..., sum of out_features)`` from one product over the
-    packed block; or None where the layers should run one by one: with gradients,
-    with hooks on a layer, or for more than one input row."""
-    if torch.is_grad_enabled() or x.numel() != x.shape[-1]:
+    packed block, for inference on one row or a few (a prompt, a batch being decoded);
+    or None where the layers should run one by one: with gradients, with hooks on a
+    layer, for more rows than the native kernel takes (BLAS's own blocking then pays,
+    and multiplies a packed block slower than each layer's own weight)."""
+    if torch.is_grad_enabled():
+        return None
+    one_row = x.numel() == x.shape[-1]
+    ops = _native.for_inference(x)
+    if not one_row and ops is None:
         return None
     for m in linears:
         if m._forward_hooks or m._forward_pre_hooks:
@@ -120,8 +132,13 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
                 m._parameters["bias"] is not None for m in linears):
             return None
         pack(linears)  # the layout was lost (a dtype change, an assigned parameter)
-    weight, bias = _block(linears)
-    return F.linear(x, weight, bias)
+    weight, bias = block(linears)
+    if ops is not None and weight.dtype == torch.float32:
+        # One row streamed as fast as memory allows, a few by the tile kernel.
+        out = ops.linear(x.contiguous(), weight, bias, None)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias) if one_row else None
 
 
 def split(x: torch.Tensor, linears: Sequence[nn.Linear]) -> list[torch.Tensor]:

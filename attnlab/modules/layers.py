@@ -73,18 +73,20 @@ class MLP(nn.Module):
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
         if kind == "swiglu":  # one (d_model, 2 * d_ff) tensor: gate and up in one product
             fused.pack((self.gate, self.fc))
-        else:  # stored (d_model, d_ff): one row reads a widening product faster that way
+        else:
             fused.pack((self.fc,))
+        # Each stored (in, out) (modules.fused): the native products stream it faster.
+        fused.pack((self.proj,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate_up = fused.joint(x, (self.gate, self.fc))  # one matmul for one row
+            gate_up = fused.joint(x, (self.gate, self.fc))  # one product in inference
             ops = None if gate_up is None else _native.for_inference(gate_up)
-            if ops is not None:  # decoding: silu(gate) * up in one pass
-                return self.proj(ops.silu_mul(gate_up))
+            if ops is not None:  # inference: silu(gate) * up in one pass
+                return self._down(ops.silu_mul(gate_up))
             gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
                         else (self.gate(x), self.fc(x)))
-            return self.proj(F.silu(gate) * up)
+            return self._down(F.silu(gate) * up)
         h = fused.joint(x, (self.fc,))
         if h is None:
             h = self.fc(x)
@@ -92,4 +94,8 @@ class MLP(nn.Module):
             h = F.relu(h)
         else:
             h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
-        return self.proj(h)
+        return self._down(h)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        out = fused.joint(h, (self.proj,))  # None: the layer itself runs
+        return self.proj(h) if out is None else out

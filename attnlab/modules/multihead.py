@@ -115,6 +115,7 @@ class MultiHeadAttention(nn.Module):
         # One (d_in, q + k + v) tensor holds the three weights; W_query/W_key/W_value
         # keep their names and shapes as views of it (see modules.fused).
         fused.pack((self.W_query, self.W_key, self.W_value))
+        fused.pack((self.out_proj,))  # (d_out, d_out) stored (in, out) too: streams faster
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
         # them (after RoPE, before the cache), so ablations see the real scores.
@@ -211,10 +212,11 @@ class MultiHeadAttention(nn.Module):
         rot = self.rotary
         if rot is None and positions is not None:
             raise ValueError("positions is only used with rope=True; this module has rope=False")
-        # (B, T, (H + 2 Hkv) * D) for one row without gradients, else None.
+        # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
-        if (qkv is not None and cache is not None and mask is None and positions is None
+        if (qkv is not None and t == 1 and cache is not None and mask is None
+                and positions is None
                 and not return_weights and self.qkv_hook is None
                 and self.backend in ("auto", "flash")
                 and not (self.training and self.dropout > 0)):
@@ -229,8 +231,8 @@ class MultiHeadAttention(nn.Module):
 
         # (B, T, H*D) -> (B, H, T, D); K/V have Hkv heads.
         if qkv is not None:
-            # Decoding one sequence (one row, no gradients): one matmul instead of three,
-            # and the heads of q|k|v lie side by side, so RoPE rotates q and k at once.
+            # Inference: one product instead of three, and the heads of q|k|v lie side
+            # by side, so RoPE rotates q and k at once.
             qk, v = qkv.view(b, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split_with_sizes(
                 [heads + kv_heads, kv_heads], dim=1)
             if rot is not None:
@@ -268,7 +270,9 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, merged: torch.Tensor) -> torch.Tensor:
         """The heads side by side ``(B, T, d_out)`` -> output projection, dropout."""
-        return dropout(self.out_proj(merged), self.resid_dropout, self.training)
+        out = fused.joint(merged, (self.out_proj,))  # None: the layer itself runs
+        return dropout(self.out_proj(merged) if out is None else out, self.resid_dropout,
+                       self.training)
 
     def _check_x(self, x) -> tuple[int, int]:
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
@@ -337,5 +341,6 @@ class MultiHeadAttention(nn.Module):
             if m.out_proj.bias is not None:
                 out.out_proj.bias.copy_(m.out_proj.bias)
         fused.pack((out.W_query, out.W_key, out.W_value))  # .to() may have unpacked them
+        fused.pack((out.out_proj,))
         out.train(m.training)
         return out

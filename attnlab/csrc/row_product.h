@@ -1,0 +1,156 @@
+// One row times a weight matrix, streamed: the products of decoding one sequence.
+//
+// Decoding one token reads every weight once, so each product is a stream of the
+// matrix through memory with two FMAs per float loaded. The BLAS torch links
+// (MKL) reaches 20-30 GB/s on these one-row products on the 2-core Zen 5 this
+// was tuned on; a plain two-thread read of memory, 50 GB/s. The loops here read
+// the matrix in order, each thread a contiguous band of it, and reach 45-55 GB/s.
+//
+// y (n_out) = residual + bias + W x, with W given as the (n_out, n_in) weight of
+// an nn.Linear in either storage:
+//   - rows:    W[o][i] at w[o * ld + i] (the usual layout): a thread takes a band of
+//              outputs, four dot products at a time;
+//   - columns: W[o][i] at w[i * ld + o] (modules/fused.py's packed (in, out) blocks):
+//              a thread takes a band of inputs and sums x[i] * W[i, :] over it, four
+//              rows at a time, into its own partial output; the partials are added.
+// Float32 only. The loops are compiled for AVX-512, AVX2 and baseline x86-64
+// (ATTNLAB_CLONES) and picked at load time.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "tile_math.h"
+
+namespace attnlab {
+
+// Sixteen floats as one value: one zmm in the AVX-512 clone, two ymm or four xmm below.
+typedef float f16v __attribute__((vector_size(64)));
+
+ATTNLAB_INLINE f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+ATTNLAB_INLINE void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+ATTNLAB_INLINE float sum16(f16v v) {
+  float t = 0.0f;
+  for (int j = 0; j < 16; ++j) t += v[j];
+  return t;
+}
+
+// Bias and residual added to a finished output element (either may be null).
+ATTNLAB_INLINE float plus(float s, const float* bias, const float* residual, int64_t o) {
+  return s + (bias ? bias[o] : 0.0f) + (residual ? residual[o] : 0.0f);
+}
+
+// y[o] = W[o, :] . x (+ bias, residual) for o in [o0, o1), W stored by rows.
+ATTNLAB_CLONES static void dots(const float* w, int64_t ld, const float* x, int64_t n_in,
+                                int64_t o0, int64_t o1, const float* bias,
+                                const float* residual, float* y) {
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) {
+    const float *w0 = w + o * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+    f16v a0{}, a1{}, a2{}, a3{};
+    int64_t i = 0;
+    for (; i + 16 <= n_in; i += 16) {
+      const f16v xv = load16(x + i);
+      a0 += load16(w0 + i) * xv;
+      a1 += load16(w1 + i) * xv;
+      a2 += load16(w2 + i) * xv;
+      a3 += load16(w3 + i) * xv;
+    }
+    float s[4] = {sum16(a0), sum16(a1), sum16(a2), sum16(a3)};
+    for (; i < n_in; ++i) {
+      s[0] += w0[i] * x[i];
+      s[1] += w1[i] * x[i];
+      s[2] += w2[i] * x[i];
+      s[3] += w3[i] * x[i];
+    }
+    for (int r = 0; r < 4; ++r) y[o + r] = plus(s[r], bias, residual, o + r);
+  }
+  for (; o < o1; ++o) {
+    const float* wo = w + o * ld;
+    f16v a{};
+    int64_t i = 0;
+    for (; i + 16 <= n_in; i += 16) a += load16(wo + i) * load16(x + i);
+    float s = sum16(a);
+    for (; i < n_in; ++i) s += wo[i] * x[i];
+    y[o] = plus(s, bias, residual, o);
+  }
+}
+
+// acc[0, n_out) += sum over i in [i0, i1) of x[i] * W[i, :], W stored by columns (rows of
+// the (in, out) block).
+ATTNLAB_CLONES static void axpys(const float* w, int64_t ld, const float* x, int64_t n_out,
+                                 int64_t i0, int64_t i1, float* acc) {
+  int64_t i = i0;
+  for (; i + 4 <= i1; i += 4) {
+    const float *w0 = w + i * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+    const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
+    int64_t j = 0;
+    for (; j + 16 <= n_out; j += 16) {
+      f16v a = load16(acc + j);
+      a += load16(w0 + j) * x0;
+      a += load16(w1 + j) * x1;
+      a += load16(w2 + j) * x2;
+      a += load16(w3 + j) * x3;
+      store16(acc + j, a);
+    }
+    for (; j < n_out; ++j) acc[j] += w0[j] * x0 + w1[j] * x1 + w2[j] * x2 + w3[j] * x3;
+  }
+  for (; i < i1; ++i) {
+    const float* wi = w + i * ld;
+    for (int64_t j = 0; j < n_out; ++j) acc[j] += wi[j] * x[i];
+  }
+}
+
+// Below this many weights one thread streams the matrix before a second one wakes.
+constexpr int64_t ROW_PRODUCT_PARALLEL_MIN = int64_t{1} << 15;
+
+// Pieces a product is cut into, taken by the threads from a counter as each finishes
+// the last: an even split in halves left one thread waiting for the other at the end
+// of most products (two vCPUs that do not stream equally fast).
+constexpr int64_t ROW_PRODUCT_PIECES = 16;
+
+// y = residual + bias + W x (residual, bias may be null; y may alias residual).
+inline void row_product(const float* x, const float* w, int64_t ld, bool by_rows, int64_t n_in,
+                        int64_t n_out, const float* bias, const float* residual, float* y) {
+  const int64_t threads = n_in * n_out < ROW_PRODUCT_PARALLEL_MIN
+                              ? 1
+                              : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 8));
+  const int64_t pieces = threads == 1 ? 1 : ROW_PRODUCT_PIECES;
+  std::atomic<int64_t> next{0};
+  if (by_rows) {  // a piece is a band of outputs
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1))
+        dots(w, ld, x, n_in, n_out * k / pieces, n_out * (k + 1) / pieces, bias, residual, y);
+    });
+    return;
+  }
+  // A piece is a band of inputs, summed into the thread's partial output (thread-local:
+  // no allocation once warm; a thread runs one chunk of a parallel_for).
+  std::vector<const float*> parts(threads, nullptr);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t) {
+    thread_local std::vector<float> part;
+    if (static_cast<int64_t>(part.size()) < n_out) part.resize(n_out);
+    std::fill(part.begin(), part.begin() + n_out, 0.0f);
+    for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1))
+      axpys(w, ld, x, n_out, n_in * k / pieces, n_in * (k + 1) / pieces, part.data());
+    parts[begin] = part.data();
+  });
+  for (int64_t j = 0; j < n_out; ++j) {
+    float s = 0.0f;
+    for (int64_t t = 0; t < threads; ++t)
+      if (parts[t] != nullptr) s += parts[t][j];
+    y[j] = plus(s, bias, residual, j);
+  }
+}
+
+}  // namespace attnlab

@@ -1,0 +1,77 @@
+"""The native inference products (``csrc/row_product.h``, the tile kernel for a few
+rows) against ``F.linear``, and the decoders' ``logits_to_keep``.
+
+One row is streamed (either storage of the weight, bias and residual folded in); a
+few rows (up to 64) with a weight stored by columns (the packed ``(in, out)``
+blocks) go through the AVX-512 tile kernel where the CPU has it; anything else is
+declined with None so that the caller runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import _flash, _native
+from attnlab.models import GPT, GPTConfig, ToyAttnLM
+from attnlab.models.toy import ToyConfig
+
+needs_native = pytest.mark.skipif(not _native.available(),
+                                  reason=f"native kernel: {_native.unavailable_reason()}")
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(n_in=st.sampled_from([1, 3, 16, 17, 64, 200]), n_out=st.sampled_from([1, 5, 16, 63, 130]),
+       rows=st.sampled_from([1, 2, 7, 64, 65]), by_columns=st.booleans(), bias=st.booleans(),
+       residual=st.booleans(), big=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias, residual, big,
+                                           seed):
+    g = torch.Generator().manual_seed(seed)
+    if big:  # past the size at which two threads share the product
+        n_in, n_out = n_in * 16, n_out * 8
+    w = torch.randn(n_out, n_in, generator=g)
+    if by_columns:  # stored (in, out), as modules.fused packs it, inside a wider block
+        block = torch.randn(n_in, n_out + 3, generator=g)
+        block[:, :n_out] = w.t()
+        w = block[:, :n_out].t()
+    b = torch.randn(n_out, generator=g) if bias else None
+    r = torch.randn(rows, n_out, generator=g) if residual else None
+    x = torch.randn(rows, n_in, generator=g)
+    got = _native.load().linear(x, w, b, r)
+    want = F.linear(x, w, b) + (0 if r is None else r)
+    takes = rows == 1 or (rows <= 64 and by_columns and not residual and _flash.tile_kernel())
+    if not takes:
+        assert got is None
+        return
+    torch.testing.assert_close(got, want, atol=1e-4 * n_in ** 0.5, rtol=1e-4)
+
+
+@needs_native
+def test_linear_declines_what_it_does_not_read():
+    ops = _native.load()
+    w = torch.randn(8, 4)
+    assert ops.linear(torch.randn(1, 4).double(), w.double(), None, None) is None
+    assert ops.linear(torch.randn(1, 4), w[:, ::2].t().t()[:, :2], None, None) is None  # strided
+    assert ops.linear(torch.randn(2, 4), w, None, None) is None  # a few rows by rows: F.linear
+    assert ops.linear(torch.randn(1, 4), w, torch.randn(3), None) is None  # a bias of 3 for 8
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GPT(GPTConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2)),
+    lambda: ToyAttnLM(ToyConfig(vocab_size=40, d_model=16, context_length=32)),
+])
+def test_logits_to_keep_gives_the_last_positions(make):
+    torch.manual_seed(0)
+    model = make().eval()
+    ids = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        full = model(ids)
+        for keep in (1, 3, 9):
+            torch.testing.assert_close(model(ids, logits_to_keep=keep), full[:, -keep:])
+        torch.testing.assert_close(model(ids, logits_to_keep=0), full)
+    with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0, got -1"):
+        model(ids, logits_to_keep=-1)
