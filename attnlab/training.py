@@ -178,20 +178,40 @@ def train_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _dist_setup(device: torch.device) -> tuple[int, int]:
-    """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU."""
+def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
+    """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU.
+    Returns (rank, world size, whether this call created the group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return 0, 1
+        return 0, 1, False
     import torch.distributed as dist
 
     if device.type == "cuda":
         # nccl binds each rank to the current device; without this every rank
         # would talk through cuda:0.
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world
+    return dist.get_rank(), world, created
+
+
+def _leave_group(wait: bool) -> None:
+    """Leave the group ``_dist_setup`` created; after a finished run (``wait``), once
+    gloo's worker threads are idle.
+
+    A gloo worker frees each collective's work item right after running it; when that
+    drops the last reference to a tensor Python has seen (DDP's, ours), freeing it
+    takes the GIL. If the main thread was already finalising the interpreter, the
+    worker was unwound there and the rank aborted ("terminate called without an
+    active exception", exit status -6: about one two-rank run in 15 here). The
+    barrier returns once every queued collective has run, and waits with the GIL
+    released, so the workers finish freeing before this process goes on to exit."""
+    import torch.distributed as dist
+
+    if wait:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _mean_across(value: torch.Tensor, world: int) -> float:
@@ -245,7 +265,21 @@ def train(
         "resumed_from"}`` where history is ``[[step, train_loss, eval_loss|None], ...]``.
     """
     device = next(model.parameters()).device
-    rank, world = _dist_setup(device)
+    rank, world, created = _dist_setup(device)
+    try:
+        summary = _train(model, tokens, cfg, rank, world, device, out=out, resume=resume,
+                         tokenizer=tokenizer, progress=progress, log=log, meta=meta)
+    except BaseException:
+        if created:  # no barrier: the other ranks may never come to it
+            _leave_group(wait=False)
+        raise
+    if created:
+        _leave_group(wait=True)
+    return summary
+
+
+def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, progress, log,
+           meta) -> dict:
     if cfg.batch_size % world:
         raise ValueError(f"batch-size {cfg.batch_size} must be divisible by the number of "
                          f"processes ({world})")
