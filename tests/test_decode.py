@@ -393,3 +393,76 @@ def test_a_piece_or_parameter_replaced_between_tokens_is_used_at_the_next():
         with fused_layers_off():
             want, _ = _decode_logits(model, ids, 4)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+def test_a_block_or_piece_that_is_not_what_the_kernel_knows_runs_its_modules():
+    """A Block subclass or a forward set on an instance (block or piece), a wrapper in
+    place of a block, attention dropout turned on by ``attn.train()`` alone: the
+    kernel stands aside for that block, and the logits are the modules' logits."""
+    from attnlab.models.gpt import Block
+
+    class Shifted(Block):
+        def forward(self, x, *args):
+            y, w = super().forward(x, *args)
+            return y + 1.0, w
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        @property
+        def attn(self):  # GPT.new_cache shapes each cache from block.attn
+            return self.inner.attn
+
+        def forward(self, *args):
+            return self.inner(*args)
+
+    def shifted(block):
+        block.__class__ = Shifted
+
+    def own_forward(block):
+        real = block.forward
+        block.forward = lambda x, *args: (real(x, *args)[0] * 0.5, None)
+
+    def mlp_forward(block):
+        real = block.mlp.forward
+        block.mlp.forward = lambda x: real(x) * 2.0
+
+    def dropout_in_attention(block):
+        block.attn.dropout = 0.5
+        block.attn.train()
+
+    torch.manual_seed(5)
+    cfg = GPTConfig(vocab_size=30, d_model=32, num_heads=4, num_layers=2, positions="rope",
+                    norm="rmsnorm", mlp="swiglu")
+    ids = torch.randint(0, 30, (1, 7))
+    for edit in (shifted, own_forward, mlp_forward, dropout_in_attention,
+                 lambda b: None):
+        model = GPT(cfg).eval()
+        edit(model.blocks[1])
+        with counting_fused_steps("layers") as fused:
+            torch.manual_seed(0)
+            got, _ = _decode_logits(model, ids, 3)
+        with fused_layers_off():
+            torch.manual_seed(0)
+            want, _ = _decode_logits(model, ids, 3)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert fused[0] == (8 if edit.__name__ == "<lambda>" else 4), edit.__name__
+    model = GPT(cfg).eval()
+    model.blocks[1] = Wrapper(model.blocks[1])
+    with counting_fused_steps("layers") as fused:
+        got, _ = _decode_logits(model, ids, 3)
+    with fused_layers_off():
+        want, _ = _decode_logits(model, ids, 3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert fused[0] == 4
+
+
+def test_rmsnorm_takes_a_weight_that_is_not_contiguous():
+    norm = RMSNorm(6, eps=1e-5)
+    norm.weight.data = torch.randn(12)[::2]
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (6,), norm.weight, 1e-5))

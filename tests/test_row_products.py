@@ -43,7 +43,8 @@ def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias,
     x = torch.randn(rows, n_in, generator=g)
     got = _native.load().linear(x, w, b, r)
     want = F.linear(x, w, b) + (0 if r is None else r)
-    takes = rows == 1 or (rows <= 64 and by_columns and not residual and _flash.tile_kernel())
+    columns = w.stride(0) == 1 and w.stride(1) >= n_out  # (a 1 x 1 weight is both)
+    takes = rows == 1 or (rows <= 64 and columns and not residual and _flash.tile_kernel())
     if not takes:
         assert got is None
         return
@@ -75,3 +76,43 @@ def test_logits_to_keep_gives_the_last_positions(make):
         torch.testing.assert_close(model(ids, logits_to_keep=0), full)
     with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0, got -1"):
         model(ids, logits_to_keep=-1)
+
+
+@needs_native
+def test_no_input_features_give_the_bias_on_every_row():
+    w, b = torch.randn(5, 0), torch.randn(5)
+    got = _native.load().linear(torch.randn(3, 0), w, b, None)
+    assert got is None or torch.equal(got, b.expand(3, 5))
+    one = _native.load().linear(torch.randn(1, 0), w, b, None)
+    assert torch.equal(one, b[None])
+
+
+def test_inference_products_stand_aside_for_wrapped_or_watched_layers():
+    """A layer in place of out_proj that is not a plain nn.Linear (a wrapper, a
+    parametrisation), a global forward hook: under no_grad the module runs them as it
+    does with gradients on, instead of multiplying the packed block."""
+    from torch.nn.utils import parametrizations
+
+    from attnlab.modules import MultiHeadAttention
+
+    x = torch.randn(2, 5, 32)
+    for change in ("wrapped", "weight_norm"):
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(32, 32, 4, causal=True).eval()
+        if change == "wrapped":
+            mha.out_proj = torch.nn.Sequential(mha.out_proj)
+        else:
+            parametrizations.weight_norm(mha.out_proj)
+        want = mha(x)
+        with torch.no_grad():
+            torch.testing.assert_close(mha(x), want.detach(), atol=1e-5, rtol=1e-5)
+    mha = MultiHeadAttention(32, 32, 4, causal=True).eval()
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        with torch.no_grad():
+            mha(x[:1, :1])
+    finally:
+        handle.remove()
+    assert seen.count("Linear") == 4

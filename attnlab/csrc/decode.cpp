@@ -223,7 +223,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// One row x (numel = in) times an nn.Linear weight (out, in) stored by rows (unit
+// Rows of x (..., in): the product of its leading sizes (x.numel() / in fails for in = 0).
+int64_t leading_rows(const at::Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);
+  return rows;
+}
+
+// One row x (..., in) times an nn.Linear weight (out, in) stored by rows (unit
 // stride along in) or by columns (unit stride along out, the packed blocks), plus
 // bias (out,) and residual (numel = out), each optional: row_product.h's streamed
 // product. Returns (..., out) shaped like x, or None for a layout it does not read.
@@ -234,7 +241,7 @@ std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
     return t.scalar_type() == at::kFloat && t.device().is_cpu();
   };
   if (!usable(x) || !usable(w) || w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) ||
-      x.numel() != w.size(1) || !x.is_contiguous())
+      leading_rows(x) != 1 || !x.is_contiguous())
     return std::nullopt;
   const int64_t n_out = w.size(0), n_in = w.size(1);
   const bool by_rows = w.stride(1) == 1 && (n_out <= 1 || w.stride(0) >= n_in);
@@ -268,15 +275,14 @@ constexpr int64_t FEW_ROWS = 64;
 std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
-  if (x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1) && x.numel() == w.size(1))
-    return one_row(x, w, bias, residual);
+  if (x.dim() >= 1 && leading_rows(x) == 1) return one_row(x, w, bias, residual);
   if (!tile_gemm_supported() || residual.has_value() || x.scalar_type() != at::kFloat ||
       w.scalar_type() != at::kFloat || !x.device().is_cpu() || !w.device().is_cpu() ||
       w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
       w.stride(0) != 1 || w.stride(1) < w.size(0))
     return std::nullopt;
   const int64_t n_in = w.size(1), n_out = w.size(0), ld = w.stride(1);
-  const int64_t rows = n_in == 0 ? 0 : x.numel() / n_in;
+  const int64_t rows = leading_rows(x);
   if (rows > FEW_ROWS || n_in == 0) return std::nullopt;
   if (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->device().is_cpu() ||
                            bias->numel() != n_out || !bias->is_contiguous()))

@@ -26,7 +26,8 @@ namespace {
 // token takes position pos[l] of layer l's cache (k_caches[l], v_caches[l],
 // (1, Hkv, Lmax, D)). x is (1, 1, d). Returns y (1, 1, d), or None, nothing written,
 // where a tensor is not what this reads (checked for every layer before the first
-// one runs).
+// one runs). Should a layer still raise, the layers before it have written their
+// new key and value at pos, which the caller's crop puts back beyond seq_len.
 constexpr size_t LAYER_PARAMS = 18;
 
 struct Layer {
@@ -71,6 +72,10 @@ bool layer_ok(int64_t d, const std::vector<at::Tensor>& raw, Layer& L) {
   if (L.norm < 0 || L.norm > 1 || L.mlp < 0 || L.mlp > 3 || raw[12].defined() != swiglu ||
       !raw[10].defined() || !raw[16].defined())
     return false;
+  for (int i = 0; i < 4; ++i)  // the norms' weights and biases: (d,) contiguous or none
+    if (raw[i].defined() && (raw[i].dim() != 1 || raw[i].size(0) != d || !raw[i].is_contiguous()))
+      return false;
+  if (L.norm == 0 && (raw[1].defined() || raw[3].defined())) return false;  // RMSNorm: no bias
   std::vector<at::Tensor>& p = L.p;
   p.assign(12, at::Tensor());
   for (int i = 0; i < 4; ++i) p[i] = raw[i];  // the norms

@@ -134,16 +134,16 @@ inline void row_product(const float* x, const float* w, int64_t ld, bool by_rows
     });
     return;
   }
-  // A piece is a band of inputs, summed into the thread's partial output (thread-local:
-  // no allocation once warm; a thread runs one chunk of a parallel_for).
+  // A piece is a band of inputs, summed into its chunk's partial output (one per
+  // chunk, owned by this call: right under any threading backend, and under calls
+  // from several Python threads at once).
+  std::vector<float> partial(threads * n_out, 0.0f);
   std::vector<const float*> parts(threads, nullptr);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t) {
-    thread_local std::vector<float> part;
-    if (static_cast<int64_t>(part.size()) < n_out) part.resize(n_out);
-    std::fill(part.begin(), part.begin() + n_out, 0.0f);
+    float* acc = partial.data() + begin * n_out;
     for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1))
-      axpys(w, ld, x, n_out, n_in * k / pieces, n_in * (k + 1) / pieces, part.data());
-    parts[begin] = part.data();
+      axpys(w, ld, x, n_out, n_in * k / pieces, n_in * (k + 1) / pieces, acc);
+    parts[begin] = acc;
   });
   for (int64_t j = 0; j < n_out; ++j) {
     float s = 0.0f;

@@ -28,7 +28,8 @@
 namespace attnlab {
 
 inline bool tile_gemm_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
   return ok;
 }
 

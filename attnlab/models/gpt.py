@@ -143,7 +143,7 @@ class Block(nn.Module):
         cannot stand in for the modules: a hook or ``qkv_hook`` that must see them run,
         dropout in training, a chosen backend, a replaced piece or a lost packed layout,
         other dtypes or devices, no kernel (gradients are ruled out by the caller)."""
-        return decoding.step(self, x, cache)
+        return decoding.step(self, x, cache, Block)
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -250,9 +250,9 @@ class GPT(GenerationMixin, nn.Module):
         fused_rows = (caches is not None and batch * seq == 1 and mask is None
                       and positions is None and not output_attentions
                       and hidden is None and not torch.is_grad_enabled()
-                      and not _global_forward_hooks())
+                      and not fused.global_forward_hooks())
         if fused_rows:
-            x = decoding.run(self.blocks, x, caches)
+            x = decoding.run(self.blocks, x, caches, Block)
         for i, block in enumerate(() if fused_rows else self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
@@ -310,14 +310,6 @@ class GPT(GenerationMixin, nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def _global_forward_hooks() -> bool:
-    """Whether forward hooks registered for every module are in force (they must see
-    each module run, so the fused decoding step stands aside)."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 def _source(model) -> str:

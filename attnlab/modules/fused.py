@@ -29,6 +29,7 @@ the layers run one by one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 
 from .. import _native
 
-__all__ = ["pack", "is_packed", "block", "joint", "split"]
+__all__ = ["pack", "is_packed", "block", "joint", "split", "global_forward_hooks"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -102,6 +103,14 @@ def pack(linears: Sequence[nn.Linear]) -> None:
                     m.bias.data = m.bias.detach().clone()
 
 
+def global_forward_hooks() -> bool:
+    """Whether forward hooks registered for every module are in force: they must see
+    each module run, so the fused inference paths stand aside."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
     (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
@@ -118,14 +127,15 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     or None where the layers should run one by one: with gradients, with hooks on a
     layer, for more rows than the native kernel takes (BLAS's own blocking then pays,
     and multiplies a packed block slower than each layer's own weight)."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or global_forward_hooks():
         return None
-    one_row = x.numel() == x.shape[-1]
+    one_row = math.prod(x.shape[:-1]) == 1
     ops = _native.for_inference(x)
     if not one_row and ops is None:
         return None
-    for m in linears:
-        if m._forward_hooks or m._forward_pre_hooks:
+    for m in linears:  # a wrapped or parametrised layer, or one hooked: it runs itself
+        if (type(m) is not nn.Linear or "weight" not in m._parameters
+                or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__):
             return None
     if not is_packed(linears):
         if any(m._parameters["bias"] is not None for m in linears) and not all(

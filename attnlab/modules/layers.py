@@ -42,10 +42,12 @@ class RMSNorm(nn.RMSNorm):
     decoding one token at a time pays twice per layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _native.for_inference(x, self.weight) if len(self.normalized_shape) == 1 else None
+        weight = self.weight
+        ops = (_native.for_inference(x, weight) if len(self.normalized_shape) == 1
+               and (weight is None or weight.is_contiguous()) else None)
         if ops is not None:
             eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-            return ops.rms_norm(x, self.weight, eps)
+            return ops.rms_norm(x, weight, eps)
         return super().forward(x)
 
 
