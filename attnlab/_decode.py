@@ -1,4 +1,4 @@
-"""Decoding one token in as few native calls as possible (``csrc/decode.cpp``).
+"""Decoding one token in as few native calls as possible (``csrc/decode*.cpp``).
 
 Decoding a single sequence reads every weight once per token; what is left is the
 count of small operations per layer, each a few microseconds of dispatch for a
@@ -39,7 +39,7 @@ class Layer(NamedTuple):
     """One pre-norm decoder layer as :func:`layers` takes it.
 
     ``params``: the layer's 18 tensors in the order of ``decode_layers`` in
-    ``csrc/decode.cpp``, weight then bias of: norm1, norm2, W_query, W_key, W_value,
+    ``csrc/decode_layers.cpp``, weight then bias of: norm1, norm2, W_query, W_key, W_value,
     out_proj, the MLP's gate (SwiGLU only), fc and proj; None where the layer has
     none. Q/K/V and gate/fc must be packed groups (``modules.fused.pack``): the kernel
     checks that they still lie side by side and multiplies each group at once.
@@ -98,8 +98,10 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
         PyTorch path.
     """
     ops = _native.for_inference(qkv, cache.k)
+    if ops is None or cache.remaining < 1:
+        return None
     tables = _tables(rotary, cache, qkv.device)
-    if ops is None or cache.remaining < 1 or tables is None:
+    if tables is None:
         return None
     cos, sin = tables
     return _reserved([cache], lambda positions: ops.decode_step(

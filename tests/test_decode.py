@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from attnlab import _decode, _native
 from attnlab.cache import KVCache
-from attnlab.models import GPT, GPTConfig
+from attnlab.models import GPT, GPTConfig, decoding
+from attnlab.models.gpt import Block
 from attnlab.modules import MultiHeadAttention
 from attnlab.modules.layers import RMSNorm
 
@@ -243,7 +244,8 @@ def test_a_declined_fused_layer_leaves_the_cache_as_it_was():
     x = torch.randn(1, 1, 16)
     with torch.no_grad():
         block.norm2.weight.data = block.norm2.weight.data.double()
-        assert block.decode(x, cache) is None
+        layer = decoding._layer(block, Block)
+        assert layer is not None and _decode.layers(x, [layer], [cache]) is None
     assert cache.seq_len == 0 and not cache.k.any()
 
 
@@ -400,8 +402,6 @@ def test_a_block_or_piece_that_is_not_what_the_kernel_knows_runs_its_modules():
     """A Block subclass or a forward set on an instance (block or piece), a wrapper in
     place of a block, attention dropout turned on by ``attn.train()`` alone: the
     kernel stands aside for that block, and the logits are the modules' logits."""
-    from attnlab.models.gpt import Block
-
     class Shifted(Block):
         def forward(self, x, *args):
             y, w = super().forward(x, *args)

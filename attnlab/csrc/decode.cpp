@@ -230,6 +230,9 @@ int64_t leading_rows(const at::Tensor& x) {
   return rows;
 }
 
+// A tensor the products read: float32 on the CPU.
+bool usable(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
+
 // One row x (..., in) times an nn.Linear weight (out, in) stored by rows (unit
 // stride along in) or by columns (unit stride along out, the packed blocks), plus
 // bias (out,) and residual (numel = out), each optional: row_product.h's streamed
@@ -237,9 +240,6 @@ int64_t leading_rows(const at::Tensor& x) {
 std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
                                   const std::optional<at::Tensor>& bias,
                                   const std::optional<at::Tensor>& residual) {
-  auto usable = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kFloat && t.device().is_cpu();
-  };
   if (!usable(x) || !usable(w) || w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) ||
       leading_rows(x) != 1 || !x.is_contiguous())
     return std::nullopt;
@@ -276,16 +276,14 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
   if (x.dim() >= 1 && leading_rows(x) == 1) return one_row(x, w, bias, residual);
-  if (!tile_gemm_supported() || residual.has_value() || x.scalar_type() != at::kFloat ||
-      w.scalar_type() != at::kFloat || !x.device().is_cpu() || !w.device().is_cpu() ||
+  if (!tile_gemm_supported() || residual.has_value() || !usable(x) || !usable(w) ||
       w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
       w.stride(0) != 1 || w.stride(1) < w.size(0))
     return std::nullopt;
   const int64_t n_in = w.size(1), n_out = w.size(0), ld = w.stride(1);
   const int64_t rows = leading_rows(x);
   if (rows > FEW_ROWS || n_in == 0) return std::nullopt;
-  if (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->device().is_cpu() ||
-                           bias->numel() != n_out || !bias->is_contiguous()))
+  if (bias.has_value() && (!usable(*bias) || bias->numel() != n_out || !bias->is_contiguous()))
     return std::nullopt;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n_out;

@@ -7,6 +7,9 @@
 
 namespace attnlab {
 
+// A tensor the decoding kernels read: float32 on the CPU.
+bool usable(const at::Tensor& t);
+
 // One new token's attention: RoPE, cache append at `pos`, attention over the cache
 // (decode.cpp's comment has the shapes). Returns (B, 1, Hq * D).
 at::Tensor decode_step(const at::Tensor& qkv, const std::optional<at::Tensor>& cos_table,

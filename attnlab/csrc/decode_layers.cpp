@@ -67,7 +67,7 @@ bool join(const std::vector<at::Tensor>& w, const std::vector<at::Tensor>& b, at
 // them and the layer's cache; false where they are not what this reads.
 bool layer_ok(int64_t d, const std::vector<at::Tensor>& raw, Layer& L) {
   for (const at::Tensor& t : raw)
-    if (t.defined() && (t.scalar_type() != at::kFloat || !t.device().is_cpu())) return false;
+    if (t.defined() && !usable(t)) return false;
   const bool swiglu = L.mlp == 3;
   if (L.norm < 0 || L.norm > 1 || L.mlp < 0 || L.mlp > 3 || raw[12].defined() != swiglu ||
       !raw[10].defined() || !raw[16].defined())
@@ -97,13 +97,12 @@ bool layer_ok(int64_t d, const std::vector<at::Tensor>& raw, Layer& L) {
   const bool cache_ok = L.k.dim() == 4 && L.k.sizes() == L.v.sizes() && L.k.size(0) == 1 &&
                         L.k.size(1) == L.kv_heads && L.kv_heads > 0 &&
                         L.heads % L.kv_heads == 0 && L.k.is_contiguous() &&
-                        L.v.is_contiguous() && L.k.scalar_type() == at::kFloat &&
-                        L.v.scalar_type() == at::kFloat && L.k.device().is_cpu() &&
+                        L.v.is_contiguous() && usable(L.k) && usable(L.v) &&
                         L.pos >= 0 && L.pos < L.k.size(2);
   if (!cache_ok || L.cos.has_value() != L.sin.has_value()) return false;
   for (const auto* t : {&L.cos, &L.sin})
     if (t->has_value() && ((*t)->dim() != 2 || (*t)->size(0) <= L.pos || (*t)->size(1) != D ||
-                           !(*t)->is_contiguous() || (*t)->scalar_type() != at::kFloat || D % 2))
+                           !(*t)->is_contiguous() || !usable(**t) || D % 2))
       return false;
   return true;
 }
@@ -139,7 +138,7 @@ std::optional<at::Tensor> decode_layers(
     at::IntArrayRef norm, at::ArrayRef<double> eps, at::IntArrayRef mlp) {
   const size_t n = k_caches.size();
   const int64_t d = x.size(-1);
-  if (x.numel() != d || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+  if (x.numel() != d || !usable(x) ||
       params.size() != LAYER_PARAMS * n || cos.size() != n || sin.size() != n || v_caches.size() != n ||
       pos.size() != n || window.size() != n || heads.size() != n || kv_heads.size() != n ||
       scale.size() != n || norm.size() != n || eps.size() != n || mlp.size() != n)

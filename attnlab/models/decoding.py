@@ -57,13 +57,6 @@ def run(blocks: Sequence[nn.Module], x: torch.Tensor, caches: Sequence[KVCache],
     return x
 
 
-def step(block: nn.Module, x: torch.Tensor, cache: KVCache, kind: type) -> torch.Tensor | None:
-    """``block``'s output for one new token ``x (1, 1, d_model)`` with its cache, from
-    one native call; None (nothing changed) where the modules must run instead."""
-    layer = _layer(block, kind)
-    return None if layer is None else _decode.layers(x, [layer], [cache])
-
-
 def _layer(block: nn.Module, kind: type) -> _decode.Layer | None:
     """What ``_decode.layers`` needs of ``block`` now, or None where its modules must run:
     a block or piece the kernel does not know (a subclass, a ``forward`` of its own), a

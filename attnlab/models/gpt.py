@@ -137,14 +137,6 @@ class Block(nn.Module):
         x = x + a
         return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training), weights
 
-    def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """What ``forward`` gives for one new token ``x (1, 1, d_model)`` with its cache,
-        in one native call (``models.decoding``); None, nothing changed, where that
-        cannot stand in for the modules: a hook or ``qkv_hook`` that must see them run,
-        dropout in training, a chosen backend, a replaced piece or a lost packed layout,
-        other dtypes or devices, no kernel (gradients are ruled out by the caller)."""
-        return decoding.step(self, x, cache, Block)
-
 
 class GPT(GenerationMixin, nn.Module):
     """Decoder-only language model.

@@ -89,6 +89,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         ``(batch, seq, d_model)`` (the second is what the output layer reads).
         Arguments and the order of the returned tuple as :meth:`attnlab.models.GPT.forward`."""
         check_ids(ids, self.config.vocab_size)
+        non_negative_int("logits_to_keep", logits_to_keep)
         past = caches[0].seq_len if caches else 0
         seq = ids.shape[1]
         if past + seq > self.context_length:
@@ -104,7 +105,6 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         if output_attentions:
             a, w = a
         h = x + a
-        non_negative_int("logits_to_keep", logits_to_keep)
         kept = h[:, -logits_to_keep:] if logits_to_keep else h
         return with_extras(self.out(kept), None if w is None else [w],
                            [x, h] if output_hidden_states else None)

@@ -35,10 +35,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 from .. import _native
 
-__all__ = ["pack", "is_packed", "block", "joint", "split", "global_forward_hooks"]
+__all__ = ["pack", "is_packed", "joint", "apply", "split", "global_forward_hooks"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -106,12 +107,10 @@ def pack(linears: Sequence[nn.Linear]) -> None:
 def global_forward_hooks() -> bool:
     """Whether forward hooks registered for every module are in force: they must see
     each module run, so the fused inference paths stand aside."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
-def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
     (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
     w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
@@ -142,13 +141,20 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
                 m._parameters["bias"] is not None for m in linears):
             return None
         pack(linears)  # the layout was lost (a dtype change, an assigned parameter)
-    weight, bias = block(linears)
+    weight, bias = _block(linears)
     if ops is not None and weight.dtype == torch.float32:
         # One row streamed as fast as memory allows, a few by the tile kernel.
         out = ops.linear(x.contiguous(), weight, bias, None)
         if out is not None:
             return out
     return F.linear(x, weight, bias) if one_row else None
+
+
+def apply(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(x)``: by the packed inference product where :func:`joint` takes it,
+    else by the layer itself (which its hooks then see)."""
+    out = joint(x, (linear,))
+    return linear(x) if out is None else out
 
 
 def split(x: torch.Tensor, linears: Sequence[nn.Linear]) -> list[torch.Tensor]:

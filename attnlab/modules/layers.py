@@ -85,19 +85,13 @@ class MLP(nn.Module):
             gate_up = fused.joint(x, (self.gate, self.fc))  # one product in inference
             ops = None if gate_up is None else _native.for_inference(gate_up)
             if ops is not None:  # inference: silu(gate) * up in one pass
-                return self._down(ops.silu_mul(gate_up))
+                return fused.apply(ops.silu_mul(gate_up), self.proj)
             gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
                         else (self.gate(x), self.fc(x)))
-            return self._down(F.silu(gate) * up)
-        h = fused.joint(x, (self.fc,))
-        if h is None:
-            h = self.fc(x)
+            return fused.apply(F.silu(gate) * up, self.proj)
+        h = fused.apply(x, self.fc)
         if self.kind == "relu":
             h = F.relu(h)
         else:
             h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
-        return self._down(h)
-
-    def _down(self, h: torch.Tensor) -> torch.Tensor:
-        out = fused.joint(h, (self.proj,))  # None: the layer itself runs
-        return self.proj(h) if out is None else out
+        return fused.apply(h, self.proj)

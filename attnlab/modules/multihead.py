@@ -270,9 +270,7 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, merged: torch.Tensor) -> torch.Tensor:
         """The heads side by side ``(B, T, d_out)`` -> output projection, dropout."""
-        out = fused.joint(merged, (self.out_proj,))  # None: the layer itself runs
-        return dropout(self.out_proj(merged) if out is None else out, self.resid_dropout,
-                       self.training)
+        return dropout(fused.apply(merged, self.out_proj), self.resid_dropout, self.training)
 
     def _check_x(self, x) -> tuple[int, int]:
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
