@@ -29,7 +29,7 @@ ENV_SWITCH = "ATTNLAB_NATIVE"
 ENV_DIR = "ATTNLAB_NATIVE_DIR"
 LIBRARY = "attnlab_native"  # the TORCH_LIBRARY namespace: torch.ops.attnlab_native
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_layers.cpp")
+SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layers.cpp")
 # Portable flags only: the row loops pick AVX-512/AVX2 at load time (target_clones),
 # so the cached build is safe on any x86-64 machine; -fopenmp compiles at::parallel_for
 # (the runtime is torch's own libgomp, already loaded).

@@ -1,21 +1,7 @@
-// The small operations of decoding one sequence, each one call instead of several.
-//
-// decode_step: one decoding step of one attention layer, fused: rotate the new token's query
-// and key (RoPE, half-split), write its key and value into the KV cache, attend
-// from the query to every cached key the window leaves.
-//
-// Decoding one sequence costs a weight read per matrix and, for the rest, the
-// number of small operations per layer: done as PyTorch ops the step above is
-// about fifteen of them (views, roll, two products for RoPE, four cache slices
-// and copies, SDPA, the output reshape), each a dispatch of a few microseconds
-// on 64 numbers per head. Here it is one call.
-//
-// Shapes: qkv (B, 1, (Hq + 2 Hkv) * D), the packed projection of the new token
-// (queries, then keys, then values, head by head); cos and sin the rotary tables
-// (P, D) in rope.py's convention (sin signed: rot(x) = x cos + roll(x, D/2) sin),
-// or undefined for no rotation; k_cache and v_cache (B, Hkv, Lmax, D), contiguous.
-// The new token sits at position `pos` of the cache; it sees keys
-// max(0, pos - window + 1) .. pos (window 0: all of them). Returns (B, 1, Hq * D).
+// The small operations of decoding one sequence, each one call instead of several:
+// rms_norm and SwiGLU's silu_mul in one pass per row, and the products of one row
+// (streamed, row_product.h) or a few (the tile kernel, tile_gemm.h). The attention
+// step is decode_step.cpp; a whole run of layers in one call, decode_layers.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,119 +15,6 @@
 #include "tile_math.h"
 
 namespace attnlab {
-namespace {
-
-ATTNLAB_CLONES static float dot(const float* a, const float* b, int64_t n) {
-  f8 acc{};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) acc += load8(a + j) * load8(b + j);
-  float out = sum8(acc);
-  for (; j < n; ++j) out += a[j] * b[j];
-  return out;
-}
-
-// y += a * x
-ATTNLAB_CLONES static void axpy(float* y, const float* x, float a, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
-}
-
-// dst = x * cos + roll(x, n / 2) * sin (sin signed as rope.py keeps it); dst != x.
-static void rotate(float* dst, const float* x, const float* cos, const float* sin, int64_t n) {
-  const int64_t half = n / 2;
-  for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * cos[i] + x[(i + half) % n] * sin[i];
-}
-
-}  // namespace
-
-at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_table,
-                       const c10::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
-                       at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
-                       int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat,
-              "attnlab decode_step: CPU float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "attnlab decode_step: contiguous float32 caches of one shape");
-  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), Lmax = k_cache.size(2),
-                D = k_cache.size(3), Hq = num_heads;
-  TORCH_CHECK(Hkv == num_kv_heads && Hkv > 0 && Hq % Hkv == 0 && D > 0,
-              "attnlab decode_step: bad head layout");
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 &&
-                  qkv.size(2) == (Hq + 2 * Hkv) * D && qkv.stride(2) == 1,
-              "attnlab decode_step: qkv must be (B, 1, (Hq + 2 Hkv) * D)");
-  TORCH_CHECK(pos >= 0 && pos < Lmax, "attnlab decode_step: position outside the cache");
-  const bool rope = cos_table.has_value() && cos_table->defined();
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  if (rope) {
-    for (const at::Tensor* t : {&*cos_table, &*sin_table}) {
-      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
-                      t->size(0) > pos && t->size(1) == D && D % 2 == 0,
-                  "attnlab decode_step: rotary tables (P > pos, D) float32");
-    }
-    cos = cos_table->data_ptr<float>() + pos * D;
-    sin = sin_table->data_ptr<float>() + pos * D;
-  }
-  const int64_t G = Hq / Hkv, row = qkv.stride(0);
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - lo;
-  const float* src = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  // The new key and value go into the cache first: the query attends to itself too.
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* k = src + b * row + (Hq + h) * D;
-      const float* v = src + b * row + (Hq + Hkv + h) * D;
-      float* kd = kc + ((b * Hkv + h) * Lmax + pos) * D;
-      if (rope) {
-        rotate(kd, k, cos, sin, D);
-      } else {
-        std::copy(k, k + D, kd);
-      }
-      std::copy(v, v + D, vc + ((b * Hkv + h) * Lmax + pos) * D);
-    }
-  }
-  at::Tensor out = at::empty({B, 1, Hq * D}, qkv.options());
-  float* o = out.data_ptr<float>();
-  // One work item per (sequence, kv head): its G query heads read each cached key
-  // and value row once, while the row is in cache. Small problems stay on one
-  // thread: waking the other costs more than it saves.
-  const int64_t grain = B * Hq * n * D < (int64_t{1} << 17) ? B * Hkv : 1;
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(G * D), s(G * n);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, hk = item % Hkv;
-      for (int64_t g = 0; g < G; ++g) {  // the group's queries, rotated and scaled
-        const float* qs = src + b * row + (hk * G + g) * D;
-        if (rope) {
-          rotate(q.data() + g * D, qs, cos, sin, D);
-        } else {
-          std::copy(qs, qs + D, q.data() + g * D);
-        }
-        scale_row(q.data() + g * D, D, float(scale));
-      }
-      const float* keys = kc + ((b * Hkv + hk) * Lmax + lo) * D;
-      const float* vals = vc + ((b * Hkv + hk) * Lmax + lo) * D;
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(q.data() + g * D, keys + j * D, D);
-      }
-      float* od = o + b * Hq * D + hk * G * D;  // the group's G heads lie side by side
-      std::fill(od, od + G * D, 0.0f);
-      std::vector<float> inv(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = s.data() + g * n;
-        inv[g] = 1.0f / exp_shift_sum(sg, n, row_max(sg, n));
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t g = 0; g < G; ++g) axpy(od + g * D, vals + j * D, s[g * n + j], D);
-      }
-      for (int64_t g = 0; g < G; ++g) scale_row(od + g * D, D, inv[g]);
-    }
-  });
-  return out;
-}
-
 namespace {
 
 // rms_norm: x * rsqrt(mean(x^2) + eps) * weight over the last dimension, one pass per
@@ -319,17 +192,12 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 }  // namespace attnlab
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def(
-      "decode_step(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, int pos, int window, int num_heads, int num_kv_heads, "
-      "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor?");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
-  m.impl("decode_step", &attnlab::decode_step);
   m.impl("rms_norm", &attnlab::rms_norm);
   m.impl("silu_mul", &attnlab::silu_mul);
   m.impl("linear", &attnlab::linear);

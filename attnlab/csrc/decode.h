@@ -1,4 +1,5 @@
-// The decoding kernels of decode.cpp that decode_layers.cpp builds a layer from.
+// The decoding kernels of decode.cpp and decode_step.cpp that decode_layers.cpp builds a
+// layer from.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +12,7 @@ namespace attnlab {
 bool usable(const at::Tensor& t);
 
 // One new token's attention: RoPE, cache append at `pos`, attention over the cache
-// (decode.cpp's comment has the shapes). Returns (B, 1, Hq * D).
+// (decode_step.cpp's comment has the shapes). Returns (B, 1, Hq * D).
 at::Tensor decode_step(const at::Tensor& qkv, const std::optional<at::Tensor>& cos_table,
                        const std::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
                        at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,

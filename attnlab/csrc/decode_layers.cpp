@@ -1,6 +1,6 @@
 // decode_layers: one decoded row through a run of pre-norm decoder layers in one
-// call, from decode.cpp's kernels (decode.h). The Python side is _decode.layers;
-// models/decoding.py decides which blocks it may stand in for.
+// call, from the kernels of decode.cpp and decode_step.cpp (decode.h). The Python
+// side is _decode.layers; models/decoding.py decides which blocks it may stand in for.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

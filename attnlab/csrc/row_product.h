@@ -111,6 +111,23 @@ ATTNLAB_CLONES static void axpys(const float* w, int64_t ld, const float* x, int
   }
 }
 
+// y = residual + the sum of the count partial outputs + bias (residual, bias may be
+// null; y may alias residual): vector loops, one pass per term.
+ATTNLAB_CLONES static void add_parts(float* y, const float* const* parts, int64_t count,
+                                     int64_t n, const float* bias, const float* residual) {
+  if (count == 0) {
+    for (int64_t j = 0; j < n; ++j) y[j] = residual ? residual[j] : 0.0f;
+  } else if (residual != nullptr) {
+    for (int64_t j = 0; j < n; ++j) y[j] = residual[j] + parts[0][j];
+  } else {
+    std::memcpy(y, parts[0], n * sizeof(float));
+  }
+  for (int64_t t = 1; t < count; ++t)
+    for (int64_t j = 0; j < n; ++j) y[j] += parts[t][j];
+  if (bias != nullptr)
+    for (int64_t j = 0; j < n; ++j) y[j] += bias[j];
+}
+
 // Below this many weights one thread streams the matrix before a second one wakes.
 constexpr int64_t ROW_PRODUCT_PARALLEL_MIN = int64_t{1} << 15;
 
@@ -145,12 +162,10 @@ inline void row_product(const float* x, const float* w, int64_t ld, bool by_rows
       axpys(w, ld, x, n_out, n_in * k / pieces, n_in * (k + 1) / pieces, acc);
     parts[begin] = acc;
   });
-  for (int64_t j = 0; j < n_out; ++j) {
-    float s = 0.0f;
-    for (int64_t t = 0; t < threads; ++t)
-      if (parts[t] != nullptr) s += parts[t][j];
-    y[j] = plus(s, bias, residual, j);
-  }
+  int64_t count = 0;
+  for (const float* part : parts)
+    if (part != nullptr) parts[count++] = part;
+  add_parts(y, parts.data(), count, n_out, bias, residual);
 }
 
 }  // namespace attnlab
