@@ -109,7 +109,44 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
         num_heads, num_kv_heads, 1.0 / math.sqrt(cache.head_dim)))
 
 
-def layers(x: torch.Tensor, run: Sequence[Layer],
+class Run:
+    """A run of consecutive layers as :func:`layers` passes them to the kernel: their
+    parameters in one flat list and each setting in one list, built once for as long
+    as the layers stay what they were (``models.decoding`` holds one for a whole
+    ``generate`` call where nothing can change them), and each layer's RoPE tables,
+    fetched again only when a position goes past them."""
+
+    __slots__ = ("layers", "params", "heads", "kv_heads", "norms", "eps", "mlps", "tables")
+
+    def __init__(self, layers: Sequence[Layer]) -> None:
+        self.layers = tuple(layers)
+        self.params = [p for layer in self.layers for p in layer.params]
+        self.heads = [layer.num_heads for layer in self.layers]
+        self.kv_heads = [layer.num_kv_heads for layer in self.layers]
+        self.norms = [NORMS.index(layer.norm) for layer in self.layers]
+        self.eps = [layer.eps for layer in self.layers]
+        self.mlps = [MLPS.index(layer.mlp) for layer in self.layers]
+        self.tables: list[tuple | None] = [None] * len(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def rope_tables(self, caches: Sequence[KVCache], device) -> tuple[list, list] | None:
+        """Per layer (cos, sin) covering each cache's next position ((None, None) without
+        RoPE), or None where a position is beyond what RoPE keeps."""
+        cos, sin = [], []
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            held = self.tables[i]
+            if held is None or (held[0] is not None and held[0].shape[0] <= cache.seq_len):
+                held = self.tables[i] = _tables(layer.rotary, cache, device)
+                if held is None:
+                    return None
+            cos.append(held[0])
+            sin.append(held[1])
+        return cos, sin
+
+
+def layers(x: torch.Tensor, run: Run | Sequence[Layer],
            caches: Sequence[KVCache]) -> torch.Tensor | None:
     """One new token through a run of pre-norm decoder layers,
     ``y = x + attn(norm1(x))``, then ``y + mlp(norm2(y))``, layer after layer, each
@@ -117,7 +154,8 @@ def layers(x: torch.Tensor, run: Sequence[Layer],
 
     Args:
         x: ``(1, 1, d_model)`` the token's hidden state, float32 on the CPU.
-        run: the layers, in order; caches: one per layer (batch size 1).
+        run: the layers, in order (a :class:`Run` of them is reused as it is);
+            caches: one per layer (batch size 1).
 
     Returns:
         ``(1, 1, d_model)``, or None (every cache unchanged) where the kernel cannot
@@ -126,20 +164,17 @@ def layers(x: torch.Tensor, run: Sequence[Layer],
     ops = _native.for_inference(x)
     if ops is None:
         return None
-    cos, sin = [], []
-    for layer, cache in zip(run, caches):
-        tables = _tables(layer.rotary, cache, x.device)
-        if cache.remaining < 1 or tables is None:
-            return None
-        cos.append(tables[0])
-        sin.append(tables[1])
-    params = [p for layer in run for p in layer.params]
+    run = run if isinstance(run, Run) else Run(run)
+    if any(cache.remaining < 1 for cache in caches):
+        return None
+    tables = run.rope_tables(caches, x.device)
+    if tables is None:
+        return None
     return _reserved(caches, lambda positions: ops.decode_layers(
-        x, params, cos, sin, [c.k for c in caches], [c.v for c in caches], positions,
-        [_window(layer.window, pos) for layer, pos in zip(run, positions)],
-        [layer.num_heads for layer in run], [layer.num_kv_heads for layer in run],
-        [1.0 / math.sqrt(c.head_dim) for c in caches], [NORMS.index(layer.norm) for layer in run],
-        [layer.eps for layer in run], [MLPS.index(layer.mlp) for layer in run]))
+        x, run.params, tables[0], tables[1], [c.k for c in caches], [c.v for c in caches],
+        positions, [_window(layer.window, pos) for layer, pos in zip(run.layers, positions)],
+        run.heads, run.kv_heads, [1.0 / math.sqrt(c.head_dim) for c in caches], run.norms,
+        run.eps, run.mlps))
 
 
 def _window(window: int | None, pos: int) -> int:

@@ -9,20 +9,32 @@ its packed layouts cost about 45 us a layer inside ``generate`` (SmolLM-135M: 1.
 ``_parameters``, checks only what Python must (types, hooks, flags), leaves the
 tensors' checks to the kernel (dtypes, devices, shapes, that packed groups still sit
 side by side in one block), and hands runs of consecutive blocks to the kernel in
-one call (``_decode.layers``). Nothing is cached between tokens, so a piece replaced,
-a hook added or a parameter moved is seen at the next token.
+one call (``_decode.layers``). Even so it is about 20 us a layer, cold (0.6 of
+11 ms a token for SmolLM).
+
+So the plan (which blocks the kernel takes, in which runs) is made for every token,
+and a piece replaced, a hook added or a parameter moved is seen at the next one,
+except inside :func:`held`: ``generate`` without a callback, on a model through
+which none of the user's Python can run until it returns (no hooks, no forward of
+an instance's own, only attnlab's and torch's module classes, plain tensors). There
+nothing can change the blocks between the first token and the last, and the plan
+made at the first token serves them all. The kernel still checks every tensor at
+every call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from itertools import chain
 
 import torch
 from torch import nn
 
 from .. import _decode
 from ..cache import KVCache
-from ..modules import MultiHeadAttention
+from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, RMSNorm
 
 _NORMS = {RMSNorm: "rmsnorm", nn.LayerNorm: "layernorm"}
@@ -30,31 +42,83 @@ _NORMS = {RMSNorm: "rmsnorm", nn.LayerNorm: "layernorm"}
 _ATTN_LINEARS = ("W_query", "W_key", "W_value", "out_proj")
 _MLP_LINEARS = ("gate", "fc", "proj")
 _GATE = len(_ATTN_LINEARS)  # its index among the linears
+# Within held(): the plan of each sequence of blocks, made at its first token.
+_HELD: ContextVar[dict | None] = ContextVar("attnlab_decoding_held", default=None)
+_LIBRARY = ("attnlab.", "torch.nn.")
+
+# A plan: (start, stop, run) for each stretch of blocks, run a _decode.Run where the
+# kernel may take blocks[start:stop], None for one block that runs its modules.
+Plan = list[tuple[int, int, "_decode.Run | None"]]
 
 
-def run(blocks: Sequence[nn.Module], x: torch.Tensor, caches: Sequence[KVCache],
+@contextmanager
+def held(model: nn.Module) -> Iterator[None]:
+    """Within, each plan is made once and kept, where ``model`` runs nothing of the
+    user's (see the module's docstring); otherwise, and outside, one plan a token."""
+    if not _library_only(model):
+        yield
+        return
+    token = _HELD.set({})
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
+def _library_only(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` runs only attnlab's and torch's code: no hooks
+    (global or on any module), no instance's own ``forward``, every module of a class
+    from attnlab or ``torch.nn``, every parameter and buffer a plain tensor."""
+    if fused.global_forward_hooks():
+        return False
+    for m in model.modules():
+        if (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                or not type(m).__module__.startswith(_LIBRARY)):
+            return False
+    return all(type(t) in (torch.Tensor, nn.Parameter)
+               for t in chain(model.parameters(), model.buffers()))
+
+
+def run(blocks: nn.ModuleList, x: torch.Tensor, caches: Sequence[KVCache],
         kind: type) -> torch.Tensor:
     """``x (1, 1, d_model)`` through ``blocks`` (each to be of type ``kind``, GPT's
     ``Block``) for one new token: runs of blocks the kernel takes in one native call
     each, the others through their modules."""
-    i = 0
-    while i < len(blocks):
-        ready = []
-        while i + len(ready) < len(blocks):
-            layer = _layer(blocks[i + len(ready)], kind)
-            if layer is None:
-                break
-            ready.append(layer)
-        y = _decode.layers(x, ready, caches[i:i + len(ready)]) if ready else None
+    memo = _HELD.get()
+    plan = None if memo is None else memo.get(blocks)
+    if plan is None:
+        plan = _plan(blocks, kind)
+        if memo is not None:
+            memo[blocks] = plan
+    for start, stop, fused_run in plan:
+        y = None if fused_run is None else _decode.layers(x, fused_run, caches[start:stop])
         if y is not None:
-            x, i = y, i + len(ready)
+            x = y
             continue
         # Declined (a tensor the kernel does not take): those blocks one at a time.
-        for layer in ready or [None]:
+        for i in range(start, stop):
+            layer = None if fused_run is None else fused_run.layers[i - start]
             y = None if layer is None else _decode.layers(x, [layer], [caches[i]])
             x = blocks[i](x, None, caches[i], None, False)[0] if y is None else y
-            i += 1
     return x
+
+
+def _plan(blocks: Sequence[nn.Module], kind: type) -> Plan:
+    """Which blocks the kernel may take now: runs of consecutive ones, one each."""
+    plan: Plan = []
+    ready: list[_decode.Layer] = []
+    for i, block in enumerate(blocks):
+        layer = _layer(block, kind)
+        if layer is not None:
+            ready.append(layer)
+            continue
+        if ready:
+            plan.append((i - len(ready), i, _decode.Run(ready)))
+            ready = []
+        plan.append((i, i + 1, None))
+    if ready:
+        plan.append((len(blocks) - len(ready), len(blocks), _decode.Run(ready)))
+    return plan
 
 
 def _layer(block: nn.Module, kind: type) -> _decode.Layer | None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import is_int, non_negative_int, optional_positive_int
 from ..text.stream import TextStream
+from . import decoding
 
 
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -53,7 +55,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     # NaN logits (overflowing weights) must not break a stream already printing: they
     # rank lowest, and a row with nothing finite falls back to token 0 via argmax.
     if temperature == 0:  # the float32 logits decide it: no float64 copy of the vocab
-        return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+        best, picked = logits.max(dim=-1)
+        if bool(best.isnan().any()):  # torch ranks NaN highest: only then the copy
+            picked = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+        return picked
     logits = torch.nan_to_num(logits.double(), nan=float("-inf"))
     # float64: logits / 1e-45 and a top_p of 1e-300 stay finite and non-zero there.
     logits = logits / temperature
@@ -216,11 +221,14 @@ class GenerationMixin:
         """
         prompt, _ = _as_batch(ids, self.pad_id)
         new = []
-        for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                               eos_id, generator):
-            new.append(tok)
-            if on_token is not None:
-                on_token(tok)
+        # With no callback nothing of the user's runs until the last token (where the
+        # model runs only library code): the fused decoding plan is made once.
+        with decoding.held(self) if on_token is None else nullcontext():
+            for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p,
+                                   use_cache, eos_id, generator):
+                new.append(tok)
+                if on_token is not None:
+                    on_token(tok)
         prompt = prompt.to(next(self.parameters()).device)
         # Built outside inference mode (stream runs in it, for speed): the result is an
         # ordinary tensor that may feed a later forward with autograd.

@@ -148,3 +148,6 @@ def test_sampling_survives_nan_logits():
     for t in (0.0, 1.0):
         picked = sample_next(logits, t, None, None, torch.Generator().manual_seed(0))
         assert picked.tolist()[1] in (0, 1, 2) and picked.tolist()[0] in (1, 2)
+    # greedy: NaN ranks lowest, and a row of nothing but NaN falls back to token 0
+    assert sample_next(logits, 0.0, None, None, None).tolist() == [2, 0]
+    assert sample_next(torch.tensor([[1.0, 3.0, NAN, 3.0]]), 0.0, None, None, None).tolist() == [1]
