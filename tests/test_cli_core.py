@@ -71,3 +71,26 @@ def test_memprobe_sees_the_step_allocate():
     # eager at T=2048, H=4 holds (4, 2048, 2048) float32 scores: at least 64 MB.
     assert small is not None and big is not None
     assert big - small > 60
+
+
+def test_of_ceiling_pairs_each_round_with_the_ceilings_round():
+    """of_ceiling is the median of each round's ratio (a round that ran slow ran slow
+    for both), not the ratio of the two medians."""
+    from attnlab.bench import generate
+
+    common = {"case": "c", "batch": 1, "new_tokens": 10, "shape": "tiny-llama"}
+    ceiling = {"impl": generate.CEILING, "median_ms": 100.0, "times_ms": [100.0, 100.0, 200.0],
+               **common}
+    ours = {"impl": "attnlab", "median_ms": 230.0, "times_ms": [110.0, 250.0, 230.0], **common}
+    generate.annotate([ceiling, ours], log=lambda line: None)
+    assert ours["of_ceiling"] == pytest.approx(200 / 230)  # rounds: 0.91, 0.4, 0.87
+    assert ours["tokens_per_s"] == pytest.approx(10 / 0.23)
+    del ours["times_ms"]  # rounds unknown: the ratio of the medians
+    generate.annotate([ceiling, ours], log=lambda line: None)
+    assert ours["of_ceiling"] == pytest.approx(100 / 230)
+    table = generate.summary_table([ceiling, ours]).splitlines()
+    assert len(table) == 2  # no transformers record: no row
+    peer = {"impl": "transformers", "median_ms": 460.0, **common}
+    generate.annotate([ceiling, ours, peer], log=lambda line: None)
+    row = generate.summary_table([ceiling, ours, peer]).splitlines()[2]
+    assert row.startswith("| c | 43.5 tok/s | 21.7 tok/s |") and row.endswith("| 43%, 2.00x |")

@@ -2,8 +2,9 @@
 
 Each suite module exposes ``cases(quick) -> list[Case]``; :func:`run` runs the
 chosen suites and returns one record per (case, implementation):
-``{"suite", "case", "impl", "median_ms", "peak_mb", "ratio_to": {peer: x}}``
-where ``x`` is this implementation's median time over the peer's (lower is faster).
+``{"suite", "case", "impl", "median_ms", "times_ms", "peak_mb", "ratio_to": {peer: x}}``
+where ``x`` is this implementation's median time over the peer's (lower is faster)
+and ``times_ms`` the time of each round.
 """
 
 from __future__ import annotations

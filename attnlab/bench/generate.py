@@ -16,7 +16,9 @@ every weight matrix of the model once per token, each in whichever layout
 attnlab's streamed row product where the native kernel is built) is fastest here,
 timed in the same rounds as the models. Decoding must at least read every weight
 once per token, so ``of_ceiling`` (tokens/s over the loop's) says how much of the
-machine's speed a decoder reaches.
+machine's speed a decoder reaches. It is the median over the rounds of each round's
+ratio: the two ran a second apart in that round, while this machine's speed drifts
+by 20-30% over minutes, which a ratio of the two medians would take in.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
 importing this module, which imports torch, transformers and attnlab's models.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -253,6 +256,36 @@ def annotate(records: list[dict], log=print) -> None:
                      f"{r['weight_mb']:.0f} MB of weights")
         ceiling = ceilings.get(r["case"])
         if ceiling is not None and r is not ceiling:
-            r["of_ceiling"] = r["median_ms"] and ceiling["median_ms"] / r["median_ms"]
+            r["of_ceiling"] = _paired_ratio(ceiling, r)
             line += f"  ({r['of_ceiling']:.0%} of the one-row ceiling)"
         log(line)
+
+
+def _paired_ratio(ceiling: dict, r: dict) -> float:
+    """Median over the rounds of ceiling time / ``r``'s time in that round (the ratio
+    of the medians where the rounds are not known)."""
+    pairs = list(zip(ceiling.get("times_ms") or [], r.get("times_ms") or []))
+    if not pairs or len(ceiling["times_ms"]) != len(r["times_ms"]):
+        return ceiling["median_ms"] / r["median_ms"]
+    return statistics.median(c / t for c, t in pairs)
+
+
+def summary_table(records: list[dict]) -> str:
+    """Markdown: per case, attnlab's and transformers' tokens/s, their peaks over the
+    weights' bytes, and attnlab's share of the ceiling and of transformers' speed."""
+    lines = ["| case | attnlab | transformers | peak / weights (attnlab, transformers) "
+             "| attnlab: share of the ceiling, x transformers' tokens/s |",
+             "|---|---:|---:|---:|---:|"]
+    for case in dict.fromkeys(r["case"] for r in records):
+        by_impl = {r["impl"]: r for r in records if r["case"] == case}
+        ours, peer = by_impl.get("attnlab", {}), by_impl.get(BASELINE, {})
+        if not ours.get("tokens_per_s") or not peer.get("tokens_per_s"):
+            continue
+        peaks = ", ".join("-" if r.get("peak_x_weights") is None else f"{r['peak_x_weights']:.2f}x"
+                          for r in (ours, peer))
+        share = "-" if ours.get("of_ceiling") is None else f"{ours['of_ceiling']:.0%}"
+        name = case.split(" +")[0]
+        lines.append(f"| {name} | {ours['tokens_per_s']:.1f} tok/s | {peer['tokens_per_s']:.1f} "
+                     f"tok/s | {peaks} ({ours['weight_mb']:.0f} MB) | {share}, "
+                     f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x |")
+    return "\n".join(lines)

@@ -135,8 +135,8 @@ def run_cases(cases: Iterable[Case], *, memory: bool = True,
         for impl in case.impls:
             s = stats.get(impl.name, {})
             record = {"suite": case.suite, "case": case.name, "impl": impl.name,
-                      "median_ms": s.get("median_ms"), "peak_mb": None, "ratio_to": {},
-                      **case.extra}
+                      "median_ms": s.get("median_ms"), "times_ms": s.get("times_ms"),
+                      "peak_mb": None, "ratio_to": {}, **case.extra}
             if "skipped" in s:
                 record["skipped"] = s["skipped"]
             elif memory and case.memory and impl.memory:
@@ -168,19 +168,23 @@ def markdown_table(records: list[dict], baseline: str | None = None) -> str:
     """Markdown tables, one per suite: a row per case, a column per implementation.
 
     A cell is ``median ms (time / baseline's), peak MB``, plus tokens/s where the
-    suite computed them. ``baseline`` defaults to each suite's ``BASELINE`` peer.
+    suite computed them. ``baseline`` defaults to each suite's ``BASELINE`` peer. A
+    suite module may add a table of its own after it (``summary_table(records)``).
     """
     tables = []
     for suite in dict.fromkeys(r["suite"] for r in records):
         rows = [r for r in records if r["suite"] == suite]
         impls = list(dict.fromkeys(r["impl"] for r in rows))
-        peer = baseline or getattr(importlib.import_module(SUITES[suite]), "BASELINE", None)
+        module = importlib.import_module(SUITES[suite])
+        peer = baseline or getattr(module, "BASELINE", None)
         lines = [f"| case | {' | '.join(impls)} |", "|---|" + "---:|" * len(impls)]
         for case in dict.fromkeys(r["case"] for r in rows):
             by_impl = {r["impl"]: r for r in rows if r["case"] == case}
             cells = [_cell(by_impl[i], peer) if i in by_impl else "" for i in impls]
             lines.append(f"| {case} | {' | '.join(cells)} |")
         tables.append("\n".join(lines))
+        if hasattr(module, "summary_table"):
+            tables.append(module.summary_table(rows))
     return "\n\n".join(tables)
 
 
