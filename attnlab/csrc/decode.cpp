@@ -168,7 +168,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t bands = (n_out + PANEL - 1) / PANEL;
   at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
     const int64_t j0 = begin * PANEL, j1 = std::min(end * PANEL, n_out);
-    tile_gemm(rows, j1 - j0, n_in, 1.0f, a, n_in, 1, b + j0, ld, false, c + j0, n_out);
+    tile_gemm(rows, j1 - j0, n_in, 1.0f, a, n_in, 1, b + j0, ld, false, c + j0, n_out, true);
     if (bp != nullptr)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = j0; j < j1; ++j) c[r * n_out + j] += bp[j];

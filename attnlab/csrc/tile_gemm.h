@@ -45,7 +45,8 @@ template <int MR, int NV>
 __attribute__((always_inline)) inline void block(int64_t k, const float* a, int64_t a_rs,
                                                  int64_t a_cs, const float* b, int64_t ldb,
                                                  __mmask16 last, float alpha, bool add,
-                                                 float* c, int64_t ldc) {
+                                                 float* c, int64_t ldc, const float* pf,
+                                                 int64_t pf_row, int64_t pf_step) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
@@ -54,6 +55,11 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
   for (int64_t p = 0; p < k; ++p) {
     const float* bp = b + p * ldb;
     const float* ap = a + p * a_cs;
+    if (pf != nullptr && p == pf_row) {  // one row of the next panel (see panel())
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + p * ldb + 16 * j), _MM_HINT_T0);
+      pf_row += pf_step;
+    }
     __m512 bv[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV - 1; ++j) bv[j] = _mm512_loadu_ps(bp + 16 * j);
@@ -83,38 +89,47 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
 template <int MR, int NV>
 inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                  const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
-                 float* c, int64_t ldc) {
+                 float* c, int64_t ldc, const float* pf, int64_t pf_row, int64_t pf_step) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc);
+      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_row, pf_step);
     } else {
-      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc);
+      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_row,
+                       pf_step);
     }
   }
 }
 
 // All rows of one panel of NV vectors: MR x NV accumulators plus NV B vectors and
 // one broadcast fit the 32 registers (6 x 4, 8 x 3, 12 x 2, 12 x 1).
+// pf: the next panel's B (or null): the row blocks share the prefetch of its rows,
+// block i taking rows i, i + blocks, ..., so the next panel streams in from memory
+// while this one is multiplied.
 template <int NV>
 inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                   const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
-                  float* c, int64_t ldc) {
+                  float* c, int64_t ldc, const float* pf) {
   constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : 12;
+  const int64_t blocks = (m + MR - 1) / MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    block<MR, NV>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc);
+    block<MR, NV>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc, pf,
+                  i / MR, blocks);
   if (i < m)
     tail<MR - 1, NV>(static_cast<int>(m - i), k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha,
-                     add, c + i * ldc, ldc);
+                     add, c + i * ldc, ldc, pf, i / MR, blocks);
 }
 
 }  // namespace tile
 
 // C = alpha * A B (+ C when add), the layout of the file comment.
+// prefetch: B is read from memory (a weight, not a packed tile): each panel of 64
+// columns fetches the next one's rows ahead (B's rows are ldb apart, too far for the
+// hardware's prefetchers to follow).
 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha,
                                                 const float* a, int64_t a_rs, int64_t a_cs,
                                                 const float* b, int64_t ldb, bool add, float* c,
-                                                int64_t ldc) {
+                                                int64_t ldc, bool prefetch = false) {
   if (m <= 0 || n <= 0) return;
   if (k <= 0) {  // an empty sum: C = 0 (or unchanged)
     if (!add)
@@ -127,12 +142,13 @@ __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k,
     const int nv = static_cast<int>((w + 15) / 16);
     const __mmask16 last = static_cast<__mmask16>((1u << (w - 16 * (nv - 1))) - 1u);
     const float* bj = b + j;
+    const float* pf = prefetch && j + 64 < n ? bj + 64 : nullptr;
     float* cj = c + j;
     switch (nv) {
-      case 4: tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
-      case 3: tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
-      case 2: tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
-      default: tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc); break;
+      case 4: tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
+      case 3: tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
+      case 2: tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
+      default: tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
     }
   }
 }
@@ -146,7 +162,7 @@ namespace attnlab {
 inline bool tile_gemm_supported() { return false; }
 constexpr int64_t PANEL = 64;
 inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t,
-                      const float*, int64_t, bool, float*, int64_t) {}
+                      const float*, int64_t, bool, float*, int64_t, bool = false) {}
 }  // namespace attnlab
 #endif
 
