@@ -83,7 +83,7 @@ class _UsersNorm(torch.nn.LayerNorm):
 
 
 @pytest.mark.parametrize("change", ["instance forward", "class of the user's", "global hook",
-                                    "tensor subclass"])
+                                    "qkv_hook", "tensor subclass"])
 def test_library_only_sees_where_user_code_could_run(change):
     model = _model()
     assert decoding._library_only(model)
@@ -93,6 +93,8 @@ def test_library_only_sees_where_user_code_could_run(change):
         model.norm = _UsersNorm(32)
     elif change == "global hook":
         handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    elif change == "qkv_hook":
+        model.blocks[1].attn.qkv_hook = lambda q, k, v: (q, k, v)
     else:
         class Tagged(torch.Tensor):
             pass

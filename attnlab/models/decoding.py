@@ -67,13 +67,15 @@ def held(model: nn.Module) -> Iterator[None]:
 
 def _library_only(model: nn.Module) -> bool:
     """Whether a forward of ``model`` runs only attnlab's and torch's code: no hooks
-    (global or on any module), no instance's own ``forward``, every module of a class
-    from attnlab or ``torch.nn``, every parameter and buffer a plain tensor."""
+    (global, on any module, an attention's ``qkv_hook``), no instance's own ``forward``,
+    every module of a class from attnlab or ``torch.nn``, every parameter and buffer a
+    plain tensor."""
     if fused.global_forward_hooks():
         return False
     for m in model.modules():
         if (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-                or not type(m).__module__.startswith(_LIBRARY)):
+                or not type(m).__module__.startswith(_LIBRARY)
+                or getattr(m, "qkv_hook", None) is not None):
             return False
     return all(type(t) in (torch.Tensor, nn.Parameter)
                for t in chain(model.parameters(), model.buffers()))
