@@ -25,7 +25,7 @@ from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
-from .layout import Config, Tensors, _field, _Named, _own, _require, _strip
+from .layout import Config, Tensors, _detached, _field, _Named, _require, _strip
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
            "gpt2_config", "gpt2_state", "llama_config", "llama_state", "bert_config",
@@ -104,7 +104,7 @@ def gpt2_state(state: Tensors, cfg: Config,
         for src, dst in (("ln_1", "norm1"), ("ln_2", "norm2")):
             out[b + f"{dst}.weight"] = s[h + f"{src}.weight"]
             out[b + f"{dst}.bias"] = s[h + f"{src}.bias"]
-    return _own(out)
+    return _detached(out)
 
 
 # ------------------------------------------------------------------------- Llama
@@ -158,7 +158,7 @@ def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
                 key = f"layers.{i}.{src}.{kind}"
                 if key in s:
                     out[f"blocks.{i}.{dst}.{kind}"] = s[key]
-    return _own(out)
+    return _detached(out)
 
 
 # ------------------------------------------------------------------------- Mistral, Qwen2

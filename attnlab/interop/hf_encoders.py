@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .layout import Config, Tensors, _field, _own, _require, _strip
+from .layout import Config, Tensors, _detached, _field, _require, _strip
 
 _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
                 "gelu_pytorch_tanh": "gelu_tanh"}
@@ -63,7 +63,7 @@ def bert_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
         for src, dst in names.items():
             for kind in ("weight", "bias"):
                 out[f"blocks.{i}.{dst}.{kind}"] = s[f"encoder.layer.{i}.{src}.{kind}"]
-    return _own(out)
+    return _detached(out)
 
 
 def distilbert_config(cfg: Mapping[str, Any]) -> Config:
@@ -96,7 +96,7 @@ def distilbert_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
         for src, dst in names.items():
             for kind in ("weight", "bias"):
                 out[f"blocks.{i}.{dst}.{kind}"] = s[f"transformer.layer.{i}.{src}.{kind}"]
-    return _own(out)
+    return _detached(out)
 
 
 ENCODER_LAYOUTS = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT"}

@@ -41,10 +41,11 @@ def _strip(state: Tensors, prefix: str) -> _Named:
     return _Named(state, prefix if any(k.startswith(prefix) for k in state) else "")
 
 
-def _own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors, copied only where the layout made a view (a transpose, a
-    slice): the weights are not held twice while a model is built from them."""
-    return {k: v.detach().contiguous() for k, v in state.items()}
+def _detached(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors detached, views (a transpose, a slice) left as views: building the
+    model copies each one into its parameter (``io.weights.build_loaded``), a file's
+    straight from disk, so the weights are never held twice, not even one layer's."""
+    return {k: v.detach() for k, v in state.items()}
 
 
 def _require(cfg: Mapping[str, Any], key: str, allowed, default=None):

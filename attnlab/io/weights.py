@@ -137,7 +137,9 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
     packed = {name for members in blocks.values()
               if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
-    model.load_state_dict({n: state[n] for n in state if n not in packed},
+    # A parameter in its plain layout becomes the given tensor; a view (a transpose
+    # the layout made) is copied into one of its own first.
+    model.load_state_dict({n: state[n].contiguous() for n in state if n not in packed},
                           strict=False, assign=True)
     # One buffer for every chunk read from a file: a new one per tensor would leave
     # holes between the blocks that the allocator keeps.
@@ -186,29 +188,37 @@ _CHUNK = 1 << 20
 
 
 def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None = None) -> None:
-    """``dst.copy_(src)``; a tensor :class:`SafetensorsState` memory-mapped is read from
-    its file in chunks through ``bounce`` (bytes) instead, so its pages never become
-    part of the process."""
-    origin = _ORIGINS.get(src.untyped_storage().data_ptr()) if src.is_contiguous() else None
-    if origin is None or src.ndim == 0 or src.numel() == 0:
+    """``dst.copy_(src)``; a tensor :class:`SafetensorsState` memory-mapped, or a view
+    of one whose rows each lie in one piece (a transpose, a slice of columns: how
+    GPT-2's Conv1D weights become ``nn.Linear``'s), is read from its file in chunks of
+    rows through ``bounce`` (bytes) instead, so its pages never become part of the
+    process."""
+    if src.ndim == 2 and src.stride(0) == 1 and src.stride(1) != 1:
+        dst, src = dst.t(), src.t()  # read the transpose's rows
+    origin = _ORIGINS.get(src.untyped_storage().data_ptr())
+    row_shape = src.shape[1:]
+    if (origin is None or src.ndim == 0 or src.numel() == 0 or not src[0].is_contiguous()
+            or src.stride(0) < max(1, src[0].numel())):
         dst.copy_(src)
         return
     path, offset = origin
-    offset += (src.data_ptr() - src.untyped_storage().data_ptr())
-    row = src[0].numel() * src.element_size() if src.ndim > 1 else src.element_size()
+    es = src.element_size()
+    offset += src.storage_offset() * es
+    row = src[0].numel() * es  # the bytes of one row; rows start `pitch` bytes apart
+    pitch = src.stride(0) * es
     if bounce is None or bounce.numel() < row:
         bounce = torch.empty(max(_CHUNK, row), dtype=torch.uint8)
-    step = bounce.numel() // row
+    step = (bounce.numel() - row) // pitch + 1  # rows a chunk holds
     raw = bounce.numpy()
-    buffer = bounce[:step * row].view(src.dtype).view(step, *src.shape[1:])
     with open(path, "rb") as f:
-        f.seek(offset)
         for a in range(0, src.shape[0], step):
             b = min(a + step, src.shape[0])
-            n = (b - a) * row
+            n = (b - a - 1) * pitch + row
+            f.seek(offset + a * pitch)
             if f.readinto(memoryview(raw)[:n]) != n:
                 raise CheckpointError(f"{str(path)!r} ended early (truncated?)")
-            dst[a:b].copy_(buffer[:b - a])
+            rows = bounce[:n].view(src.dtype)
+            dst[a:b].copy_(rows.as_strided((b - a, *row_shape), (src.stride(0), *src[0].stride())))
 
 
 # --------------------------------------------------------------------- safetensors files

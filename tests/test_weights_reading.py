@@ -1,0 +1,73 @@
+"""Reading weights from a safetensors file into a model's parameters
+(``io.weights.read_into``): views of a mapped tensor (a transpose, a slice of
+columns, GPT-2's Conv1D split into q/k/v) are read from disk in chunks of rows and
+give exactly what ``copy_`` gives; and a GPT-2 folder loads without a second copy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from attnlab.io.weights import SafetensorsState, read_into
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), view=st.sampled_from(
+    ["whole", "transpose", "columns", "columns transposed", "rows", "every other"]),
+    chunk=st.integers(1, 300), data=st.data())
+def test_read_into_reads_views_of_a_mapped_tensor_exactly(tmp_path_factory, rows, cols, view,
+                                                           chunk, data):
+    path = tmp_path_factory.mktemp("w") / "w.safetensors"
+    full = torch.randn(rows, cols, dtype=torch.float64).float()
+    save_file({"w": full, "pad": torch.zeros(3)}, str(path))
+    mapped = SafetensorsState([path])["w"]
+    a = data.draw(st.integers(0, cols - 1))
+    b = data.draw(st.integers(a + 1, cols))
+    src = {"whole": mapped, "transpose": mapped.t(), "columns": mapped[:, a:b],
+           "columns transposed": mapped[:, a:b].t(), "rows": mapped[a % rows:],
+           "every other": mapped[::2]}[view]
+    want = {"whole": full, "transpose": full.t(), "columns": full[:, a:b],
+            "columns transposed": full[:, a:b].t(), "rows": full[a % rows:],
+            "every other": full[::2]}[view]
+    # The destination as the packed blocks hold it: a transposed view of a wider block.
+    block = torch.full((want.shape[1] + 2, want.shape[0]), float("nan"))
+    dst = block[1:-1].t()
+    read_into(dst, src, torch.empty(chunk * 4, dtype=torch.uint8))
+    assert torch.equal(dst, want)
+    assert block[0].isnan().all() and block[-1].isnan().all()  # nothing beside it written
+
+
+_PEAK = """
+import sys
+from attnlab.models import GPT
+def status(key):
+    line = [x for x in open("/proc/self/status") if x.startswith(key)][0]
+    return int(line.split()[1]) / 1024
+before = status("VmRSS")
+model = GPT.from_hf(sys.argv[1])
+weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+print(weights, status("VmHWM") - before - weights)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_a_gpt2_folder_loads_without_a_second_copy_of_its_projections(tmp_path):
+    """GPT-2 stores its projections transposed (Conv1D); they are read from the file
+    straight into their blocks: the process never holds them twice, not even for a
+    moment (the peak, not only what is left after loading)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_positions=32, n_embd=512, n_layer=6,
+                                   n_head=8)).save_pretrained(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "m")],
+                         capture_output=True, text=True, check=True)
+    weights, extra = map(float, out.stdout.split())
+    assert weights > 70 and extra < 15, out.stdout
