@@ -374,9 +374,10 @@ def test_swiglu_mlp_without_gradients_equals_its_training_path(rows, d_model, d_
 
 @needs_native
 def test_a_piece_or_parameter_replaced_between_tokens_is_used_at_the_next():
-    """Nothing about a block is remembered between tokens: a new output projection, a
-    parameter given new storage, a norm changed in place all show in the next token's
-    logits, which stay the modules' logits."""
+    """Decoding token by token with forward (outside generate's held plan), nothing
+    about a block is remembered between tokens: a new output projection, a parameter
+    given new storage, a norm changed in place all show in the next token's logits,
+    which stay the modules' logits."""
     torch.manual_seed(4)
     model = GPT(GPTConfig(vocab_size=30, d_model=32, num_heads=4, num_kv_heads=2,
                           num_layers=2, positions="rope", norm="rmsnorm", mlp="swiglu")).eval()

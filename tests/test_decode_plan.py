@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from attnlab import _decode, _native
 from attnlab.models import GPT, GPTConfig, decoding
@@ -72,10 +73,47 @@ def test_generate_checks_the_blocks_once_where_nothing_of_the_users_can_run():
     with counting_checks() as checks:
         got = torch.stack(list(model.stream(PROMPT, NEW, temperature=0)), dim=1)
     assert checks[0] == PER_TOKEN and torch.equal(got, want[:, 3:])
-    # Outside generate the plan is per token again.
+    # Each generate call makes its plan anew.
     with counting_checks() as checks:
         model.generate(PROMPT, NEW, temperature=0)
     assert checks[0] == ONCE
+
+
+class _Mode(TorchFunctionMode):
+    """User code on every torch call: here it adds a hook to a block mid-generate."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen, self.calls = model, [], 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.max:  # greedy sampling: once a token
+            self.calls += 1
+            if self.calls == 2:
+                self.model.blocks[1].register_forward_hook(lambda *a: self.seen.append(1))
+        return func(*args, **(kwargs or {}))
+
+
+class _Ids(torch.Tensor):
+    pass
+
+
+@needs_native
+@pytest.mark.parametrize("user_code", ["function mode", "tensor subclass prompt"])
+def test_generate_plans_every_token_where_user_code_runs_on_torch_calls(user_code):
+    """A torch function mode, or a prompt of a tensor subclass, runs user code on
+    every torch call, which may change the model mid-generate: planned every token."""
+    model = _model()
+    ids = torch.tensor(PROMPT)
+    if user_code == "function mode":
+        mode = _Mode(model)
+        with counting_checks() as checks, mode:
+            model.generate(ids, NEW, temperature=0)
+        assert mode.seen  # the hook added at the second token saw the later ones
+    else:
+        with counting_checks() as checks:
+            model.generate(ids.as_subclass(_Ids), NEW, temperature=0)
+    assert checks[0] == PER_TOKEN
 
 
 class _UsersNorm(torch.nn.LayerNorm):
@@ -106,52 +144,89 @@ def test_library_only_sees_where_user_code_could_run(change):
             handle.remove()
 
 
+def _decode_tokens(fused: bool) -> list[torch.Tensor]:
+    """Logits of three single-token steps inside held(), the second and third after
+    W_key of block 1 was given new storage in place (same Parameter, no longer packed,
+    new values), as a held plan cannot foresee."""
+    model = _model()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    original = _decode.layers
+    if not fused:
+        _decode.layers = lambda *args, **kwargs: None
+    out = []
+    try:
+        with torch.no_grad(), decoding.held(model):
+            caches = model.new_cache(1, 8)
+            model(ids[:, :3], caches=caches)
+            out.append(model(ids[:, 3:4], caches=caches))  # the plan is made here
+            weight = model.blocks[1].attn.W_key.weight
+            weight.data = (weight.data * 1.5).clone()
+            out += [model(ids[:, 4:5], caches=caches), model(ids[:, 5:6], caches=caches)]
+    finally:
+        _decode.layers = original
+    return out
+
+
 @needs_native
 def test_a_held_plan_still_declines_what_the_kernel_does_not_take():
-    """Held or not, the kernel checks every tensor at every call: a layer it declines
-    runs its modules, and the tokens are those of the modules."""
-    model = _model()
-    want = model.generate(PROMPT, NEW, temperature=0)
-    with decoding.held(model):
-        plan = decoding._plan(model.blocks, type(model.blocks[0]))
-        assert [(a, b) for a, b, run in plan] == [(0, LAYERS)] and len(plan[0][2]) == LAYERS
-    model.double()
-    assert torch.equal(model.generate(PROMPT, NEW, temperature=0), want)
+    """Held or not, the kernel checks every tensor at every call: the unpacked W_key is
+    declined (its block runs its modules, which pack it again) and the logits are
+    those of the modules."""
+    with counting_fused_steps() as fused:
+        got = _decode_tokens(True)
+    for a, b in zip(got, _decode_tokens(False)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    # 3 layers fused at the first token; the second declined whole then 2 of 3 one by
+    # one; 3 again at the third (W_key was packed again by its module).
+    assert fused[0] == 3 + 2 + 3
 
 
-def _reference(q, k, v, lo):
-    """Attention of one query per head over keys lo..end: (Hq, D) from q (Hq, D) and
-    k, v (Hkv, n, D), in float64."""
+@contextmanager
+def counting_fused_steps():
+    """Layers the kernel ran (``_decode.layers`` answered)."""
+    count, original = [0], _decode.layers
+
+    def counted(x, run, caches):
+        out = original(x, run, caches)
+        count[0] += 0 if out is None else len(run)
+        return out
+    _decode.layers = counted
+    try:
+        yield count
+    finally:
+        _decode.layers = original
+
+
+def _reference(q, k, v, lo, hi):
+    """Attention of one query per head over keys lo..hi-1: (Hq, D) from q (Hq, D) and
+    k, v (Hkv, L, D), in float64."""
     group = q.shape[0] // k.shape[0]
-    k, v = (t[:, lo:].double().repeat_interleave(group, 0) for t in (k, v))
+    k, v = (t[:, lo:hi].double().repeat_interleave(group, 0) for t in (k, v))
     w = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), k) / math.sqrt(q.shape[-1]), -1)
     return torch.einsum("hn,hnd->hd", w, v)
 
 
-@needs_native
-@settings(max_examples=25, deadline=None)
-@given(kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
-       head_dim=st.sampled_from([8, 14, 64, 80]), pos=st.integers(0, 300),
-       window=st.one_of(st.none(), st.integers(1, 120)), threads=st.sampled_from([1, 2, 3]),
-       rope=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_attention_step_over_a_long_cache_split_between_threads(
-        kv_heads, group, head_dim, pos, window, threads, rope, seed):
-    """Long caches are cut into chunks of keys that the threads take, each chunk's
-    softmax merged by its max and sum: the same rows as one softmax over all keys."""
+def _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, seed):
+    """decode_step at ``pos`` of caches longer than that (NaN beyond pos: never read)
+    against the float64 reference, and the new key and value written at pos."""
     gen = torch.Generator().manual_seed(seed)
-    heads = kv_heads * group
-    k_cache = torch.randn(1, kv_heads, pos + 1, head_dim, generator=gen)
-    v_cache = torch.randn(1, kv_heads, pos + 1, head_dim, generator=gen)
-    qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2
+    heads, rows = kv_heads * group, pos + 1
+    k_cache = torch.randn(batch, kv_heads, rows + 3, head_dim, generator=gen)
+    v_cache = torch.randn(batch, kv_heads, rows + 3, head_dim, generator=gen)
+    k_cache[:, :, rows:] = v_cache[:, :, rows:] = float("nan")
+    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2
     cos = sin = None
     if rope:
-        cos, sin = RotaryEmbedding(head_dim).tables(pos + 1, torch.device("cpu"))
-    q, k, v = qkv[0, 0].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
-    q, k, v = (t.view(-1, head_dim) for t in (q, k, v))
-    if rope:
-        q, k = (t * cos[pos] + t.roll(head_dim // 2, -1) * sin[pos] for t in (q, k))
+        cos, sin = RotaryEmbedding(head_dim).tables(rows, torch.device("cpu"))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    want_k[0, :, pos], want_v[0, :, pos] = k, v
+    queries = []
+    for b in range(batch):
+        q, k, v = qkv[b, 0].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+        q, k, v = (t.view(-1, head_dim) for t in (q, k, v))
+        if rope:
+            q, k = (t * cos[pos] + t.roll(head_dim // 2, -1) * sin[pos] for t in (q, k))
+        want_k[b, :, pos], want_v[b, :, pos] = k, v
+        queries.append(q)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -160,8 +235,69 @@ def test_the_attention_step_over_a_long_cache_split_between_threads(
                                          1.0 / math.sqrt(head_dim))
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)
-    assert torch.equal(v_cache, want_v)
+    torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
     lo = 0 if window is None else max(0, pos - window + 1)
-    want = _reference(q, want_k[0], want_v[0], lo).float()
-    torch.testing.assert_close(out.view(heads, head_dim), want, atol=1e-5, rtol=1e-5)
+    for b in range(batch):
+        want = _reference(queries[b], want_k[b], want_v[b], lo, rows).float()
+        torch.testing.assert_close(out[b, 0].view(heads, head_dim), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(batch=st.sampled_from([1, 2]), kv_heads=st.sampled_from([1, 2, 3]),
+       group=st.sampled_from([1, 3]), head_dim=st.sampled_from([4, 8, 14, 64, 80, 128]),
+       pos=st.integers(0, 300), window=st.one_of(st.none(), st.integers(1, 120)),
+       threads=st.sampled_from([1, 2, 3]), rope=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_attention_step_equals_one_softmax_over_the_cache(batch, kv_heads, group, head_dim,
+                                                             pos, window, threads, rope, seed):
+    _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, seed)
+
+
+# Cases that take the split for certain: B * Hq * n * D >= 2**14 and a thread count that
+# the (sequence, kv head) pairs do not divide.
+@needs_native
+@pytest.mark.parametrize("batch, kv_heads, group, head_dim, pos, window, threads", [
+    (1, 3, 3, 64, 95, None, 2),     # SmolLM's heads, two threads
+    (1, 1, 4, 128, 200, None, 3),   # three chunks
+    (1, 3, 1, 80, 250, 100, 2),     # a window; D not a power of two
+    (1, 1, 8, 14, 299, None, 4),    # D not a multiple of 8; four chunks
+    (2, 1, 8, 64, 300, 40, 3),      # two sequences; chunks of 20 keys at the window's edge
+])
+def test_the_attention_step_over_a_long_cache_split_between_threads(
+        batch, kv_heads, group, head_dim, pos, window, threads):
+    """Long caches are cut into chunks of keys that the threads take, each chunk's
+    softmax merged by its max and sum: the same rows as one softmax over all keys."""
+    for seed, rope in ((0, True), (1, False)):
+        _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, seed)
+
+
+@needs_native
+def test_a_change_between_two_generate_calls_is_seen_by_the_second():
+    """The held plan lasts one generate call: a block changed after it is planned anew."""
+    model = _model()
+    model.generate(PROMPT, NEW, temperature=0)
+    torch.manual_seed(1)
+    model.blocks[1].attn.out_proj = torch.nn.Linear(32, 32).eval()
+    model.blocks[2].norm2.weight.data.mul_(-2.0)
+    got = model.generate(PROMPT, NEW, temperature=0)
+    original, _decode.layers = _decode.layers, lambda *args, **kwargs: None
+    try:  # the modules alone
+        want = model.generate(PROMPT, NEW, temperature=0)
+    finally:
+        _decode.layers = original
+    assert torch.equal(got, want)
+    with torch.no_grad():  # and the logits agree, not only the greedy picks
+        caches = model.new_cache(1, 8)
+        ids = torch.tensor([PROMPT[0] + [4]])
+        model(ids[:, :3], caches=caches)
+        with decoding.held(model):
+            fused = model(ids[:, 3:], caches=caches)
+        for cache in caches:
+            cache.crop(3)
+        _decode.layers = lambda *args, **kwargs: None
+        try:
+            plain = model(ids[:, 3:], caches=caches)
+        finally:
+            _decode.layers = original
+    torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)

@@ -14,12 +14,12 @@ one call (``_decode.layers``). Even so it is about 20 us a layer, cold (0.6 of
 
 So the plan (which blocks the kernel takes, in which runs) is made for every token,
 and a piece replaced, a hook added or a parameter moved is seen at the next one,
-except inside :func:`held`: ``generate`` without a callback, on a model through
-which none of the user's Python can run until it returns (no hooks, no forward of
-an instance's own, only attnlab's and torch's module classes, plain tensors). There
-nothing can change the blocks between the first token and the last, and the plan
-made at the first token serves them all. The kernel still checks every tensor at
-every call.
+except inside :func:`held`: ``generate`` without a callback, on a model and a prompt
+through which none of the user's Python can run until it returns (no hooks, no
+forward of an instance's own, only attnlab's and torch's module classes, plain
+tensors, no torch function or dispatch mode in force). There nothing in this thread
+can change the blocks between the first token and the last, and the plan made at
+the first token serves them all. The kernel still checks every tensor at every call.
 """
 
 from __future__ import annotations
@@ -52,17 +52,28 @@ Plan = list[tuple[int, int, "_decode.Run | None"]]
 
 
 @contextmanager
-def held(model: nn.Module) -> Iterator[None]:
-    """Within, each plan is made once and kept, where ``model`` runs nothing of the
-    user's (see the module's docstring); otherwise, and outside, one plan a token."""
-    if not _library_only(model):
-        yield
-        return
-    token = _HELD.set({})
+def held(model: nn.Module, ids=None) -> Iterator[None]:
+    """Within, each plan is made once and kept, where ``model`` and ``ids`` (the prompt
+    given to ``generate``) run nothing of the user's (see the module's docstring);
+    otherwise, and outside, one plan a token. (Another Python thread changing the
+    model while ``generate`` runs is not seen: modules are not thread-safe anyway.)"""
+    plain = ids is None or type(ids) in (torch.Tensor, list, tuple)
+    token = _HELD.set({} if plain and not _modes_active() and _library_only(model) else None)
     try:
         yield
     finally:
         _HELD.reset(token)
+
+
+def _modes_active() -> bool:
+    """Whether a ``TorchFunctionMode`` or ``TorchDispatchMode`` (user code run on every
+    op) is in force; True where torch no longer says."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    except ImportError:
+        return True
+    return bool(_get_current_function_mode_stack() or _get_current_dispatch_mode_stack())
 
 
 def _library_only(model: nn.Module) -> bool:

@@ -55,6 +55,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     # NaN logits (overflowing weights) must not break a stream already printing: they
     # rank lowest, and a row with nothing finite falls back to token 0 via argmax.
     if temperature == 0:  # the float32 logits decide it: no float64 copy of the vocab
+        if logits.device.type != "cpu":  # no host sync on an accelerator
+            return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
         best, picked = logits.max(dim=-1)
         if bool(best.isnan().any()):  # torch ranks NaN highest: only then the copy
             picked = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
@@ -223,7 +225,7 @@ class GenerationMixin:
         new = []
         # With no callback nothing of the user's runs until the last token (where the
         # model runs only library code): the fused decoding plan is made once.
-        with decoding.held(self) if on_token is None else nullcontext():
+        with decoding.held(self, ids) if on_token is None else nullcontext():
             for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p,
                                    use_cache, eos_id, generator):
                 new.append(tok)
