@@ -19,6 +19,7 @@
 // tile_gemm_supported() at run time and otherwise use BLAS.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -46,7 +47,7 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
                                                  int64_t a_cs, const float* b, int64_t ldb,
                                                  __mmask16 last, float alpha, bool add,
                                                  float* c, int64_t ldc, const float* pf,
-                                                 int64_t pf_row, int64_t pf_step) {
+                                                 int pf_nv, int64_t pf_row, int64_t pf_step) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
@@ -56,8 +57,8 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
     const float* bp = b + p * ldb;
     const float* ap = a + p * a_cs;
     if (pf != nullptr && p == pf_row) {  // one row of the next panel (see panel())
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + p * ldb + 16 * j), _MM_HINT_T0);
+      for (int j = 0; j < pf_nv; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + p * ldb + 16 * j), _MM_HINT_T0);
       pf_row += pf_step;
     }
     __m512 bv[NV];
@@ -89,35 +90,37 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
 template <int MR, int NV>
 inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                  const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
-                 float* c, int64_t ldc, const float* pf, int64_t pf_row, int64_t pf_step) {
+                 float* c, int64_t ldc, const float* pf, int pf_nv, int64_t pf_row,
+                 int64_t pf_step) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_row, pf_step);
+      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv, pf_row,
+                    pf_step);
     } else {
-      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_row,
-                       pf_step);
+      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv,
+                       pf_row, pf_step);
     }
   }
 }
 
 // All rows of one panel of NV vectors: MR x NV accumulators plus NV B vectors and
 // one broadcast fit the 32 registers (6 x 4, 8 x 3, 12 x 2, 12 x 1).
-// pf: the next panel's B (or null): the row blocks share the prefetch of its rows,
-// block i taking rows i, i + blocks, ..., so the next panel streams in from memory
-// while this one is multiplied.
+// pf: the next panel's B (or null), pf_nv its vectors of 16: the row blocks share the
+// prefetch of its rows, block i taking rows i, i + blocks, ..., so the next panel
+// streams in from memory while this one is multiplied.
 template <int NV>
 inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                   const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
-                  float* c, int64_t ldc, const float* pf) {
+                  float* c, int64_t ldc, const float* pf, int pf_nv) {
   constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : 12;
   const int64_t blocks = (m + MR - 1) / MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
     block<MR, NV>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc, pf,
-                  i / MR, blocks);
+                  pf_nv, i / MR, blocks);
   if (i < m)
     tail<MR - 1, NV>(static_cast<int>(m - i), k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha,
-                     add, c + i * ldc, ldc, pf, i / MR, blocks);
+                     add, c + i * ldc, ldc, pf, pf_nv, i / MR, blocks);
 }
 
 }  // namespace tile
@@ -143,12 +146,22 @@ __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k,
     const __mmask16 last = static_cast<__mmask16>((1u << (w - 16 * (nv - 1))) - 1u);
     const float* bj = b + j;
     const float* pf = prefetch && j + 64 < n ? bj + 64 : nullptr;
+    const int64_t next = pf == nullptr ? 0 : std::min<int64_t>(64, n - j - 64);
+    const int pf_nv = static_cast<int>((next + 15) / 16);
     float* cj = c + j;
     switch (nv) {
-      case 4: tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
-      case 3: tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
-      case 2: tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
-      default: tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf); break;
+      case 4:
+        tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        break;
+      case 3:
+        tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        break;
+      case 2:
+        tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        break;
+      default:
+        tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        break;
     }
   }
 }
