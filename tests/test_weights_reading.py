@@ -17,31 +17,47 @@ from safetensors.torch import save_file
 
 from attnlab.io.weights import SafetensorsState, read_into
 
+VIEWS = {  # name -> the view of a (rows, cols) tensor, given a column range a:b
+    "whole": lambda t, a, b: t,
+    "transpose": lambda t, a, b: t.t(),
+    "columns": lambda t, a, b: t[:, a:b],
+    "columns transposed": lambda t, a, b: t[:, a:b].t(),  # GPT-2's q, k, v
+    "rows": lambda t, a, b: t[a % t.shape[0]:],
+    "every other row": lambda t, a, b: t[::2],
+    "one column": lambda t, a, b: t[:, a],
+    "a row's slice": lambda t, a, b: t.reshape(-1)[a:b],  # a bias of a joint vector
+    "every third value": lambda t, a, b: t.reshape(-1)[::3],
+    "3-d": lambda t, a, b: t.reshape(t.shape[0], 1, -1)[:, :, a:b],
+}
 
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 40), view=st.sampled_from(
-    ["whole", "transpose", "columns", "columns transposed", "rows", "every other"]),
-    chunk=st.integers(1, 300), data=st.data())
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), view=st.sampled_from(sorted(VIEWS)),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       chunk=st.integers(1, 300), data=st.data())
 def test_read_into_reads_views_of_a_mapped_tensor_exactly(tmp_path_factory, rows, cols, view,
-                                                           chunk, data):
+                                                           dtype, chunk, data):
     path = tmp_path_factory.mktemp("w") / "w.safetensors"
-    full = torch.randn(rows, cols, dtype=torch.float64).float()
-    save_file({"w": full, "pad": torch.zeros(3)}, str(path))
+    full = torch.randn(rows, cols, dtype=torch.float64).to(dtype)
+    save_file({"w": full, "pad": torch.zeros(3, dtype=dtype)}, str(path))
     mapped = SafetensorsState([path])["w"]
     a = data.draw(st.integers(0, cols - 1))
     b = data.draw(st.integers(a + 1, cols))
-    src = {"whole": mapped, "transpose": mapped.t(), "columns": mapped[:, a:b],
-           "columns transposed": mapped[:, a:b].t(), "rows": mapped[a % rows:],
-           "every other": mapped[::2]}[view]
-    want = {"whole": full, "transpose": full.t(), "columns": full[:, a:b],
-            "columns transposed": full[:, a:b].t(), "rows": full[a % rows:],
-            "every other": full[::2]}[view]
-    # The destination as the packed blocks hold it: a transposed view of a wider block.
-    block = torch.full((want.shape[1] + 2, want.shape[0]), float("nan"))
-    dst = block[1:-1].t()
+    src, want = VIEWS[view](mapped, a, b), VIEWS[view](full, a, b)
+    # The destination as the packed blocks hold it: a view inside a wider tensor, so
+    # a write beside it would show.
+    if want.ndim == 2:
+        outer = torch.full((want.shape[1] + 2, want.shape[0]), float("nan"), dtype=dtype)
+        dst = outer[1:-1].t()
+    elif want.ndim == 1:  # every other value of a longer vector
+        outer = torch.full((want.numel() * 2 + 2,), float("nan"), dtype=dtype)
+        dst = outer[1:-1:2]
+    else:
+        outer = torch.full((want.numel() + 2,), float("nan"), dtype=dtype)
+        dst = outer[1:-1].view(want.shape)
     read_into(dst, src, torch.empty(chunk * 4, dtype=torch.uint8))
     assert torch.equal(dst, want)
-    assert block[0].isnan().all() and block[-1].isnan().all()  # nothing beside it written
+    assert outer.isnan().sum() == outer.numel() - want.numel()  # nothing beside it written
 
 
 _PEAK = """

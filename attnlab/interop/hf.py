@@ -283,7 +283,12 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     """GPTConfig values and the attnlab state dict of a transformers causal LM of one of
     the :data:`GPT_LAYOUTS` (``GPT2LMHeadModel``, ``LlamaForCausalLM`` and its relatives
     SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), live or as a folder
-    written by ``save_pretrained``."""
+    written by ``save_pretrained``.
+
+    Nothing is copied: the tensors are the source's own (a folder's memory-mapped) or
+    views of them where the layouts differ (GPT-2's transposed projections, its q/k/v
+    slices), sharing their storage as a ``state_dict`` does. Make them contiguous
+    before writing them to a file of their own (``safetensors`` refuses views)."""
     cfg, state = _parts(model)
     kind = cfg.get("model_type")
     if kind not in _GPT:
@@ -296,7 +301,8 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
 def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     """EncoderConfig values and the attnlab state dict of a ``BertModel``, ``RobertaModel``
     or ``DistilBertModel`` (or a model holding one, such as ``BertForMaskedLM``), live or
-    as a folder written by ``save_pretrained``."""
+    as a folder written by ``save_pretrained``. The tensors are the source's own, not
+    copies (see :func:`gpt_layout`)."""
     cfg, state = _parts(model)
     if cfg.get("model_type") not in ENCODER_LAYOUTS:
         raise _unsupported(cfg.get("model_type"), "Encoder")

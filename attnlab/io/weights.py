@@ -193,7 +193,7 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
     GPT-2's Conv1D weights become ``nn.Linear``'s), is read from its file in chunks of
     rows through ``bounce`` (bytes) instead, so its pages never become part of the
     process."""
-    if src.ndim == 2 and src.stride(0) == 1 and src.stride(1) != 1:
+    if src.ndim == 2 and dst.ndim == 2 and src.stride(0) == 1 and src.stride(1) != 1:
         dst, src = dst.t(), src.t()  # read the transpose's rows
     origin = _ORIGINS.get(src.untyped_storage().data_ptr())
     row_shape = src.shape[1:]
