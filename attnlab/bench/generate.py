@@ -272,7 +272,8 @@ def _paired_ratio(ceiling: dict, r: dict) -> float:
 
 def summary_table(records: list[dict]) -> str:
     """Markdown: per case, attnlab's and transformers' tokens/s, their peaks over the
-    weights' bytes, and attnlab's share of the ceiling and of transformers' speed."""
+    weights' bytes, and attnlab's share of the ceiling and of transformers' speed
+    (empty where no case has both)."""
     lines = ["| case | attnlab | transformers | peak / weights (attnlab, transformers) "
              "| attnlab: share of the ceiling, x transformers' tokens/s |",
              "|---|---:|---:|---:|---:|"]
@@ -288,4 +289,4 @@ def summary_table(records: list[dict]) -> str:
         lines.append(f"| {name} | {ours['tokens_per_s']:.1f} tok/s | {peer['tokens_per_s']:.1f} "
                      f"tok/s | {peaks} ({ours['weight_mb']:.0f} MB) | {share}, "
                      f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 2 else ""
