@@ -149,6 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .interop.auto import load_for_cli
+    from .models import decoding
     from .models.generation import check_sampling
 
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
@@ -169,13 +170,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     # Text pieces, not one decode per token: a character split over several byte-level
-    # tokens is printed once it is whole, never as U+FFFD.
-    for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, generator=gen,
-                              use_cache=len(ids) + args.max_new_tokens <= model.context_length,
-                              tokenizer=tokenizer):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
+    # between the tokens here, so the fused decoding plan is made once (as generate).
+    with decoding.held(model, [ids]):
+        for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, generator=gen,
+                                  use_cache=len(ids) + args.max_new_tokens
+                                  <= model.context_length, tokenizer=tokenizer):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 

@@ -81,6 +81,18 @@ def test_generate_from_a_folder_is_transformers_greedy(gpt2_dir, capsys):
     assert out.split() == ["the", "cat", *(WORDS[i] for i in want.tolist())]
 
 
+def test_generate_plans_the_fused_layers_once(gpt2_dir, capsys, monkeypatch):
+    """Only attnlab's code runs between the printed tokens: the blocks are checked at
+    the first decoded token, not at every one."""
+    from attnlab.models import decoding
+
+    checks, original = [], decoding._layer
+    monkeypatch.setattr(decoding, "_layer", lambda *args: checks.append(1) or original(*args))
+    assert main(["generate", "--model", str(gpt2_dir), "--prompt", "the cat",
+                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    assert len(checks) == 2  # 2 layers, once (5 single-token steps)
+
+
 def test_ablate_heads_on_a_folder(gpt2_dir, text_file, tmp_path, capsys):
     png, js = tmp_path / "h.png", tmp_path / "h.json"
     assert main(["ablate", "--model", str(gpt2_dir), "--text", str(text_file), "--heads",

@@ -54,7 +54,6 @@ PROMPT, NEW = [[1, 2, 3]], 6
 PER_TOKEN, ONCE = (NEW - 1) * LAYERS, LAYERS
 
 
-@needs_native
 def test_generate_checks_the_blocks_once_where_nothing_of_the_users_can_run():
     model = _model()
     with counting_checks() as checks:
@@ -98,7 +97,6 @@ class _Ids(torch.Tensor):
     pass
 
 
-@needs_native
 @pytest.mark.parametrize("user_code", ["function mode", "tensor subclass prompt"])
 def test_generate_plans_every_token_where_user_code_runs_on_torch_calls(user_code):
     """A torch function mode, or a prompt of a tensor subclass, runs user code on
@@ -272,7 +270,6 @@ def test_the_attention_step_over_a_long_cache_split_between_threads(
         _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, seed)
 
 
-@needs_native
 def test_a_change_between_two_generate_calls_is_seen_by_the_second():
     """The held plan lasts one generate call: a block changed after it is planned anew."""
     model = _model()
