@@ -183,8 +183,9 @@ def markdown_table(records: list[dict], baseline: str | None = None) -> str:
             cells = [_cell(by_impl[i], peer) if i in by_impl else "" for i in impls]
             lines.append(f"| {case} | {' | '.join(cells)} |")
         tables.append("\n".join(lines))
-        if hasattr(module, "summary_table") and module.summary_table(rows):
-            tables.append(module.summary_table(rows))
+        summary = module.summary_table(rows) if hasattr(module, "summary_table") else ""
+        if summary:
+            tables.append(summary)
     return "\n\n".join(tables)
 
 
