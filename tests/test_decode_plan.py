@@ -15,9 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decode import counting_fused_steps, fused_layers_off
 from torch.overrides import TorchFunctionMode
 
-from attnlab import _decode, _native
+from attnlab import _decode, _native, reference
 from attnlab.models import GPT, GPTConfig, decoding
 from attnlab.rope import RotaryEmbedding
 
@@ -142,27 +143,19 @@ def test_library_only_sees_where_user_code_could_run(change):
             handle.remove()
 
 
-def _decode_tokens(fused: bool) -> list[torch.Tensor]:
+def _decode_tokens() -> list[torch.Tensor]:
     """Logits of three single-token steps inside held(), the second and third after
     W_key of block 1 was given new storage in place (same Parameter, no longer packed,
     new values), as a held plan cannot foresee."""
     model = _model()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    original = _decode.layers
-    if not fused:
-        _decode.layers = lambda *args, **kwargs: None
-    out = []
-    try:
-        with torch.no_grad(), decoding.held(model):
-            caches = model.new_cache(1, 8)
-            model(ids[:, :3], caches=caches)
-            out.append(model(ids[:, 3:4], caches=caches))  # the plan is made here
-            weight = model.blocks[1].attn.W_key.weight
-            weight.data = (weight.data * 1.5).clone()
-            out += [model(ids[:, 4:5], caches=caches), model(ids[:, 5:6], caches=caches)]
-    finally:
-        _decode.layers = original
-    return out
+    with torch.no_grad(), decoding.held(model):
+        caches = model.new_cache(1, 8)
+        model(ids[:, :3], caches=caches)
+        out = [model(ids[:, 3:4], caches=caches)]  # the plan is made here
+        weight = model.blocks[1].attn.W_key.weight
+        weight.data = (weight.data * 1.5).clone()
+        return out + [model(ids[:, 4:5], caches=caches), model(ids[:, 5:6], caches=caches)]
 
 
 @needs_native
@@ -170,38 +163,15 @@ def test_a_held_plan_still_declines_what_the_kernel_does_not_take():
     """Held or not, the kernel checks every tensor at every call: the unpacked W_key is
     declined (its block runs its modules, which pack it again) and the logits are
     those of the modules."""
-    with counting_fused_steps() as fused:
-        got = _decode_tokens(True)
-    for a, b in zip(got, _decode_tokens(False)):
+    with counting_fused_steps("layers") as fused:
+        got = _decode_tokens()
+    with fused_layers_off():
+        want = _decode_tokens()
+    for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     # 3 layers fused at the first token; the second declined whole then 2 of 3 one by
     # one; 3 again at the third (W_key was packed again by its module).
     assert fused[0] == 3 + 2 + 3
-
-
-@contextmanager
-def counting_fused_steps():
-    """Layers the kernel ran (``_decode.layers`` answered)."""
-    count, original = [0], _decode.layers
-
-    def counted(x, run, caches):
-        out = original(x, run, caches)
-        count[0] += 0 if out is None else len(run)
-        return out
-    _decode.layers = counted
-    try:
-        yield count
-    finally:
-        _decode.layers = original
-
-
-def _reference(q, k, v, lo, hi):
-    """Attention of one query per head over keys lo..hi-1: (Hq, D) from q (Hq, D) and
-    k, v (Hkv, L, D), in float64."""
-    group = q.shape[0] // k.shape[0]
-    k, v = (t[:, lo:hi].double().repeat_interleave(group, 0) for t in (k, v))
-    w = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), k) / math.sqrt(q.shape[-1]), -1)
-    return torch.einsum("hn,hnd->hd", w, v)
 
 
 def _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, seed):
@@ -235,10 +205,11 @@ def _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, se
         torch.set_num_threads(before)
     torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6, equal_nan=True)
     assert torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
-    lo = 0 if window is None else max(0, pos - window + 1)
-    for b in range(batch):
-        want = _reference(queries[b], want_k[b], want_v[b], lo, rows).float()
-        torch.testing.assert_close(out[b, 0].view(heads, head_dim), want, atol=1e-5, rtol=1e-5)
+    for b in range(batch):  # the new query, end-aligned: causal and window as decoding
+        want = reference.attention(queries[b][:, None].numpy(), want_k[b, :, :rows].numpy(),
+                                   want_v[b, :, :rows].numpy(), causal=True, window=window)
+        torch.testing.assert_close(out[b, 0].view(heads, head_dim),
+                                   torch.from_numpy(want[:, 0]).float(), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -278,11 +249,8 @@ def test_a_change_between_two_generate_calls_is_seen_by_the_second():
     model.blocks[1].attn.out_proj = torch.nn.Linear(32, 32).eval()
     model.blocks[2].norm2.weight.data.mul_(-2.0)
     got = model.generate(PROMPT, NEW, temperature=0)
-    original, _decode.layers = _decode.layers, lambda *args, **kwargs: None
-    try:  # the modules alone
+    with fused_layers_off():  # the modules alone
         want = model.generate(PROMPT, NEW, temperature=0)
-    finally:
-        _decode.layers = original
     assert torch.equal(got, want)
     with torch.no_grad():  # and the logits agree, not only the greedy picks
         caches = model.new_cache(1, 8)
@@ -292,9 +260,6 @@ def test_a_change_between_two_generate_calls_is_seen_by_the_second():
             fused = model(ids[:, 3:], caches=caches)
         for cache in caches:
             cache.crop(3)
-        _decode.layers = lambda *args, **kwargs: None
-        try:
+        with fused_layers_off():
             plain = model(ids[:, 3:], caches=caches)
-        finally:
-            _decode.layers = original
     torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)
