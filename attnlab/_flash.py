@@ -5,6 +5,10 @@ It is the algorithm of ``_tiled.py`` (FlashAttention-2: online softmax forward t
 keeps the log-sum-exp, backward that recomputes the weights from it) in C++,
 doing only the work the causal and window rules allow. Weights, when asked for,
 come from :func:`attnlab._tiled.tiled_weights` (the kernel never forms them).
+
+NaN is never hidden: a row whose allowed scores hold a NaN comes out NaN (the
+kernel's row max skips NaN, so it checks for one where the max stays -inf), as on
+the other backends; a row the mask and rules empty gives zeros (README, "NaN in").
 """
 
 from __future__ import annotations
