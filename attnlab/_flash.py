@@ -5,6 +5,10 @@ It is the algorithm of ``_tiled.py`` (FlashAttention-2: online softmax forward t
 keeps the log-sum-exp, backward that recomputes the weights from it) in C++,
 doing only the work the causal and window rules allow. Weights, when asked for,
 come from :func:`attnlab._tiled.tiled_weights` (the kernel never forms them).
+
+NaN is never hidden: a row whose allowed scores hold a NaN comes out NaN (the
+kernel's row max skips NaN, so it checks for one where the max stays -inf), as on
+the other backends; a row the mask and rules empty gives zeros (README, "NaN in").
 """
 
 from __future__ import annotations
@@ -64,10 +68,16 @@ def _blocks(q_len: int, k_len: int, causal: bool, window: int,
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when BLAS can read its rows in place (unit stride within a row)."""
+    """``t`` itself when the kernel can read its rows in place (unit stride within a row,
+    rows at least a row apart, as BLAS wants), else a copy in the standard layout.
+
+    Not ``t.contiguous()``: a dimension of size 0 or 1 may carry any stride and still
+    count as contiguous (``randn(1, 2, 1, 70).transpose(-1, -2)`` has a last stride
+    of 70), so ``contiguous()`` would hand the same layout back. One copy costs a pass
+    over the input, little beside the attention itself."""
     if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class _FlashAttention(torch.autograd.Function):

@@ -73,7 +73,12 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
       const int64_t e = std::clamp<int64_t>(w.hi[r] - ks, a, nc);
       if (P.mask != nullptr && e > a) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
       const T m_new = std::max(w.m[r], row_max(row + a, e - a));
-      if (m_new == NEG) {  // nothing allowed in this row so far
+      if (m_new == NEG) {  // nothing allowed in this row so far, or only NaN scores
+        // The max skips NaN, so a row of NaN scores (a NaN query, NaN keys) lands here
+        // like an empty one. Checked only on this rare path: m = l = NaN then carry
+        // through every later tile (max, rescale) and the final division, so the row
+        // comes out NaN (lse NaN, hence NaN gradients) instead of passing as zeros.
+        if (any_nan(row + a, e - a)) w.m[r] = w.l[r] = std::numeric_limits<T>::quiet_NaN();
         std::fill(row, row + nc, T(0));
         continue;
       }
@@ -91,6 +96,7 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
   }
   for (int64_t r = 0; r < nr; ++r) {
     if (w.l[r] == T(0)) {  // a row with nothing to attend: zeros, and lse = +inf
+      // (l is NaN, not 0, for a row that met a NaN score: it stays NaN below)
       std::fill(o + r * P.Dv, o + (r + 1) * P.Dv, T(0));
       L[r] = std::numeric_limits<T>::infinity();
     } else {

@@ -92,6 +92,14 @@ ATTNLAB_CLONES static float row_max(const float* x, int64_t n) {
   return out;
 }
 
+// Whether x[0..n) holds a NaN (called off the hot path only: rows whose max is -inf).
+template <typename T>
+static inline bool any_nan(const T* x, int64_t n) {
+  bool found = false;
+  for (int64_t j = 0; j < n; ++j) found |= x[j] != x[j];  // branch-free: vectorises
+  return found;
+}
+
 // x = exp(x - shift) in place; returns the sum of the new x.
 ATTNLAB_CLONES static float exp_shift_sum(float* x, int64_t n, float shift) {
   f8 sum{};
