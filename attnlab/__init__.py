@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ._version import __version__
 
 if TYPE_CHECKING:  # for editors and type checkers; at run time __getattr__ finds them
-    from . import masks, reference
+    from . import check, masks, reference
     from .cache import KVCache
     from .checkpoint import load_checkpoint, save_checkpoint
     from .functional import BACKENDS, attention
@@ -40,8 +40,9 @@ _LAZY_NAMES = {
     "GPT": "models", "GPTConfig": "models", "Encoder": "models", "EncoderConfig": "models",
     "ToyAttnLM": "models", "ToyConfig": "models", "HFTokenizer": "text",
 }
+# ``check`` is a module that can be called: ``attnlab.check(fn_or_module)``.
 _LAZY_MODULES = ("masks", "reference", "models", "text", "viz", "experiments", "interop",
-                 "training", "checkpoint")
+                 "training", "checkpoint", "check")
 
 __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING block used
     "attention", "BACKENDS", "masks", "reference",
@@ -49,7 +50,7 @@ __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING 
     "MultiHeadAttentionWrapper", "MultiHeadAttention", "KVCache", "RotaryEmbedding",
     "save_checkpoint", "load_checkpoint", "__version__",
     "GPT", "GPTConfig", "Encoder", "EncoderConfig", "ToyAttnLM", "ToyConfig", "HFTokenizer",
-    "models", "text", "viz", "experiments", "interop", "training", "checkpoint",
+    "models", "text", "viz", "experiments", "interop", "training", "checkpoint", "check",
 ]
 
 
