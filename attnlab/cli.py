@@ -211,6 +211,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_spec
+
+    report = check_spec(args.spec, lang=args.lang)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
                    ckpt_help: str = "an attnlab checkpoint") -> None:
     """``--ckpt DIR`` or ``--model DIR`` (a Hugging Face folder; ``minilm`` = the bundled
@@ -329,6 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "suite's peer: torch-sdpa, book PyTorchMHA, transformers, "
                             "sentence-transformers)")
     bench.set_defaults(func=cmd_bench)
+
+    check = sub.add_parser("check", help="test a learner's own attention against the oracle, "
+                           "name each bug", description="Run FILE's NAME (a function (x), "
+                           "(x, mask) or (q, k, v[, mask]), or an nn.Module class) against the "
+                           "oracle; one line per finding. Exit 0 when clean, 1 when a bug is "
+                           "found, 2 for bad input.")
+    check.add_argument("spec", metavar="FILE:NAME", help="e.g. my_attention.py:SelfAttention")
+    check.add_argument("--lang", choices=["en", "zh"], default=None,
+                       help="language of the findings (default: from the locale)")
+    check.set_defaults(func=cmd_check)
     return parser
 
 

@@ -46,6 +46,7 @@ def attention(
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
+    _check_shapes(q, k, v)
     q_heads, q_len, head_dim = q.shape[-3:]
     kv_heads, k_len = k.shape[-3], k.shape[-2]
     group = q_heads // kv_heads
@@ -83,6 +84,24 @@ def attention(
     weights = softmax(scores, axis=-1)
     out = np.einsum("...qk,...kd->...qd", weights, v)
     return (out, weights) if return_weights else out
+
+
+def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """The shape rules of :func:`attnlab.attention`, worded the same way, so that a 2-D
+    ``(seq, dim)`` input is one clear error here too, not a failed unpacking."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 3:
+            raise ValueError(f"{name} must have at least 3 dimensions (..., heads, seq, "
+                             f"head_dim), got shape {a.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]} "
+                         f"(q {q.shape}, k {k.shape}); expected them equal")
+    if k.shape[-3:-1] != v.shape[-3:-1]:
+        raise ValueError(f"v has shape {v.shape} but k has {k.shape}; expected the same "
+                         "heads and length")
+    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+        raise ValueError(f"q has {q.shape[-3]} heads and k has {k.shape[-3]}; expected a "
+                         "multiple (grouped-query attention)")
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs):

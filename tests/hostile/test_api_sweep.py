@@ -4,6 +4,9 @@ or a RuntimeError from deep inside torch), or a correct result."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +154,20 @@ def test_sampling_survives_nan_logits():
     # greedy: NaN ranks lowest, and a row of nothing but NaN falls back to token 0
     assert sample_next(logits, 0.0, None, None, None).tolist() == [2, 0]
     assert sample_next(torch.tensor([[1.0, 3.0, NAN, 3.0]]), 0.0, None, None, None).tolist() == [1]
+
+
+@pytest.mark.parametrize("shapes, needle", [
+    (((5, 8), (5, 8), (5, 8)), "q must have at least 3 dimensions"),
+    (((2, 5, 8), (5, 8), (5, 8)), "k must have at least 3 dimensions"),
+    (((2, 5, 8), (2, 5, 4), (2, 5, 8)), "k has head_dim 4"),
+    (((2, 5, 8), (2, 5, 8), (2, 4, 8)), "v has shape (2, 4, 8)"),
+    (((3, 5, 8), (2, 5, 8), (2, 5, 8)), "q has 3 heads and k has 2"),
+])
+def test_the_oracle_refuses_bad_shapes_in_one_line(shapes, needle):
+    """reference.attention(x, x, x) on a 2-D x said "not enough values to unpack"."""
+    from attnlab import reference
+
+    arrays = [np.ones(s) for s in shapes]
+    with pytest.raises(ValueError, match=re.escape(needle)) as info:
+        reference.attention(*arrays)
+    assert "\n" not in str(info.value)
