@@ -352,8 +352,11 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
     struct = None
-    if causal and window is None and mask is None and q_len == k_len:
-        is_causal = True  # torch's top-left alignment equals ours when the lengths agree
+    if causal and window is None and mask is None and q_len == k_len and scale > 0:
+        # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
+        # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
+        # explicit rule below.
+        is_causal = True
     elif causal and window is None and q_len == 1:
         pass  # end-aligned: the one query (the newest token) sees every key
     else:

@@ -393,3 +393,24 @@ def test_mixed_devices_named():
     meta = torch.zeros(1, 2, 5, 8, device="meta")
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         attnlab.attention(q4, meta, v4)
+
+
+# ---------------------------------------------------------- issue 25
+
+
+def _issue25_inputs(dtype, n=256, seed=25):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.0, -1.0, -0.05])
+@pytest.mark.parametrize("q_len", [5, 70])
+def test_causal_with_scale_zero_or_negative_matches_the_oracle(backend, scale, q_len):
+    """torch's CPU SDPA returns NaN with is_causal for scale <= 0; the sdpa route (and
+    auto through it) passed is_causal on, eager was right."""
+    q, k, v = (t[:, :, :q_len] for t in _issue25_inputs(torch.float32, n=70))
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), causal=True, scale=scale)
+    out = attnlab.attention(q, k, v, causal=True, scale=scale, backend=backend)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
+
