@@ -92,12 +92,15 @@ def attention(
                          "use backend='tiled' (the same algorithm in PyTorch) or 'auto'")
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
-    if mask4 is not None and mask4.dtype != torch.bool:
-        mask4 = _masks.shift_rows(mask4)  # exact additive semantics in any dtype
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     # A window wider than both sequences rules nothing out; capped, so that 2**70
     # stays a valid index on every path instead of overflowing a C long.
     window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
+    if mask4 is not None and mask4.dtype != torch.bool:
+        # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
+        # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
+        mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
+                                  window=window, dtype=_mask_dtype(q4))
 
     if backend == "auto":
         backend = _choose(q4, k4, mask4, window, rows, causal=causal)
@@ -269,6 +272,11 @@ def _to_4d(q, k, v, mask):
     return (*flat, mask)
 
 
+def _mask_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype an additive mask is shifted and added in: q's compute dtype."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _choose(q, k, mask, window, rows, causal=False) -> str:
     q_len, k_len = q.shape[-2], k.shape[-2]
     learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
@@ -374,7 +382,9 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
         else:
             empty = None
         if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)  # rows already shifted by attention()
+            # Rows already shifted by attention(); torch takes a float32 mask with bf16/
+            # fp16 inputs, so the bias is never rounded to half precision.
+            attn_mask = attn_mask.to(_mask_dtype(q))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

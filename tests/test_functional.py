@@ -404,6 +404,31 @@ def _issue25_inputs(dtype, n=256, seed=25):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["bf16 bias", "bf16 inputs, float32 bias", "fp16 one huge"])
+def test_additive_mask_with_causal_shifts_by_the_allowed_maximum(backend, case):
+    """A bias that grows along the keys (BLOOM's slope * j) or one huge entry on a key
+    the causal rule forbids: shifting each row by its maximum over *all* keys pushed
+    the allowed entries to -76 or -1e5, where bf16/fp16 cannot resolve them (every
+    backend was off by 0.25 in bf16; the sdpa route, which cast the mask to the
+    inputs' dtype, by 0.28-3.0). The oracle sees the same rounded inputs."""
+    if case == "bf16 bias":
+        q, k, v = _issue25_inputs(torch.bfloat16)
+        mask = (0.3 * torch.arange(256.0)).to(torch.bfloat16).expand(1, 2, 256, 256)
+    elif case == "bf16 inputs, float32 bias":
+        q, k, v = _issue25_inputs(torch.bfloat16)
+        mask = 0.3 * torch.arange(256.0)[None, None, None, :]
+    else:
+        q, k, v = _issue25_inputs(torch.float16)
+        mask = torch.zeros(256, 256)
+        mask[0, 200] = 1e5  # forbidden by causal: must change nothing
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), mask.double().numpy(),
+                         causal=True)
+    out = attnlab.attention(q, k, v, mask=mask, causal=True, backend=backend)
+    tol = LOW_PRECISION[q.dtype]
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale", [0.0, -1.0, -0.05])
 @pytest.mark.parametrize("q_len", [5, 70])
 def test_causal_with_scale_zero_or_negative_matches_the_oracle(backend, scale, q_len):
