@@ -260,16 +260,18 @@ def _check_rows(return_weights, q, backend):
 
 
 def _to_4d(q, k, v, mask):
-    """Flatten leading dimensions into one batch dimension; masks keep broadcast dims."""
-    if q.ndim == 4:
-        return q, k, v, mask
-    if q.ndim == 3:
-        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask
-    flat = [t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)]
-    if mask is not None:
+    """Flatten leading dimensions into one batch dimension; masks keep broadcast dims
+    and become 4-D (a 1-D ``(k_len,)`` mask is ``(1, 1, 1, k_len)``, as PyTorch reads it)."""
+    if q.ndim > 4:
         target = (*q.shape[:-1], k.shape[-2])
-        mask = mask.expand(target).reshape(-1, *target[-3:])
-    return (*flat, mask)
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+        if mask is not None:
+            mask = mask.expand(target).reshape(-1, *target[-3:])
+    elif q.ndim == 3:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if mask is not None and mask.ndim < 4:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # a view
+    return q, k, v, mask
 
 
 def _mask_dtype(q: torch.Tensor) -> torch.dtype:

@@ -439,3 +439,23 @@ def test_causal_with_scale_zero_or_negative_matches_the_oracle(backend, scale, q
     out = attnlab.attention(q, k, v, causal=True, scale=scale, backend=backend)
     np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_dimensional_mask_broadcasts_over_the_keys(backend, kind, causal):
+    """A (k_len,) mask passes the broadcast check and is read as PyTorch reads it,
+    (1, 1, 1, k_len); the sdpa route raised IndexError from torch on it."""
+    q, k, v = (t[:, :, :9] for t in _issue25_inputs(torch.float32, n=9))
+    g = torch.Generator().manual_seed(8)
+    if kind == "bool":
+        mask = torch.rand(9, generator=g) > 0.3
+        mask[0] = False
+        want_mask = mask.numpy()
+    else:
+        mask = torch.randn(9, generator=g)
+        mask[2] = float("-inf")
+        want_mask = mask.double().numpy()
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), want_mask, causal=causal)
+    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend=backend)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
