@@ -308,7 +308,7 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     if k_len == 0 or mask.shape[-1] == 0:
         return mask  # no keys: nothing to shift
     top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
-    if causal or window is not None:
+    if not fully_allowed(0, q_len, 0, k_len, k_len - q_len, causal, window):
         row_top = _allowed_max(mask.detach(), q_len, k_len, causal, window)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
         if not torch.equal(row_top, top.expand_as(row_top)):
