@@ -92,12 +92,15 @@ def attention(
                          "use backend='tiled' (the same algorithm in PyTorch) or 'auto'")
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
-    if mask4 is not None and mask4.dtype != torch.bool:
-        mask4 = _masks.shift_rows(mask4)  # exact additive semantics in any dtype
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     # A window wider than both sequences rules nothing out; capped, so that 2**70
     # stays a valid index on every path instead of overflowing a C long.
     window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
+    if mask4 is not None and mask4.dtype != torch.bool:
+        # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
+        # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
+        mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
+                                  window=window, dtype=_mask_dtype(q4))
 
     if backend == "auto":
         backend = _choose(q4, k4, mask4, window, rows, causal=causal)
@@ -257,16 +260,23 @@ def _check_rows(return_weights, q, backend):
 
 
 def _to_4d(q, k, v, mask):
-    """Flatten leading dimensions into one batch dimension; masks keep broadcast dims."""
-    if q.ndim == 4:
-        return q, k, v, mask
-    if q.ndim == 3:
-        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask
-    flat = [t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)]
-    if mask is not None:
+    """Flatten leading dimensions into one batch dimension; masks keep broadcast dims
+    and become 4-D (a 1-D ``(k_len,)`` mask is ``(1, 1, 1, k_len)``, as PyTorch reads it)."""
+    if q.ndim > 4:
         target = (*q.shape[:-1], k.shape[-2])
-        mask = mask.expand(target).reshape(-1, *target[-3:])
-    return (*flat, mask)
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+        if mask is not None:
+            mask = mask.expand(target).reshape(-1, *target[-3:])
+    elif q.ndim == 3:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if mask is not None and mask.ndim < 4:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # a view
+    return q, k, v, mask
+
+
+def _mask_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype an additive mask is shifted and added in: q's compute dtype."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _choose(q, k, mask, window, rows, causal=False) -> str:
@@ -352,8 +362,11 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
     struct = None
-    if causal and window is None and mask is None and q_len == k_len:
-        is_causal = True  # torch's top-left alignment equals ours when the lengths agree
+    if causal and window is None and mask is None and q_len == k_len and scale > 0:
+        # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
+        # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
+        # explicit rule below.
+        is_causal = True
     elif causal and window is None and q_len == 1:
         pass  # end-aligned: the one query (the newest token) sees every key
     else:
@@ -371,7 +384,9 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
         else:
             empty = None
         if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)  # rows already shifted by attention()
+            # Rows already shifted by attention(); torch takes a float32 mask with bf16/
+            # fp16 inputs, so the bias is never rounded to half precision.
+            attn_mask = attn_mask.to(_mask_dtype(q))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

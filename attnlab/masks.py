@@ -278,16 +278,61 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return total
 
 
-def shift_rows(mask: torch.Tensor) -> torch.Tensor:
-    """An additive mask with each row's largest finite entry moved to 0.
+# Scratch of the allowed-key maximum: about this many mask entries per step.
+_SHIFT_SCRATCH = 1 << 22
+
+
+def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = False,
+               window: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An additive mask with each row's largest *allowed* entry moved to 0.
 
     Softmax ignores a constant added to a row, so this changes no weight, but it
-    keeps large finite values (HF's ``finfo.min``, ``-1e9``) from swallowing the
-    scores when added in float32 or overflowing when cast to fp16/bf16. Rows that
-    are all ``-inf`` stay so. The shift carries no gradient (softmax has none there).
+    keeps large finite values (HF's ``finfo.min``, ``-1e9``, a BLOOM-style
+    ``slope * j``) from swallowing the scores when added in float32. The maximum is
+    taken over the keys the causal/window rule allows (as ``reference.py`` does): a
+    big value on a key the rule forbids would otherwise push the allowed entries so
+    far down that their differences are lost. The arithmetic runs in at least
+    ``dtype`` (float32; the kernels add the mask in their compute dtype), never in
+    bf16/fp16, whose 8/11-bit mantissas cannot hold ``slope * j`` exactly.
+
+    ``mask`` broadcasts to ``(..., q_len, k_len)``. Its shape is kept when one shift
+    fits every query row (no rule, or a rule that leaves each row's maximum alone);
+    otherwise the result is ``(..., q_len, k_len)``. Entries the rule forbids may
+    come out positive; they are clamped to 0 so that no finite pair of values can
+    overflow to ``+inf`` (they are masked to ``-inf`` anyway). Rows with no allowed
+    key are left unshifted. The shift carries no gradient (softmax has none there).
     """
-    top = mask.detach().amax(dim=-1, keepdim=True)
-    return mask - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    while mask.ndim < 2:
+        mask = mask.unsqueeze(0)
+    mask = mask.to(torch.promote_types(mask.dtype, dtype))
+    if k_len == 0 or mask.shape[-1] == 0:
+        return mask  # no keys: nothing to shift
+    top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
+    if not fully_allowed(0, q_len, 0, k_len, k_len - q_len, causal, window):
+        row_top = _allowed_max(mask.detach(), q_len, k_len, causal, window)
+        row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
+        if not torch.equal(row_top, top.expand_as(row_top)):
+            top = row_top
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return (mask - top).clamp(max=0.0)
+
+
+def _allowed_max(mask: torch.Tensor, q_len: int, k_len: int, causal: bool,
+                 window: int | None) -> torch.Tensor:
+    """Each query row's largest mask entry over the keys :func:`rule_at` allows,
+    ``(..., q_len, 1)`` (``-inf`` for a row with none), a block of rows at a time."""
+    batch = mask.shape[:-2].numel()
+    step = max(1, _SHIFT_SCRATCH // max(1, batch * k_len))
+    tops = []
+    for start in range(0, q_len, step):
+        n = min(step, q_len - start)
+        rule = block_rule(start, n, 0, k_len, offset=k_len - q_len, causal=causal,
+                          window=window, device=mask.device)
+        part = mask[..., start:start + n, :] if mask.shape[-2] > 1 else mask
+        tops.append(part.masked_fill(~rule, float("-inf")).amax(dim=-1, keepdim=True))
+    if not tops:  # no query rows
+        return mask.new_empty((*mask.shape[:-2], 0, 1))
+    return torch.cat(tops, dim=-2)
 
 
 def describe(mask: torch.Tensor, *, max_size: int = 32) -> str:

@@ -393,3 +393,69 @@ def test_mixed_devices_named():
     meta = torch.zeros(1, 2, 5, 8, device="meta")
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         attnlab.attention(q4, meta, v4)
+
+
+# ---------------------------------------------------------- issue 25
+
+
+def _issue25_inputs(dtype, n=256, seed=25):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["bf16 bias", "bf16 inputs, float32 bias", "fp16 one huge"])
+def test_additive_mask_with_causal_shifts_by_the_allowed_maximum(backend, case):
+    """A bias that grows along the keys (BLOOM's slope * j) or one huge entry on a key
+    the causal rule forbids: shifting each row by its maximum over *all* keys pushed
+    the allowed entries to -76 or -1e5, where bf16/fp16 cannot resolve them (every
+    backend was off by 0.25 in bf16; the sdpa route, which cast the mask to the
+    inputs' dtype, by 0.28-3.0). The oracle sees the same rounded inputs."""
+    if case == "bf16 bias":
+        q, k, v = _issue25_inputs(torch.bfloat16)
+        mask = (0.3 * torch.arange(256.0)).to(torch.bfloat16).expand(1, 2, 256, 256)
+    elif case == "bf16 inputs, float32 bias":
+        q, k, v = _issue25_inputs(torch.bfloat16)
+        mask = 0.3 * torch.arange(256.0)[None, None, None, :]
+    else:
+        q, k, v = _issue25_inputs(torch.float16)
+        mask = torch.zeros(256, 256)
+        mask[0, 200] = 1e5  # forbidden by causal: must change nothing
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), mask.double().numpy(),
+                         causal=True)
+    out = attnlab.attention(q, k, v, mask=mask, causal=True, backend=backend)
+    tol = LOW_PRECISION[q.dtype]
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.0, -1.0, -0.05])
+@pytest.mark.parametrize("q_len", [5, 70])
+def test_causal_with_scale_zero_or_negative_matches_the_oracle(backend, scale, q_len):
+    """torch's CPU SDPA returns NaN with is_causal for scale <= 0; the sdpa route (and
+    auto through it) passed is_causal on, eager was right."""
+    q, k, v = (t[:, :, :q_len] for t in _issue25_inputs(torch.float32, n=70))
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), causal=True, scale=scale)
+    out = attnlab.attention(q, k, v, causal=True, scale=scale, backend=backend)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_dimensional_mask_broadcasts_over_the_keys(backend, kind, causal):
+    """A (k_len,) mask passes the broadcast check and is read as PyTorch reads it,
+    (1, 1, 1, k_len); the sdpa route raised IndexError from torch on it."""
+    q, k, v = (t[:, :, :9] for t in _issue25_inputs(torch.float32, n=9))
+    g = torch.Generator().manual_seed(8)
+    if kind == "bool":
+        mask = torch.rand(9, generator=g) > 0.3
+        mask[0] = False
+        want_mask = mask.numpy()
+    else:
+        mask = torch.randn(9, generator=g)
+        mask[2] = float("-inf")
+        want_mask = mask.double().numpy()
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)), want_mask, causal=causal)
+    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend=backend)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
