@@ -94,11 +94,70 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_naming_both(tmp_path)
         GPT.from_hf(folder)
 
 
-def test_a_live_model_is_not_copied(tmp_path):
-    """Where the layouts agree the tensors move across: no second copy of the weights."""
-    hf = llama(False)
-    ours = GPT.from_hf(hf)
-    assert ours.tok_emb.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+@pytest.mark.parametrize("make", [gpt2, lambda: llama(False)], ids=["gpt2", "llama"])
+def test_a_live_model_is_never_changed_by_training_the_loaded_one(make):
+    """The loaded model owns its tensors: an optimizer step on it leaves every tensor of
+    the transformers model as it was."""
+    hf = make()
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    ours = GPT.from_hf(hf).train()
+    opt = torch.optim.SGD(ours.parameters(), lr=1.0)
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))
+    ours(ids).logsumexp(-1).mean().backward()
+    opt.step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.parameters())
+    after = hf.state_dict()
+    assert sorted(after) == sorted(before)
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert changed == []
+
+
+_OWNS = """
+import os, sys, torch
+from attnlab.models import GPT
+folder, other = sys.argv[1], sys.argv[2]
+path = os.path.join(folder, "model.safetensors")
+model = GPT.from_hf(folder)
+ids = torch.tensor([[3, 17, 5, 99, 42]])
+def outputs():
+    with torch.no_grad():
+        return model(ids), model.generate(ids, 12, temperature=0.0)
+want = outputs()
+def same(what):
+    got = outputs()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+    print(what, "unchanged", flush=True)
+with open(path, "r+b") as f:  # other weights written over the same file, in place
+    f.write(open(other, "rb").read())
+same("rewritten")
+os.replace(other, path)
+same("replaced")
+os.truncate(path, 0)
+same("truncated")
+"""
+
+
+@pytest.mark.parametrize("make", [gpt2, lambda: llama(False)], ids=["gpt2", "llama"])
+def test_a_loaded_folder_owns_its_weights(make, tmp_path):
+    """Nothing of the user's file stays in the model: rewriting it with other weights,
+    replacing it, truncating it (a touched mapping would raise SIGBUS) leave the logits
+    and the greedy tokens exactly as they were. Run in a child so a signal fails the
+    test instead of killing pytest."""
+    import subprocess
+    import sys
+
+    hf = make()
+    hf.save_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "other")
+    out = subprocess.run([sys.executable, "-c", _OWNS, str(tmp_path / "m"),
+                          str(tmp_path / "other" / "model.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert out.stdout.split() == ["rewritten", "unchanged", "replaced", "unchanged",
+                                  "truncated", "unchanged"]
 
 
 _LOAD_AND_MEASURE = """
