@@ -160,6 +160,38 @@ def test_a_loaded_folder_owns_its_weights(make, tmp_path):
                                   "truncated", "unchanged"]
 
 
+def test_a_joint_qkv_of_the_wrong_width_is_refused_naming_it(tmp_path):
+    """GPT-2's c_attn is sliced into q, k, v: a (d, 4d) one would load with a column
+    block ignored. Every tensor is checked against the config before allocation."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    gpt2().save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(48, 4 * 48)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        GPT.from_hf(folder)
+    message = str(info.value)
+    assert message == (f"{str(folder)!r} does not fit the GPT: "
+                       "'transformer.h.1.attn.c_attn.weight' has shape (48, 192), "
+                       "expected (48, 144) (from the config)")
+
+
+@pytest.mark.parametrize(("make", "key"), [(gpt2, "n_head"), (gpt2, "n_layer"),
+                                           (lambda: llama(False), "num_attention_heads"),
+                                           (lambda: llama(False), "num_key_value_heads")])
+def test_a_size_of_zero_is_one_line_naming_the_key(make, key, tmp_path):
+    folder = tmp_path / "m"
+    make().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = 0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as info:
+        GPT.from_hf(folder)
+    assert str(info.value) == f"config {key}=0 is not valid (expected a positive int)"
+
+
 _LOAD_AND_MEASURE = """
 import sys, torch
 from attnlab.models import GPT, Encoder
