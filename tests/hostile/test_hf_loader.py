@@ -97,9 +97,8 @@ def test_any_damaged_config_field_loads_or_is_one_line(folders, tmp_path_factory
     except (ValueError, TypeError) as exc:
         _one_line(exc)
         return
-    ids = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        assert torch.isfinite(model(ids)).all()
+    with torch.no_grad():  # one token: a config may make the context or the vocabulary 1
+        assert torch.isfinite(model(torch.tensor([[0]]))).all()
 
 
 def _damage(shape: tuple[int, ...], how: str, by: int) -> tuple[int, ...]:
