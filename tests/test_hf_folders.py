@@ -94,11 +94,102 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_naming_both(tmp_path)
         GPT.from_hf(folder)
 
 
-def test_a_live_model_is_not_copied(tmp_path):
-    """Where the layouts agree the tensors move across: no second copy of the weights."""
-    hf = llama(False)
-    ours = GPT.from_hf(hf)
-    assert ours.tok_emb.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+@pytest.mark.parametrize("make", [gpt2, lambda: llama(False)], ids=["gpt2", "llama"])
+def test_a_live_model_is_never_changed_by_training_the_loaded_one(make):
+    """The loaded model owns its tensors: an optimizer step on it leaves every tensor of
+    the transformers model as it was."""
+    hf = make()
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    ours = GPT.from_hf(hf).train()
+    opt = torch.optim.SGD(ours.parameters(), lr=1.0)
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))
+    ours(ids).logsumexp(-1).mean().backward()
+    opt.step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.parameters())
+    after = hf.state_dict()
+    assert sorted(after) == sorted(before)
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert changed == []
+
+
+_OWNS = """
+import os, sys, torch
+from attnlab.models import GPT
+folder, other = sys.argv[1], sys.argv[2]
+path = os.path.join(folder, "model.safetensors")
+model = GPT.from_hf(folder)
+ids = torch.tensor([[3, 17, 5, 99, 42]])
+def outputs():
+    with torch.no_grad():
+        return model(ids), model.generate(ids, 12, temperature=0.0)
+want = outputs()
+def same(what):
+    got = outputs()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+    print(what, "unchanged", flush=True)
+with open(path, "r+b") as f:  # other weights written over the same file, in place
+    f.write(open(other, "rb").read())
+same("rewritten")
+os.replace(other, path)
+same("replaced")
+os.truncate(path, 0)
+same("truncated")
+"""
+
+
+@pytest.mark.parametrize("make", [gpt2, lambda: llama(False)], ids=["gpt2", "llama"])
+def test_a_loaded_folder_owns_its_weights(make, tmp_path):
+    """Nothing of the user's file stays in the model: rewriting it with other weights,
+    replacing it, truncating it (a touched mapping would raise SIGBUS) leave the logits
+    and the greedy tokens exactly as they were. Run in a child so a signal fails the
+    test instead of killing pytest."""
+    import subprocess
+    import sys
+
+    hf = make()
+    hf.save_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "other")
+    out = subprocess.run([sys.executable, "-c", _OWNS, str(tmp_path / "m"),
+                          str(tmp_path / "other" / "model.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert out.stdout.split() == ["rewritten", "unchanged", "replaced", "unchanged",
+                                  "truncated", "unchanged"]
+
+
+def test_a_joint_qkv_of_the_wrong_width_is_refused_naming_it(tmp_path):
+    """GPT-2's c_attn is sliced into q, k, v: a (d, 4d) one would load with a column
+    block ignored. Every tensor is checked against the config before allocation."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    gpt2().save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(48, 4 * 48)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        GPT.from_hf(folder)
+    message = str(info.value)
+    assert message == (f"{str(folder)!r} does not fit the GPT: "
+                       "'transformer.h.1.attn.c_attn.weight' has shape (48, 192), "
+                       "expected (48, 144) (from the config)")
+
+
+@pytest.mark.parametrize(("make", "key"), [(gpt2, "n_head"), (gpt2, "n_layer"),
+                                           (lambda: llama(False), "num_attention_heads"),
+                                           (lambda: llama(False), "num_key_value_heads")])
+def test_a_size_of_zero_is_one_line_naming_the_key(make, key, tmp_path):
+    folder = tmp_path / "m"
+    make().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = 0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as info:
+        GPT.from_hf(folder)
+    assert str(info.value) == f"config {key}=0 is not valid (expected a positive int)"
 
 
 _LOAD_AND_MEASURE = """

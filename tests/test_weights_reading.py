@@ -34,13 +34,19 @@ VIEWS = {  # name -> the view of a (rows, cols) tensor, given a column range a:b
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 40), view=st.sampled_from(sorted(VIEWS)),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
-       chunk=st.integers(1, 300), data=st.data())
+       chunk=st.integers(1, 300), edits=st.integers(0, 3), data=st.data())
 def test_read_into_reads_views_of_a_mapped_tensor_exactly(tmp_path_factory, rows, cols, view,
-                                                           dtype, chunk, data):
+                                                           dtype, chunk, edits, data):
+    """What ``copy_`` gives, edits made in memory to the mapped tensor included (the
+    file then no longer holds what the tensor holds)."""
     path = tmp_path_factory.mktemp("w") / "w.safetensors"
     full = torch.randn(rows, cols, dtype=torch.float64).to(dtype)
     save_file({"w": full, "pad": torch.zeros(3, dtype=dtype)}, str(path))
     mapped = SafetensorsState([path])["w"]
+    for _ in range(edits):
+        i, j = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, cols - 1))
+        for t in (mapped, full):
+            t[i, j] = 1000.0 + i + j
     a = data.draw(st.integers(0, cols - 1))
     b = data.draw(st.integers(a + 1, cols))
     src, want = VIEWS[view](mapped, a, b), VIEWS[view](full, a, b)
@@ -58,6 +64,20 @@ def test_read_into_reads_views_of_a_mapped_tensor_exactly(tmp_path_factory, rows
     read_into(dst, src, torch.empty(chunk * 4, dtype=torch.uint8))
     assert torch.equal(dst, want)
     assert outer.isnan().sum() == outer.numel() - want.numel()  # nothing beside it written
+
+
+def test_read_into_takes_a_mapped_tensor_as_it_is_in_memory(tmp_path):
+    """A mapped tensor edited in memory (copy on write: the file is unchanged) is read
+    as the process sees it, not from the file, whichever view is read."""
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(path))
+    mapped = SafetensorsState([path])["w"]
+    mapped.mul_(-1)
+    for view in (mapped, mapped.t(), mapped[:, 1:3].t()):
+        dst = torch.empty(view.shape)
+        read_into(dst, view)
+        assert torch.equal(dst, view)
+    assert torch.equal(SafetensorsState([path])["w"], torch.arange(12.0).reshape(3, 4))
 
 
 _PEAK = """

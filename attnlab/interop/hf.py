@@ -25,7 +25,18 @@ from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
-from .layout import Config, Tensors, _detached, _field, _Named, _require, _strip
+from .layout import (
+    Config,
+    ShapeMismatch,
+    Tensors,
+    _detached,
+    _Named,
+    _positive,
+    _require,
+    _size,
+    _strip,
+    check_shapes,
+)
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
            "gpt2_config", "gpt2_state", "llama_config", "llama_state", "bert_config",
@@ -44,12 +55,15 @@ def gpt2_config(cfg: Mapping[str, Any]) -> Config:
     _require(cfg, "scale_attn_weights", (True, False), True)
     _require(cfg, "scale_attn_by_inverse_layer_idx", (True, False), False)
     _require(cfg, "reorder_and_upcast_attn", (True, False), False)
-    d_model = _field(cfg, "n_embd")
+    d_model, heads = _size(cfg, "n_embd"), _size(cfg, "n_head")
+    if d_model % heads:
+        raise ValueError(f"config n_embd={d_model} is not valid with n_head={heads} "
+                         "(expected a multiple of it)")
     return dict(
-        vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "n_positions"),
-        d_model=d_model, num_layers=_field(cfg, "n_layer"), num_heads=_field(cfg, "n_head"),
-        d_ff=cfg.get("n_inner") or 4 * d_model, positions="learned", norm="layernorm",
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        vocab_size=_size(cfg, "vocab_size"), context_length=_size(cfg, "n_positions"),
+        d_model=d_model, num_layers=_size(cfg, "n_layer"), num_heads=heads,
+        d_ff=_size(cfg, "n_inner", 4 * d_model), positions="learned", norm="layernorm",
+        norm_eps=_positive(cfg, "layer_norm_epsilon", 1e-5),
         mlp="gelu" if cfg.get("activation_function") == "gelu" else "gelu_tanh",
         tie_embeddings=cfg.get("tie_word_embeddings", True), qkv_bias=True, out_bias=True,
         mlp_bias=True,
@@ -81,6 +95,10 @@ def gpt2_state(state: Tensors, cfg: Config,
     d = cfg["d_model"]
     head_dim = d // cfg["num_heads"]
     hf_cfg = hf_cfg or {}
+    # Checked before the joint q/k/v is sliced: a slice would drop what does not fit.
+    check_shapes(s, gpt2_shapes(cfg))
+    if "lm_head.weight" in state and not cfg["tie_embeddings"]:
+        check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], d)})
     out = {"tok_emb.weight": s["wte.weight"], "pos_emb.weight": s["wpe.weight"],
            "norm.weight": s["ln_f.weight"], "norm.bias": s["ln_f.bias"]}
     if "lm_head.weight" in state and not cfg["tie_embeddings"]:
@@ -107,35 +125,61 @@ def gpt2_state(state: Tensors, cfg: Config,
     return _detached(out)
 
 
+def gpt2_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The shape of each GPT-2 tensor (names without ``transformer.``) that ``cfg`` (the
+    ``GPTConfig`` values of :func:`gpt2_config`) makes: Conv1D weights are ``[in, out]``."""
+    d, ff = cfg["d_model"], cfg["d_ff"]
+    want = {"wte.weight": (cfg["vocab_size"], d), "wpe.weight": (cfg["context_length"], d),
+            "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(cfg["num_layers"]):
+        h = f"h.{i}."
+        want.update({h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+                     h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+                     h + "mlp.c_fc.weight": (d, ff), h + "mlp.c_fc.bias": (ff,),
+                     h + "mlp.c_proj.weight": (ff, d), h + "mlp.c_proj.bias": (d,)})
+        for norm in ("ln_1", "ln_2"):
+            want.update({h + f"{norm}.weight": (d,), h + f"{norm}.bias": (d,)})
+    return want
+
+
 # ------------------------------------------------------------------------- Llama
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
+        bad = "rope_parameters" if not isinstance(params, Mapping) else "rope_scaling"
+        raise ValueError(f"config {bad}={cfg[bad]!r} is not valid (expected an object)")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default')")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return _positive({"rope_theta": params.get("rope_theta", cfg.get("rope_theta"))},
+                     "rope_theta", 10000.0)
 
 
 def llama_config(cfg: Mapping[str, Any]) -> Config:
     """``GPTConfig`` values of a Llama config dict (also Mistral's and Qwen2's, whose
     differences :func:`mistral_config` and :func:`qwen2_config` add)."""
     _require(cfg, "hidden_act", ("silu",), "silu")
-    hidden, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    hidden, heads = _size(cfg, "hidden_size"), _size(cfg, "num_attention_heads")
+    # transformers reads head_dim 0 (or null) as hidden_size // num_attention_heads.
+    head_dim = (hidden // heads if cfg.get("head_dim") == 0 else
+                _size(cfg, "head_dim", hidden // heads))
     if head_dim * heads != hidden:
         raise ValueError(f"config head_dim={head_dim} with {heads} heads does not make "
                          f"hidden_size={hidden}; not supported")
+    kv_heads = _size(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(f"config num_key_value_heads={kv_heads} is not valid with "
+                         f"num_attention_heads={heads} (expected a divisor of it)")
     return dict(
-        vocab_size=_field(cfg, "vocab_size"),
-        context_length=_field(cfg, "max_position_embeddings"),
-        d_model=hidden, num_layers=_field(cfg, "num_hidden_layers"), num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        d_ff=_field(cfg, "intermediate_size"),
+        vocab_size=_size(cfg, "vocab_size"),
+        context_length=_size(cfg, "max_position_embeddings"),
+        d_model=hidden, num_layers=_size(cfg, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads, d_ff=_size(cfg, "intermediate_size"),
         positions="rope", rope_base=_rope_theta(cfg), norm="rmsnorm",
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), mlp="swiglu",
+        norm_eps=_positive(cfg, "rms_norm_eps", 1e-6), mlp="swiglu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         out_bias=bool(cfg.get("attention_bias", False)),
@@ -143,8 +187,30 @@ def llama_config(cfg: Mapping[str, Any]) -> Config:
     )
 
 
+def llama_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The shape of each Llama (Mistral, Qwen2) tensor (names without ``model.``) that
+    ``cfg`` (the ``GPTConfig`` values of :func:`llama_config`) makes; biases where the
+    file has them (``llama_state`` takes those it finds)."""
+    d, ff = cfg["d_model"], cfg["d_ff"]
+    kv = cfg["num_kv_heads"] * (d // cfg["num_heads"])
+    want = {"embed_tokens.weight": (cfg["vocab_size"], d), "norm.weight": (d,)}
+    rows = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d),
+            "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, d),
+            "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
+    for i in range(cfg["num_layers"]):
+        for name, shape in rows.items():
+            want[f"layers.{i}.{name}.weight"] = shape
+            want[f"layers.{i}.{name}.bias"] = shape[:1]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            want[f"layers.{i}.{norm}.weight"] = (d,)
+    return want
+
+
 def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     s = _strip(state, "model.")
+    check_shapes(s, llama_shapes(cfg))
+    if not cfg["tie_embeddings"]:
+        check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], cfg["d_model"])})
     out = {"tok_emb.weight": s["embed_tokens.weight"], "norm.weight": s["norm.weight"]}
     if not cfg["tie_embeddings"]:
         out["lm_head.weight"] = _Named(state)["lm_head.weight"]
@@ -287,15 +353,22 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
 
     Nothing is copied: the tensors are the source's own (a folder's memory-mapped) or
     views of them where the layouts differ (GPT-2's transposed projections, its q/k/v
-    slices), sharing their storage as a ``state_dict`` does. Make them contiguous
-    before writing them to a file of their own (``safetensors`` refuses views)."""
+    slices), sharing their storage as a ``state_dict`` does (``GPT.from_hf`` copies
+    them into a model of its own). Make them contiguous before writing them to a file
+    of their own (``safetensors`` refuses views). Every tensor's shape is checked
+    against the config first: :class:`~attnlab.interop.layout.ShapeMismatch` names the
+    tensor, the shape found and the shape expected."""
     cfg, state = _parts(model)
     kind = cfg.get("model_type")
     if kind not in _GPT:
         raise _unsupported(kind, "GPT")
     _, make_config, make_state = _GPT[kind]
     config = make_config(cfg)
-    return config, make_state(state, config, cfg)
+    try:
+        return config, make_state(state, config, cfg)
+    except ShapeMismatch as exc:
+        where = repr(str(model)) if _is_folder_arg(model) else f"the {type(model).__name__}"
+        raise ShapeMismatch(f"{where} does not fit the GPT: {exc}") from None
 
 
 def encoder_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:

@@ -1,12 +1,17 @@
 """What every Hugging Face layout converter shares: a state-dict view whose missing key
-names itself, and config fields that are required or limited to what attnlab does."""
+names itself, shapes checked against the config before a tensor is read, and config
+fields that are required or limited to what attnlab does."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ..checks import is_int
+from ..io.files import CheckpointError
 
 Tensors = Mapping[str, torch.Tensor]
 Config = dict[str, Any]
@@ -19,11 +24,22 @@ class _Named(Mapping):
 
     def __init__(self, state: Tensors, prefix: str = "") -> None:
         self._state, self._prefix = state, prefix
+        self._shapes: dict | None = None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self._prefix + key not in self._state:
             raise ValueError(f"weights have no {self._prefix + key!r}, which this layout needs")
         return self._state[self._prefix + key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``key`` without reading it (a file's from its header)."""
+        full = self._prefix + key
+        shapes = getattr(self._state, "shapes", None)  # a SafetensorsState's header
+        if callable(shapes) and full in self._state:
+            if self._shapes is None:
+                self._shapes = shapes()
+            return tuple(self._shapes[full][0])
+        return tuple(self[key].shape)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self._prefix + key in self._state
@@ -39,6 +55,22 @@ class _Named(Mapping):
 def _strip(state: Tensors, prefix: str) -> _Named:
     """Keys without ``prefix`` where every key that matters has it (``bert.``, ``model.``)."""
     return _Named(state, prefix if any(k.startswith(prefix) for k in state) else "")
+
+
+class ShapeMismatch(CheckpointError):
+    """A tensor's shape is not the one its layout's config makes."""
+
+
+def check_shapes(s: _Named, want: Mapping[str, tuple[int, ...]]) -> None:
+    """:class:`ShapeMismatch` naming each tensor of ``s`` whose shape is not ``want``'s,
+    the shape found and the one expected, before any tensor is read or allocated:
+    a layout that slices a tensor (GPT-2's joint q/k/v) would otherwise drop what
+    does not fit. Names ``s`` lacks are left to the converter (which names them)."""
+    problems = [f"{s._prefix + key!r} has shape {s.shape(key)}, expected {tuple(shape)}"
+                for key, shape in want.items() if key in s and s.shape(key) != tuple(shape)]
+    if problems:
+        raise ShapeMismatch("; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
+                            + " (from the config)")
 
 
 def _detached(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -65,3 +97,27 @@ def _field(cfg: Mapping[str, Any], key: str) -> Any:
         kind = cfg.get("model_type", "this")
         raise ValueError(f"config has no {key!r}, which a {kind} config needs")
     return cfg[key]
+
+
+def _size(cfg: Mapping[str, Any], key: str, default: Any = None) -> int:
+    """A size (heads, layers, widths): a positive int, else a one-line ValueError naming
+    the field (``n_head: 0`` would end in a ZeroDivisionError). Required unless a
+    ``default`` is given, which stands in for an absent or null field."""
+    value = _field(cfg, key) if default is None else cfg.get(key)
+    if value is None:
+        return default
+    if not is_int(value) or value < 1:
+        raise ValueError(f"config {key}={value!r} is not valid (expected a positive int)")
+    return int(value)
+
+
+def _positive(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    """A positive finite number (an epsilon, a rope base), ``default`` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"config {key}={value!r} is not valid (expected a positive finite "
+                         "number)")
+    return float(value)

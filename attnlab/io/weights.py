@@ -8,6 +8,7 @@ way and names where the weights came from.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import weakref
@@ -114,18 +115,21 @@ def _set_param(model: nn.Module, name: str, value) -> None:
 
 def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor], *,
                  source: str) -> nn.Module:
-    """``make()`` a model without allocating or initialising its weights, then give it the
-    tensors of ``state``: the weights exist once, never beside a throwaway random copy.
+    """``make()`` a model without allocating or initialising its weights, then fill it
+    from the tensors of ``state``: the weights exist once, never beside a throwaway
+    random copy, and the model owns every one of them.
 
     The model is built on the meta device; names, shapes and dtypes are checked
-    (:func:`load_state`) before anything is allocated. A parameter in its plain
-    layout takes the given tensor itself (shared with a live model, or memory-mapped
-    from a file). Parameters that are views of one tensor (weights packed for
-    decoding, see :mod:`attnlab.modules.fused`) get that tensor allocated group by
-    group and are filled from the sources, a file's straight from disk in chunks;
-    a ``dict`` state lets go of each tensor as it is copied, so at no point are the
-    weights held twice. Tied parameters (an output layer sharing the embedding) stay
-    tied, whether the source stores them once or twice.
+    (:func:`load_state`) before anything is allocated. Every parameter gets storage of
+    its own, filled from its source: a file's tensors straight from disk in chunks
+    (:func:`read_into`), so the model never maps the user's file (replacing or
+    truncating it later changes nothing) and a live model's tensors are copied, never
+    shared (training the loaded model leaves the live one as it was). Parameters
+    that are views of one tensor (weights packed for decoding, see
+    :mod:`attnlab.modules.fused`) get that tensor allocated group by group; a ``dict``
+    state lets go of each tensor as it is copied, so at no point are the weights held
+    twice. Tied parameters (an output layer sharing the embedding) stay tied, whether
+    the source stores them once or twice.
     """
     with torch.device("meta"):
         model = make()
@@ -137,13 +141,23 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
     packed = {name for members in blocks.values()
               if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
-    # A parameter in its plain layout becomes the given tensor; a view (a transpose
-    # the layout made) is copied into one of its own first.
-    model.load_state_dict({n: state[n].contiguous() for n in state if n not in packed},
-                          strict=False, assign=True)
     # One buffer for every chunk read from a file: a new one per tensor would leave
     # holes between the blocks that the allocator keeps.
     bounce = torch.empty(_CHUNK, dtype=torch.uint8)
+    # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
+    # the given one would keep the user's file mapped (its pages read whenever used) or
+    # share a live model's storage.
+    own = {}
+    with torch.no_grad():
+        for name in [n for n in state if n not in packed and n not in aliases]:
+            src = state[name]
+            own[name] = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            read_into(own[name], src, bounce)
+            del src
+            if isinstance(state, dict):
+                del state[name]  # freed now (unless a live model still holds it)
+    model.load_state_dict(own, strict=False, assign=True)
+    del own
     for members in blocks.values():
         if members[0][0] in packed:
             _fill_block(model, members, state, bounce)
@@ -192,7 +206,8 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
     of one whose rows each lie in one piece (a transpose, a slice of columns: how
     GPT-2's Conv1D weights become ``nn.Linear``'s), is read from its file in chunks of
     rows through ``bounce`` (bytes) instead, so its pages never become part of the
-    process."""
+    process. Only while the mapping holds what the file holds: a tensor edited in
+    memory (its copy-on-write pages written) is copied as it is, edits included."""
     if src.ndim == 2 and dst.ndim == 2 and src.stride(0) == 1 and src.stride(1) != 1:
         dst, src = dst.t(), src.t()  # read the transpose's rows
     origin = _ORIGINS.get(src.untyped_storage().data_ptr())
@@ -201,24 +216,51 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
             or src.stride(0) < max(1, src[0].numel())):
         dst.copy_(src)
         return
-    path, offset = origin
+    file, offset = origin
     es = src.element_size()
-    offset += src.storage_offset() * es
     row = src[0].numel() * es  # the bytes of one row; rows start `pitch` bytes apart
     pitch = src.stride(0) * es
+    span = (src.shape[0] - 1) * pitch + row
+    if _written(src.data_ptr(), span):
+        dst.copy_(src)
+        return
+    offset += src.storage_offset() * es
     if bounce is None or bounce.numel() < row:
         bounce = torch.empty(max(_CHUNK, row), dtype=torch.uint8)
     step = (bounce.numel() - row) // pitch + 1  # rows a chunk holds
     raw = bounce.numpy()
-    with open(path, "rb") as f:
-        for a in range(0, src.shape[0], step):
-            b = min(a + step, src.shape[0])
-            n = (b - a - 1) * pitch + row
-            f.seek(offset + a * pitch)
-            if f.readinto(memoryview(raw)[:n]) != n:
-                raise CheckpointError(f"{str(path)!r} ended early (truncated?)")
-            rows = bounce[:n].view(src.dtype)
-            dst[a:b].copy_(rows.as_strided((b - a, *row_shape), (src.stride(0), *src[0].stride())))
+    for a in range(0, src.shape[0], step):
+        b = min(a + step, src.shape[0])
+        n = (b - a - 1) * pitch + row
+        # The file the mapping was made of (its descriptor), even if its path now names
+        # another one.
+        if os.preadv(file.fileno(), [memoryview(raw)[:n]], offset + a * pitch) != n:
+            raise CheckpointError(f"{file.name!r} ended early (truncated?)")
+        rows = bounce[:n].view(src.dtype)
+        dst[a:b].copy_(rows.as_strided((b - a, *row_shape), (src.stride(0), *src[0].stride())))
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _written(address: int, nbytes: int) -> bool:
+    """Whether this process wrote to any page of ``[address, address + nbytes)`` of a
+    private file mapping (a written copy-on-write page is anonymous memory, no longer
+    the file's; Linux's ``/proc/self/pagemap`` tells them apart). True where it cannot
+    be told, so the caller copies what the memory holds."""
+    import numpy as np
+
+    first, last = address // _PAGE, (address + nbytes - 1) // _PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return True
+    if entries.size != last - first + 1:
+        return True
+    present, swapped, file = (entries >> np.uint64(bit) & np.uint64(1) for bit in (63, 62, 61))
+    return bool(((present | swapped) & (file ^ np.uint64(1))).any())
 
 
 # --------------------------------------------------------------------- safetensors files
@@ -250,7 +292,7 @@ class SafetensorsState(Mapping):
             self._handles[path] = handle
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 self._where[name] = handle
-            self._places.update(_places(path))
+            self._places.update(_places(_File(path)))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._device != "cpu":
@@ -276,23 +318,36 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
-# Where each tensor SafetensorsState mapped lies in its file: storage address -> (path,
+# Where each tensor SafetensorsState mapped lies in its file: storage address -> (file,
 # offset). An entry lives exactly as long as its mapping (weakref.finalize), so an
 # address reused later never points at a stale file.
-_ORIGINS: dict[int, tuple[Path, int]] = {}
+_ORIGINS: dict[int, tuple[_File, int]] = {}
 
 
-def _places(path: Path) -> dict[str, tuple]:
-    """name -> (path, offset, shape, safetensors dtype) from the file's header."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+class _File:
+    """One open descriptor of a weights file: its header, its mappings and the reads of
+    :func:`read_into` all see the same file, even if its path is given another one
+    meanwhile. Closed once nothing uses it."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def _places(file: _File) -> dict[str, tuple]:
+    """name -> (file, offset, shape, safetensors dtype) from the file's header."""
+    (n,) = struct.unpack("<Q", os.pread(file.fd, 8, 0).ljust(8, b"\0"))
+    header = json.loads(os.pread(file.fd, n, 8))
     start = 8 + n
-    return {name: (path, start + int(info["data_offsets"][0]), tuple(info["shape"]),
+    return {name: (file, start + int(info["data_offsets"][0]), tuple(info["shape"]),
                    info["dtype"]) for name, info in header.items() if name != "__metadata__"}
 
 
-def _mapped(path: Path, offset: int, shape: tuple, dtype: str) -> torch.Tensor:
+def _mapped(file: _File, offset: int, shape: tuple, dtype: str) -> torch.Tensor:
     """The tensor memory-mapped from the file (copy on write): nothing is read until
     it is used, and a page read stays shared with the page cache."""
     import numpy as np
@@ -303,10 +358,12 @@ def _mapped(path: Path, offset: int, shape: tuple, dtype: str) -> torch.Tensor:
         count *= d
     if count == 0:
         return torch.empty(shape, dtype=want)
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset,
-                    shape=(count * torch.empty((), dtype=want).element_size(),))
+    nbytes = count * torch.empty((), dtype=want).element_size()
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    view = mmap.mmap(file.fd, offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
+    raw = np.frombuffer(view, dtype=np.uint8, count=nbytes, offset=offset - start)
     t = torch.from_numpy(raw)
     ptr = t.untyped_storage().data_ptr()
-    _ORIGINS[ptr] = (path, offset)
+    _ORIGINS[ptr] = (file, offset)
     weakref.finalize(raw, _ORIGINS.pop, ptr, None)
     return t.view(want).view(shape)

@@ -293,8 +293,11 @@ class GPT(GenerationMixin, nn.Module):
         ``Qwen2ForCausalLM``, or of a local folder written by their ``save_pretrained``
         (safetensors only; nothing is downloaded).
 
-        The weights are not copied where the layouts agree: a live model's tensors are
-        shared with it, a folder's are read once into this model's parameters.
+        The model owns its weights: a folder's are read once from the file into this
+        model's parameters (nothing of the file stays mapped, so replacing or truncating
+        it later changes nothing), a live model's are copied (training this model never
+        changes it). Every tensor's shape is checked against the config before anything
+        is allocated.
         """
         config, state = gpt_layout(model)
         config = GPTConfig.from_dict(config)
