@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import _flash
 from . import masks as _masks
+from ._sdpa import sdpa_attention
 from ._tiled import tiled_attention, tiled_weights
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
@@ -100,7 +101,7 @@ def attention(
         # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
         # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
         mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
-                                  window=window, dtype=_mask_dtype(q4))
+                                  window=window, dtype=_masks.additive_dtype(q4.dtype))
 
     if backend == "auto":
         backend = _choose(q4, k4, mask4, window, rows, causal=causal)
@@ -110,7 +111,7 @@ def attention(
     if backend == "eager":
         out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
     elif backend == "sdpa":
-        out = _sdpa(q4, k4, v4, mask4, causal, window, scale, dropout_p)
+        out = sdpa_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
     else:
         if mask4 is not None and mask4.requires_grad and torch.is_grad_enabled():
             raise ValueError(
@@ -274,11 +275,6 @@ def _to_4d(q, k, v, mask):
     return q, k, v, mask
 
 
-def _mask_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype an additive mask is shifted and added in: q's compute dtype."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _choose(q, k, mask, window, rows, causal=False) -> str:
     q_len, k_len = q.shape[-2], k.shape[-2]
     learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
@@ -352,52 +348,3 @@ def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
         return out, None
     picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
     return out, picked.to(dtype)
-
-
-# --------------------------------------------------------------------------- sdpa
-
-
-def _sdpa(q, k, v, mask, causal, window, scale, dropout_p):
-    """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    is_causal = False
-    struct = None
-    if causal and window is None and mask is None and q_len == k_len and scale > 0:
-        # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
-        # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
-        # explicit rule below.
-        is_causal = True
-    elif causal and window is None and q_len == 1:
-        pass  # end-aligned: the one query (the newest token) sees every key
-    else:
-        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    attn_mask = _masks.combine(struct, mask)
-    empty = None
-    if attn_mask is not None:
-        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-        empty = ~allowed.any(dim=-1, keepdim=True)
-        if bool(empty.any()):
-            # Let empty rows see everything (no NaN in forward or backward), zero them after.
-            attn_mask = attn_mask | empty if attn_mask.dtype == torch.bool else (
-                attn_mask.masked_fill(empty, 0.0)
-            )
-        else:
-            empty = None
-        if attn_mask.dtype != torch.bool:
-            # Rows already shifted by attention(); torch takes a float32 mask with bf16/
-            # fp16 inputs, so the bias is never rounded to half precision.
-            attn_mask = attn_mask.to(_mask_dtype(q))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    # The fused kernels return 0 for a query row holding NaN; eager and tiled return
-    # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
-    nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
-    if out.requires_grad:
-        out = out + nan_carry.mul(0)
-    else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
-        out.add_(nan_carry, alpha=0)
-    if empty is not None:
-        out = out.masked_fill(empty, 0.0)
-    return out

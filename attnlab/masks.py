@@ -278,6 +278,12 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return total
 
 
+def additive_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an additive mask is shifted and added in for inputs of ``dtype``:
+    float64 for float64, else float32 (never bf16/fp16, which would round the bias)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # Scratch of the allowed-key maximum: about this many mask entries per step.
 _SHIFT_SCRATCH = 1 << 22
 

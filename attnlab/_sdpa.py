@@ -1,0 +1,59 @@
+"""The ``sdpa`` backend: torch's fused ``scaled_dot_product_attention`` with attnlab's
+conventions translated (end-aligned causal rule, windows, the empty-row rule, NaN kept).
+
+Inputs are ``attention()``'s after its checks: 4-D ``(batch, heads, seq, dim)``, an
+additive mask already shifted by :func:`attnlab.masks.shift_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import masks as _masks
+
+
+def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
+    """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    is_causal = False
+    struct = None
+    if causal and window is None and mask is None and q_len == k_len and scale > 0:
+        # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
+        # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
+        # explicit rule below.
+        is_causal = True
+    elif causal and window is None and q_len == 1:
+        pass  # end-aligned: the one query (the newest token) sees every key
+    else:
+        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+    attn_mask = _masks.combine(struct, mask)
+    empty = None
+    if attn_mask is not None:
+        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        if bool(empty.any()):
+            # Let empty rows see everything (no NaN in forward or backward), zero them after.
+            attn_mask = attn_mask | empty if attn_mask.dtype == torch.bool else (
+                attn_mask.masked_fill(empty, 0.0)
+            )
+        else:
+            empty = None
+        if attn_mask.dtype != torch.bool:
+            # Rows already shifted by attention(); torch takes a float32 mask with bf16/
+            # fp16 inputs, so the bias is never rounded to half precision.
+            attn_mask = attn_mask.to(_masks.additive_dtype(q.dtype))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    # The fused kernels return 0 for a query row holding NaN; eager and tiled return
+    # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
+    nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
+    if out.requires_grad:
+        out = out + nan_carry.mul(0)
+    else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
+        out.add_(nan_carry, alpha=0)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out
