@@ -49,6 +49,7 @@ def test_generate_streams_text(demo_dir):
     assert text[4:8] == "abab"  # the greedy continuation of the pattern
 
 
+@pytest.mark.slow
 def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
     out, _ = demo_dir
     done = run("show", "ababab xyz", "--ckpt", out, "--out", tmp_path / "show")
