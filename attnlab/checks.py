@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["positive_int", "non_negative_int", "optional_positive_int", "probability",
+__all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded_int",
+           "probability",
            "boolean", "finite_float", "one_of", "is_int", "Config", "machine_memory",
            "fits_in_memory"]
 
@@ -38,6 +39,16 @@ def non_negative_int(name: str, value: object) -> int:
     """``value`` as an int ``>= 0``, else ValueError naming ``name``."""
     if not is_int(value) or int(value) < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def bounded_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``, else ValueError naming ``name``: for sizes
+    whose cost is time, not memory (steps, new tokens), so no memory check catches a typo
+    such as ``--steps 100000000000000000000000``."""
+    if not is_int(value) or not low <= int(value) <= high:
+        what = f"a positive int <= {high:,}" if low == 1 else f"an int in [{low}, {high:,}]"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return int(value)
 
 
@@ -64,13 +75,17 @@ def boolean(name: str, value: object) -> bool:
     return value
 
 
-def finite_float(name: str, value: object, *, positive: bool = False) -> float:
-    """``value`` as a finite float (``> 0`` with ``positive``); NaN and inf are refused."""
+def finite_float(name: str, value: object, *, positive: bool = False,
+                 least: float | None = None) -> float:
+    """``value`` as a finite float (``> 0`` with ``positive``, ``>= least`` with
+    ``least``); NaN and inf are refused."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        what = "a positive finite number" if positive else "a finite number"
+    if not math.isfinite(value) or (positive and value <= 0) or (
+            least is not None and value < least):
+        what = ("a positive finite number" if positive else "a finite number"
+                + ("" if least is None else f" >= {least:g}"))
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return value
 

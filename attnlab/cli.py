@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .checks import finite_float, positive_int
+from .checks import bounded_int, finite_float, non_negative_int, positive_int
 
 
 def _option(parse, check):
@@ -32,6 +32,24 @@ def _option(parse, check):
 
 _positive_int = _option(int, positive_int)
 _positive_float = _option(float, lambda name, value: finite_float(name, value, positive=True))
+_non_negative_float = _option(float, lambda name, value: finite_float(name, value, least=0.0))
+_index = _option(int, non_negative_int)  # --layer, --head: the upper end needs the model
+
+
+def _steps(name: str, value: object) -> int:
+    from .training import check_steps  # imported when used: the parser stays light
+
+    return check_steps(name, value)
+
+
+def _new_tokens(name: str, value: object) -> int:
+    from .models.generation import MAX_NEW_TOKENS
+
+    return bounded_int(name, value, 1, MAX_NEW_TOKENS)
+
+
+_step_count = _option(int, _steps)
+_new_token_count = _option(int, _new_tokens)
 
 
 def _seed(text: str) -> int:
@@ -75,7 +93,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.worked_example:
         print(format_worked_example(worked_example()))
         return 0
-    run_demo(args.out, steps=args.steps, seed=args.seed)
+    run_demo(args.out, steps=args.steps, seed=args.seed)  # checks --out before training
     return 0
 
 
@@ -92,12 +110,25 @@ def _read_text(path: str | None) -> str:
     return text
 
 
+# The sizes of the models ``attnlab train --model`` builds (besides vocab and context).
+_TRAIN_MODELS = {"toy": {"d_model": 64},
+                 "gpt": {"d_model": 128, "num_layers": 4, "num_heads": 4}}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import os
+    from types import SimpleNamespace
 
     from .checkpoint import check_out_dir
     from .io.locks import output_lock
+    from .training import check_training_fits
 
+    # Before anything is touched: --batch-size and --context that cannot fit are named
+    # as such (a lower bound, the vocabulary of one token; the model's own check, once
+    # the text is read, would only say the model is too large).
+    check_training_fits(SimpleNamespace(vocab_size=1, **_TRAIN_MODELS[args.model]),
+                        args.batch_size, args.context,
+                        world=max(1, int(os.environ.get("WORLD_SIZE", "1"))))
     # Before anything is read or trained: a bad --out is known at once, and the
     # lock keeps a second run off this --out for the whole of this one. Under
     # torchrun only rank 0 writes, so only rank 0 checks and holds the lock.
@@ -125,12 +156,12 @@ def _train(args: argparse.Namespace) -> int:
     tokenizer = tokenizer or CharTokenizer.from_text(text)
     tokens = torch.tensor(tokenizer.encode(text))
     torch.manual_seed(args.seed)
+    sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,
+             **_TRAIN_MODELS[args.model]}
     if args.model == "toy":
-        model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
-                                    d_model=64))
+        model = ToyAttnLM(ToyConfig(**sizes))
     else:
-        model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=args.context,
-                              d_model=128, num_layers=4, num_heads=4, dropout=0.0))
+        model = GPT(GPTConfig(**sizes, dropout=0.0))
     model.to(train_device())
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
     rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
@@ -152,6 +183,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .models import decoding
     from .models.generation import check_sampling
 
+    # Before the model is loaded (minutes for a large folder): a bad option is one line.
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     try:
         ids = tokenizer.encode(args.prompt)
@@ -164,8 +197,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
                          "Mistral or Qwen2 folder)")
-    # Checked before the prompt is echoed, so a refused call prints nothing on stdout.
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
@@ -185,8 +216,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from .interop.auto import load_for_cli
+    from .io.outdir import check_own_dir
     from .viz import show_attention
 
+    check_own_dir(args.out)  # before the model is loaded (show_attention checks it again)
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
                            head=args.head, rollout=args.rollout)
@@ -203,9 +236,16 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
+    from .io.outdir import check_out_file
 
+    if args.baseline is not None and not args.markdown:
+        raise ValueError(f"--baseline {args.baseline!r} sets what the Markdown tables divide "
+                         "by: add --markdown (the JSON records hold every ratio)")
+    if args.json is not None:
+        check_out_file(args.json, "--json")
+    # bench.run checks --baseline against the chosen cases before any case runs.
     records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
-                        json_path=args.json, case_filter=args.case)
+                        json_path=args.json, case_filter=args.case, baseline=args.baseline)
     if args.markdown:
         print(bench.markdown_table(records, baseline=args.baseline))
     return 0
@@ -244,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the toy model on the built-in corpus, show what "
                           "it learned")
     demo.add_argument("--out", default="attnlab-demo", help="output directory")
-    demo.add_argument("--steps", type=_positive_int, default=400, help="training steps")
+    demo.add_argument("--steps", type=_step_count, default=400, help="training steps")
     demo.add_argument("--seed", type=_seed, default=0, help="random seed")
     demo.add_argument("--worked-example", action="store_true",
                       help="print the 2x2 worked example of attention, step by step, instead")
@@ -255,14 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--text", metavar="FILE",
                        help="UTF-8 text to train on, char-level (default: the built-in corpus)")
     train.add_argument("--model", choices=["toy", "gpt"], default="gpt", help="which model")
-    train.add_argument("--steps", type=_positive_int, default=500, help="total steps")
+    train.add_argument("--steps", type=_step_count, default=500, help="total steps")
     train.add_argument("--batch-size", type=_positive_int, default=32, help="rows per step")
     train.add_argument("--context", type=_positive_int, default=128,
                        help="tokens per row (and the model's context length)")
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     train.add_argument("--seed", type=_seed, default=0, help="random seed")
     train.add_argument("--out", default="attnlab-train", help="checkpoint directory")
-    train.add_argument("--checkpoint-every", type=_positive_int, default=None,
+    train.add_argument("--checkpoint-every", type=_step_count, default=None,
                        help="steps between checkpoints, so a killed run can --resume "
                             "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
@@ -273,9 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "folder (--model DIR)")
     _model_options(generate, minilm=False)
     generate.add_argument("--prompt", required=True, help="text to continue (required)")
-    generate.add_argument("--max-new-tokens", type=_positive_int, default=100,
+    generate.add_argument("--max-new-tokens", type=_new_token_count, default=100,
                           help="tokens to add")
-    generate.add_argument("--temperature", type=float, default=1.0,
+    generate.add_argument("--temperature", type=_non_negative_float, default=1.0,
                           help="sampling temperature; 0 = greedy")
     generate.add_argument("--top-k", type=_positive_int, default=None,
                           help="sample among the k most likely tokens only (default: all)")
@@ -291,9 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(show)
     show.add_argument("--rollout", action="store_true",
                       help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
-    show.add_argument("--layer", type=int, default=None,
+    show.add_argument("--layer", type=_index, default=None,
                       help="only this layer in the PNG (default: every layer)")
-    show.add_argument("--head", type=int, default=None,
+    show.add_argument("--head", type=_index, default=None,
                       help="only this head in the PNG (default: every head)")
     show.add_argument("--out", default="attnlab-show", help="output directory")
     show.set_defaults(func=cmd_show)
@@ -307,16 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: the checkpoint's held-out text; required with --model")
     ablate.add_argument("--heads", action="store_true",
                         help="the head-importance table: each head alone knocked out")
-    ablate.add_argument("--layer", type=int, default=None,
+    ablate.add_argument("--layer", type=_index, default=None,
                         help="knock out this layer's heads (all, or --head H) and report")
-    ablate.add_argument("--head", type=int, default=None, help="with --layer: only this head")
+    ablate.add_argument("--head", type=_index, default=None, help="with --layer: only this head")
     ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
                         help="where --heads draws its layer x head heatmap")
     ablate.add_argument("--json", metavar="FILE",
                         help="also write the results as JSON to FILE ('-': print them)")
     ablate.add_argument("--out", default="attnlab-demo",
                         help="where the demo model is trained when no --ckpt is given")
-    ablate.add_argument("--seed", type=int, default=0, help="random seed")
+    ablate.add_argument("--seed", type=_seed, default=0, help="random seed")
     ablate.set_defaults(func=cmd_ablate)
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")

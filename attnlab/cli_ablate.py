@@ -56,6 +56,20 @@ def _full_rows(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ids[:1, :int(mask[0].sum())]
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file and folder this run will write, checked before any model is trained
+    or loaded: a bad --json must not cost the whole run."""
+    from .checkpoint import check_out_dir
+    from .io.outdir import check_out_file
+
+    if args.ckpt is None and args.model is None:
+        check_out_dir(args.out)  # the demo model's checkpoint (run_demo checks it again)
+    if args.heads:
+        check_out_file(args.png, "--png")
+    if args.json is not None and args.json != "-":
+        check_out_file(args.json, "--json")
+
+
 def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
     from .demo import run_demo
 
@@ -63,6 +77,7 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
         raise ValueError("--head needs --layer L (the layer the head is in)")
     if args.heads and args.layer is not None:
         raise ValueError("--heads knocks out every head in turn; leave out --layer/--head")
+    _check_outputs(args)
     ckpt = args.ckpt
     if ckpt is None and args.model is None:
         ckpt = args.out

@@ -30,6 +30,7 @@ from . import checkpoint
 from .checkpoint import check_out_dir, has_checkpoint, nothing_to_resume, restore_training_state
 from .checks import (
     Config,
+    bounded_int,
     finite_float,
     fits_in_memory,
     is_int,
@@ -39,6 +40,17 @@ from .checks import (
 )
 from .io.locks import output_lock
 from .progress import Progress
+
+# The most steps of one run. Every step adds an entry (~70 bytes) to the loss history
+# that training_state.json keeps for --resume, and that file is read back under
+# io.reading.STATE_LIMIT (256 MiB): a million steps stay well inside it (and are
+# days of CPU time for the smallest model); 10**23 is a typo, refused before any work.
+MAX_STEPS = 10**6
+
+
+def check_steps(name: str, value: object) -> int:
+    """``value`` as a step count in ``[1, MAX_STEPS]`` (``--steps``, ``--checkpoint-every``)."""
+    return bounded_int(name, value, 1, MAX_STEPS)
 
 
 def check_seed(seed: object) -> int:
@@ -71,7 +83,10 @@ class TrainConfig(Config):
         # Named as the CLI options, where these values usually come from.
         for name in ("steps", "batch_size", "context", "eval_every", "eval_batches"):
             positive_int(name.replace("_", "-"), getattr(self, name))
+        check_steps("steps", self.steps)
         optional_positive_int("checkpoint-every", self.checkpoint_every)
+        if self.checkpoint_every is not None:
+            check_steps("checkpoint-every", self.checkpoint_every)
         finite_float("lr", self.lr, positive=True)
         non_negative_int("warmup", self.warmup)
         for name in ("weight_decay", "grad_clip"):
@@ -93,16 +108,27 @@ def default_checkpoint_every(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def activation_bytes(model: nn.Module, batch: int, context: int) -> int:
+def activation_bytes(model: object, batch: int, context: int) -> int:
     """A rough upper estimate of what one training step holds besides the weights:
     per token, the logits (and their gradient and softmax) and each layer's
     activations; per layer and head, the attention weights. Checked before the
-    first step, so ``--batch-size 10**12`` is one line and not an allocator failure."""
-    config = model.config
+    first step, so ``--batch-size 10**12`` is one line and not an allocator failure.
+    ``model``: a model, or its config (anything with ``d_model`` and ``vocab_size``,
+    and ``num_layers``/``num_heads`` where there are several)."""
+    config = getattr(model, "config", model)
     d, vocab = config.d_model, config.vocab_size
     layers, heads = getattr(config, "num_layers", 1), getattr(config, "num_heads", 1)
     per_token = 3 * vocab + 24 * d * layers
     return 4 * batch * context * (per_token + 2 * heads * layers * context)
+
+
+def check_training_fits(model: object, batch_size: int, context: int, world: int = 1) -> None:
+    """Refuse, before anything is allocated, a step that needs more memory than this
+    machine has (:func:`activation_bytes` of one process's share of the batch, out of
+    ``world``; ``model`` may be a config). The CLI checks this before it builds the
+    model, so an absurd ``--context`` is named as such, not as a model too large."""
+    fits_in_memory(f"training with batch-size {batch_size} and context {context}",
+                   activation_bytes(model, batch_size // world, context))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -286,8 +312,7 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
     if cfg.context > model.context_length:
         raise ValueError(f"context {cfg.context} is longer than the model's context_length "
                          f"{model.context_length}")
-    fits_in_memory(f"training with batch-size {cfg.batch_size} and context {cfg.context}",
-                   activation_bytes(model, cfg.batch_size // world, cfg.context))
+    check_training_fits(model, cfg.batch_size, cfg.context, world)
     train_stream, eval_stream = split(tokens, cfg.context)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)

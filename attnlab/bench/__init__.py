@@ -32,12 +32,19 @@ def available_suites() -> list[str]:
 
 def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: bool = True,
         json_path: str | Path | None = None, log: Callable[[str], None] = print,
-        case_filter: str | None = None) -> list[dict]:
+        case_filter: str | None = None, baseline: str | None = None) -> list[dict]:
     """Run the named suites (all available ones by default) and return the records.
 
     ``case_filter``: run only the cases whose name contains this text. A suite
     module may define ``annotate(records)`` to add derived numbers (tokens/s).
+    ``baseline``: the implementation :func:`markdown_table` will divide by; checked
+    here, before any case runs, against the implementations of the chosen cases.
+    ``json_path`` is checked before any case runs too.
     """
+    if json_path is not None:
+        from ..io.outdir import check_out_file
+
+        check_out_file(json_path, "json_path")
     names = list(suites) if suites else available_suites()
     for name in names:
         if name not in SUITES:
@@ -54,6 +61,11 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
     if case_filter is not None and not any(case_filter in c.name
                                            for cases in chosen.values() for c in cases):
         raise ValueError(f"--case {case_filter!r} matches no case of the suites {names}")
+    if baseline is not None:
+        impls = sorted({i.name for cases in chosen.values() for c in cases for i in c.impls})
+        if baseline not in impls:
+            raise ValueError(f"baseline (--baseline) must be one of the implementations of "
+                             f"the chosen cases {impls}, got {baseline!r}")
     records: list[dict] = []
     for name, module in modules.items():
         suite_records = run_cases(chosen[name], memory=memory, log=log)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .files import ATOMIC_MARKER, OWN_FILES, PathLike
 
-__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable"]
+__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_out_file"]
 
 # ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
@@ -70,3 +70,38 @@ def check_own_dir(out: PathLike, name: str = "--out") -> None:
             f"{name} {str(out)!r} holds files attnlab did not write ("
             f"{', '.join(map(repr, foreign[:3]))}{' ...' if len(foreign) > 3 else ''}); "
             "expected a new or empty directory or one attnlab wrote")
+
+
+def check_out_file(path: PathLike, name: str = "--json") -> None:
+    """Refuse an output file ``path`` (``--json``, ``--png``) that cannot be written,
+    before any work: a run must not train or measure for minutes and then fail on its
+    last line.
+
+    ``path`` may be new or an existing regular file (replaced atomically, as
+    :func:`attnlab.io.atomic_write_bytes` does). Refused, with ValueError naming
+    ``name``: a directory, a FIFO or device (``/dev/stdout`` would be replaced, not
+    written to), a parent folder that does not exist (unlike an output folder, whose
+    parents are created: a file's folder missing is a typo more often than a wish),
+    a parent that is a file, and a parent that takes no new entries (the temp file
+    of the atomic write goes there).
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{name} {str(path)!r} is a directory; expected a file path")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{name} {str(path)!r} is not a regular file; expected a new file "
+                         "or one to replace")
+    parent = Path(os.path.abspath(path)).parent
+    if not parent.is_dir():
+        blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        why = (f"{str(blocker)!r} is a file, expected a directory"
+               if blocker is not None and not blocker.is_dir()
+               else f"its folder {str(parent)!r} does not exist")
+        raise ValueError(f"{name} {str(path)!r} cannot be written: {why}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{name} {str(path)!r} cannot be written: {exc.strerror or exc} "
+                         f"(in {str(parent)!r})") from None

@@ -16,9 +16,14 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from ..checks import is_int, non_negative_int, optional_positive_int
+from ..checks import bounded_int, is_int, optional_positive_int
 from ..text.stream import TextStream
 from . import decoding
+
+# The most tokens one call adds. Each is a forward pass of the model (without the
+# cache, over the whole window): a million are days of CPU time already, and more
+# is a typo (``--max-new-tokens 10**20`` would otherwise run until killed).
+MAX_NEW_TOKENS = 10**6
 
 
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -30,7 +35,12 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
                 f"{tuple(ids.shape)} dtype {ids.dtype}"
             )
         ids = ids.long()
-        return (ids[None] if ids.ndim == 1 else ids), None
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.numel() == 0:  # nothing to continue: the first step has no last position
+            raise ValueError(f"ids must hold at least one prompt of at least one token, got "
+                             f"shape {tuple(ids.shape)}; expected (batch, seq) or (seq,) "
+                             "with batch >= 1 and seq >= 1")
+        return ids, None
     if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
         raise TypeError(f"ids must be a tensor or a list of prompts (lists of ints), got "
                         f"{type(ids).__name__}")
@@ -84,8 +94,23 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_eos_id(eos_id: object, vocab_size: int) -> int | None:
+    """None, or ``eos_id`` as a token id in ``[0, vocab_size)``: an id the model can
+    never produce (``-1``, ``vocab_size``) would silently never stop a sequence, and
+    ``2.5`` or ``True`` is a typo, not a token."""
+    if eos_id is None:
+        return None
+    if not is_int(eos_id):
+        raise TypeError(f"eos_id must be an int token id or None, got "
+                        f"{type(eos_id).__name__} {eos_id!r}")
+    if not 0 <= eos_id < vocab_size:
+        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) (the model's "
+                         f"vocab_size is {vocab_size}), got {eos_id}")
+    return int(eos_id)
+
+
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
-    non_negative_int("max_new_tokens", max_new_tokens)
+    bounded_int("max_new_tokens", max_new_tokens, 0, MAX_NEW_TOKENS)
     # nan passes every comparison-based check and inf divides the logits into nan;
     # either would only fail inside torch.multinomial, after the prompt was echoed.
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or (
@@ -142,6 +167,7 @@ class GenerationMixin:
     def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
                     generator) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
+        eos_id = check_eos_id(eos_id, self.config.vocab_size)
         device = next(self.parameters()).device
         ids, mask = _as_batch(ids, self.pad_id)
         ids = ids.to(device)
