@@ -35,6 +35,7 @@ from .layout import (
     _require,
     _size,
     _strip,
+    check_layer_count,
     check_shapes,
 )
 
@@ -96,6 +97,7 @@ def gpt2_state(state: Tensors, cfg: Config,
     head_dim = d // cfg["num_heads"]
     hf_cfg = hf_cfg or {}
     # Checked before the joint q/k/v is sliced: a slice would drop what does not fit.
+    check_layer_count(s, "h.", cfg["num_layers"], "n_layer")
     check_shapes(s, gpt2_shapes(cfg))
     if "lm_head.weight" in state and not cfg["tie_embeddings"]:
         check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], d)})
@@ -208,6 +210,7 @@ def llama_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     s = _strip(state, "model.")
+    check_layer_count(s, "layers.", cfg["num_layers"], "num_hidden_layers")
     check_shapes(s, llama_shapes(cfg))
     if not cfg["tie_embeddings"]:
         check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], cfg["d_model"])})

@@ -73,6 +73,19 @@ def check_shapes(s: _Named, want: Mapping[str, tuple[int, ...]]) -> None:
                             + " (from the config)")
 
 
+def check_layer_count(s: _Named, prefix: str, num_layers: int, key: str) -> None:
+    """:class:`ShapeMismatch` unless ``s`` holds layers ``0 .. num_layers - 1`` under
+    ``prefix`` (``h.``, ``layers.``): a config that asks for more layers than the file
+    has is refused from the file's names alone, before the model (or a table of every
+    layer's shapes) is built for it."""
+    found = {name[len(prefix):].split(".", 1)[0] for name in s if name.startswith(prefix)}
+    indices = {int(i) for i in found if i.isdigit()}
+    if len(indices) != num_layers or indices != set(range(num_layers)):
+        held = f"layers 0 .. {max(indices)}" if indices else "no layers"
+        raise ShapeMismatch(f"config {key}={num_layers}, but the weights hold {held} "
+                            f"({len(indices)} under {prefix!r})")
+
+
 def _detached(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors detached, views (a transpose, a slice) left as views: building the
     model copies each one into its parameter (``io.weights.build_loaded``), a file's

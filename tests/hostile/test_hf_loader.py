@@ -144,3 +144,18 @@ def test_cli_generate_with_a_zero_head_count_is_one_line(folders, tmp_path, cli,
     (folder / "config.json").write_text(json.dumps(cfg))
     proc = cli(["generate", "--model", str(folder), "--prompt", "hi"], cwd=tmp_path)
     one_line_error(proc, "config n_head=0 is not valid (expected a positive int)")
+
+
+@pytest.mark.parametrize("kind,key", [("gpt2", "n_layer"), ("llama", "num_hidden_layers")])
+@pytest.mark.parametrize("layers", [1, 3, 3000, 10 ** 12])
+def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(
+        folders, tmp_path, kind, key, layers):
+    """The file's tensor names alone refuse it: no model of 10**12 layers (or a table of
+    their shapes) is built first to find the missing tensors."""
+    folder, cfg = _copy(folders, kind, tmp_path)
+    cfg[key] = layers
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as info:
+        GPT.from_hf(folder)
+    message = _one_line(info.value)
+    assert f"config {key}={layers}, but the weights hold layers 0 .. 1" in message, message
