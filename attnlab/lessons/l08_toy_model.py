@@ -8,6 +8,9 @@ from attnlab.text import CharTokenizer
 from attnlab.text.corpus import pattern_corpus
 from attnlab.training import TrainConfig, train
 
+# A model this small trains faster on one thread: splitting its tiny matrices between
+# threads costs more than it saves (and on a busy machine, far more).
+torch.set_num_threads(1)
 text = pattern_corpus(n_runs=800, seed=0)  # "abababab acacac xyzxyz ..."
 tokenizer = CharTokenizer.from_text(text)  # one token per character
 ids = torch.tensor(tokenizer.encode(text))

@@ -51,6 +51,7 @@ models that would otherwise memorise their data.
     code("""
 from attnlab import experiments
 
+torch.set_num_threads(1)  # three tiny models: faster on one thread (lesson 8)
 placement = experiments.dropout_placement(p=0.2, steps=150, seed=0)
 for where, entry in placement.items():
     print(f"{where:>8}: train {entry['train_loss']:.3f}, held-out {entry['eval_loss']:.3f}")
