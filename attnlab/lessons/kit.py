@@ -125,7 +125,7 @@ def embed(tokens: Sequence[str]) -> np.ndarray:
         known = EMBEDDINGS.get(t.lower())
         if known is None:
             rng = np.random.default_rng(zlib.crc32(t.encode("utf-8")))
-            known = tuple(np.round(rng.uniform(0.0, 1.0, 3), 2))
+            known = tuple(np.round(rng.uniform(-1.0, 1.0, 3), 2))
         rows.append(known)
     return np.array(rows, dtype=np.float64)
 
@@ -152,11 +152,12 @@ def heatmap(weights: Any, tokens: Sequence[str], title: str = ""):
     """:func:`attnlab.viz.heatmap` with a title and the axes named in the lesson's language."""
     from ..viz import heatmap as draw
 
-    with _font([*tokens, title, "查询键"]):
+    with _font([*tokens, title, "查询键注意力权重"]):
         fig = draw(weights, list(tokens))
         ax = fig.axes[0]
         ax.set_xlabel(T("key", "键 (key)"))
         ax.set_ylabel(T("query", "查询 (query)"))
+        fig.axes[-1].set_ylabel(T("attention weight", "注意力权重"))  # the colour bar
         if title:
             ax.set_title(title)
     return fig
