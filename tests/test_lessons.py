@@ -179,3 +179,17 @@ def test_learn_runs_a_lesson_writes_its_picture_and_never_a_users_folder(tmp_pat
     proc = run_cli(["learn", "2", "--out", "mine"], cwd=tmp_path)
     assert_one_line_error(proc, "--out", "notes.txt")
     assert snapshot(tmp_path) == before
+
+
+def test_the_chinese_readme_has_the_two_commands_and_a_first_lesson_that_runs():
+    zh = (ROOT / "README.zh-CN.md").read_text(encoding="utf-8")
+    en = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.search(r"```sh\n(make demo.*?\nmake test.*?\n)```", en).group(1)
+    assert f"```sh\n{commands}```" in zh
+    assert "attnlab learn" in zh and "attnlab learn" in en and "README.zh-CN.md" in en
+    for term in ("注意力", "查询", "键", "值", "掩码", "因果注意力", "多头注意力", "键值缓存"):
+        assert term in zh, term
+    namespace: dict = {}
+    exec("\n".join(re.findall(r"```python\n(.*?)```", zh, re.S)), namespace)  # noqa: S102
+    assert namespace["tokens"] == ["我", "喜欢", "蓝色", "的", "天空"]
+    assert namespace["cos"][2, 4] > 0.99
