@@ -234,6 +234,16 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return run_ablate(args, _read_text)
 
 
+def cmd_learn(args: argparse.Namespace) -> int:
+    from .lessons import default_lang, listing, run_lesson
+
+    lang = args.lang or default_lang()
+    if args.number is None:
+        print(listing(lang))
+        return 0
+    return 0 if run_lesson(args.number, lang=lang, out=args.out, text=args.text)["passed"] else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
     from .io.outdir import check_out_file
@@ -358,6 +368,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the demo model is trained when no --ckpt is given")
     ablate.add_argument("--seed", type=_seed, default=0, help="random seed")
     ablate.set_defaults(func=cmd_ablate)
+
+    learn = sub.add_parser("learn", help="lesson N of the learner's path (--lang zh|en); "
+                           "no N: the list")
+    learn.add_argument("number", metavar="N", type=int, nargs="?",
+                       help="the lesson, 1 to 14 (default: list the lessons)")
+    learn.add_argument("--lang", choices=["en", "zh"], default=None,
+                       help="language of the lesson (default: zh when LANG or LC_ALL starts "
+                            "with zh, else en)")
+    learn.add_argument("--text", metavar="SENTENCE",
+                       help="your own sentence for the lessons that use one, e.g. "
+                            "我喜欢蓝色的天空 (default: the lesson's)")
+    learn.add_argument("--out", default="attnlab-lessons", help="folder for the pictures")
+    learn.set_defaults(func=cmd_learn)
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",

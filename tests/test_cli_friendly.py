@@ -15,7 +15,7 @@ import torch
 import attnlab
 from attnlab.cli import build_parser, main
 
-COMMANDS = ["demo", "train", "generate", "show", "ablate", "bench"]
+COMMANDS = ["demo", "train", "generate", "show", "ablate", "learn", "bench"]
 
 
 def test_bare_attnlab_prints_the_usage_with_every_command_and_exits_2(capsys):

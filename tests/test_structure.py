@@ -31,6 +31,7 @@ LAYERS = {
     "attnlab.training": 6, "attnlab.progress": 6, "attnlab.interop.minilm": 6,
     "attnlab.interop.auto": 6,
     "attnlab.experiments": 7, "attnlab.demo": 7, "attnlab.heads": 7, "attnlab.check": 7,
+    "attnlab.lessons": 7,
     "attnlab.bench": 8,
     "attnlab.cli": 9, "attnlab.cli_ablate": 9, "attnlab.__main__": 9,
 }

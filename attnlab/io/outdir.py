@@ -1,6 +1,7 @@
 """Which entries of an output folder are attnlab's: the one rule for every writer.
 
-attnlab writes into a folder only the files named in :data:`OWN_FILES` (and the
+attnlab writes into a folder only the files named in :data:`OWN_FILES`, the lesson
+pictures ``lesson-NN-<name>.png`` (and the
 temp files an atomic write killed by SIGKILL leaves beside them, and the marker
 :func:`attnlab.io.atomic_dir` puts in the folders it builds). A folder holding
 anything else is the user's, and no writer (a checkpoint, ``show``, the demo)
@@ -20,12 +21,15 @@ __all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_o
 
 # ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
+# The pictures of ``attnlab learn N`` (attnlab.lessons.kit.show), and their temp files.
+_LESSON_FIGURE = re.compile(r"(\.)?lesson-\d\d-[a-z0-9]+(-[a-z0-9]+)*\.png(?(1)\..+\.tmp)")
 
 
 def _is_own_file(entry: Path) -> bool:
     return entry.is_file() and not entry.is_symlink() and (
         entry.name in OWN_FILES or entry.name == ATOMIC_MARKER
-        or _OWN_TEMP.fullmatch(entry.name) is not None)
+        or _OWN_TEMP.fullmatch(entry.name) is not None
+        or _LESSON_FIGURE.fullmatch(entry.name) is not None)
 
 
 def foreign_entries(out: PathLike) -> list[str]:

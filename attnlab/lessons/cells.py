@@ -1,0 +1,98 @@
+"""A lesson as data: markdown cells in two languages and code cells shared by both.
+
+One source gives both outputs: :mod:`.runner` prints and runs a lesson in the
+terminal, :mod:`.notebooks` writes it as a Jupyter notebook per language.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Lesson", "Markdown", "Code", "md", "code", "LANGS"]
+
+LANGS = ("en", "zh")
+
+
+@dataclass(frozen=True)
+class Markdown:
+    text: dict[str, str]  # {"en": ..., "zh": ...}
+
+    def __post_init__(self) -> None:
+        if set(self.text) != set(LANGS) or not all(v.strip() for v in self.text.values()):
+            raise ValueError(f"a markdown cell needs non-empty {LANGS} texts, got "
+                             f"{sorted(self.text)}")
+
+
+@dataclass(frozen=True)
+class Code:
+    source: str
+
+
+def md(en: str, zh: str) -> Markdown:
+    """A text cell; leading/trailing blank lines are dropped."""
+    return Markdown({"en": en.strip("\n"), "zh": zh.strip("\n")})
+
+
+def code(source: str) -> Code:
+    """A code cell, the same in both languages; leading/trailing blank lines are dropped."""
+    return Code(source.strip("\n"))
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """Lesson ``number``: ``slug`` names its files (``NN-slug.ipynb``); ``title`` per
+    language; ``sentence`` is True when its code reads ``SENTENCE``, the learner's own
+    sentence. The last code cell ends with :func:`attnlab.lessons.kit.check`."""
+
+    number: int
+    slug: str
+    title: dict[str, str]
+    cells: list[Markdown | Code] = field(default_factory=list)
+    sentence: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.number:02d}-{self.slug}"
+
+
+DEFAULT_SENTENCE = {"en": "I like the blue sky", "zh": "我喜欢蓝色的天空"}
+
+# Imports the setup cell writes when a lesson's code uses the name (ruff-clean notebooks).
+_STDLIB = (("math.", "import math"),)
+_THIRD_PARTY = (("np.", "import numpy as np"), ("torch.", "import torch"))
+
+
+def setup_source(lesson: Lesson, lang: str, sentence: str | None = None) -> str:
+    """The first code cell: imports, :func:`attnlab.lessons.kit.setup` and, for the lessons
+    that use one, ``SENTENCE`` (the learner's own sentence, ``DEFAULT_SENTENCE`` unless
+    given)."""
+    body = "\n".join(c.source for c in lesson.cells if isinstance(c, Code))
+    lines: list[str] = []
+    for group in (_STDLIB, _THIRD_PARTY):  # isort's groups, so the notebooks pass ruff
+        found = [line for used, line in group if used in body]
+        lines += [*found, ""] if found else []
+    lines += ["import attnlab"] if "attnlab." in body else []
+    lines += ["from attnlab.lessons import kit", "",
+              f"kit.setup(lesson={lesson.number}, lang={lang!r})"]
+    if lesson.sentence:
+        text = DEFAULT_SENTENCE[lang] if sentence is None else sentence
+        comment = "你自己的句子：改掉它，再运行一遍" if lang == "zh" else \
+            "your own sentence: change it and run the cells again"
+        lines.append(f"SENTENCE = {text!r}  # {comment}")
+    return "\n".join(lines)
+
+
+MAX_WORDS = 24
+
+
+def check_sentence(text: object) -> str:
+    """The learner's sentence (``--text``): 2 to :data:`MAX_WORDS` words."""
+    from .kit import words
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"text (--text) must be a non-empty sentence, got {text!r}")
+    n = len(words(text))
+    if not 2 <= n <= MAX_WORDS:
+        raise ValueError(f"text (--text) must have 2 to {MAX_WORDS} words (Chinese without "
+                         f"spaces: characters or known words), got {n} in {text!r}")
+    return text

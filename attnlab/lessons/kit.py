@@ -1,0 +1,218 @@
+"""What a lesson's code cells call besides attnlab itself: pictures, the final check, words.
+
+A lesson's code is the same in the notebook and in ``attnlab learn N``; this module is
+where the two differ. In a notebook a picture is shown inline; in the terminal
+(:func:`terminal`, used by :mod:`attnlab.lessons.runner`) it is written as a PNG into
+the output folder. :func:`check` is the last step of every lesson: it raises
+``AssertionError`` when a result differs from attnlab's beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["setup", "T", "show", "check", "heatmap", "matrix", "bars", "words", "embed",
+           "EMBEDDINGS", "terminal", "checks_run"]
+
+# The five words of the first lessons, as small hand-made vectors (three features:
+# roughly "person", "action", "colour/nature"): blue and sky point the same way, so
+# their dot product and cosine similarity are large. The Chinese words share them.
+EMBEDDINGS: dict[str, tuple[float, float, float]] = {
+    "i": (0.90, 0.20, 0.10), "like": (0.40, 0.85, 0.20), "the": (0.20, 0.20, 0.25),
+    "blue": (0.10, 0.30, 0.90), "sky": (0.15, 0.20, 0.95),
+    "我": (0.90, 0.20, 0.10), "喜欢": (0.40, 0.85, 0.20), "的": (0.20, 0.20, 0.25),
+    "蓝色": (0.10, 0.30, 0.90), "天空": (0.15, 0.20, 0.95),
+}
+
+_STATE: dict[str, Any] = {"lang": "en", "lesson": 0, "out": None, "log": print, "checks": []}
+
+
+def setup(lesson: int, lang: str = "en") -> None:
+    """Start lesson ``lesson`` in ``lang`` (``"en"`` or ``"zh"``): the first code cell."""
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+    _STATE.update(lang=lang, lesson=int(lesson), checks=[])
+
+
+def T(en: str, zh: str) -> str:  # noqa: N802 - short on purpose: it sits inside print()
+    """The text in the lesson's language."""
+    return zh if _STATE["lang"] == "zh" else en
+
+
+@contextlib.contextmanager
+def terminal(out: str | Path, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Inside this block pictures are written into folder ``out`` instead of shown."""
+    saved = dict(_STATE)
+    _STATE.update(out=Path(out), log=log)
+    try:
+        yield
+    finally:
+        _STATE.clear()
+        _STATE.update(saved)
+
+
+def checks_run() -> list[dict]:
+    """The checks of the current lesson so far: ``{"what", "diff", "atol", "passed"}``."""
+    return list(_STATE["checks"])
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def check(what: str, got: Any, want: Any, atol: float = 1e-6) -> float:
+    """Assert that ``got`` equals ``want`` within ``atol`` (largest absolute difference).
+
+    ``want`` is what attnlab (``attnlab.attention`` or the NumPy oracle
+    ``attnlab.reference``) computes on the same inputs. Raises ``AssertionError``
+    naming ``what`` and the difference when they differ; prints the verdict otherwise.
+    """
+    got, want = _numpy(got), _numpy(want)
+    if got.shape != want.shape:
+        _STATE["checks"].append({"what": what, "diff": float("inf"), "atol": atol,
+                                 "passed": False})
+        raise AssertionError(f"{what}: shape {got.shape} != {want.shape}")
+    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+    passed = bool(diff <= atol)  # NaN compares False: a NaN fails too
+    _STATE["checks"].append({"what": what, "diff": diff, "atol": atol, "passed": passed})
+    if not passed:
+        raise AssertionError(T(f"{what}: differs by {diff:.3g}, more than {atol:g}",
+                               f"{what}：相差 {diff:.3g}，超过了容差 {atol:g}"))
+    print(T(f"✓ check passed: {what} (largest difference {diff:.1e} <= {atol:g})",
+            f"✓ 检查通过：{what}（最大差值 {diff:.1e} <= {atol:g}）"))
+    return diff
+
+
+# --------------------------------------------------------------------------- words
+
+
+_CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+
+
+def words(sentence: str) -> list[str]:
+    """Split ``sentence`` into tokens: on spaces when it has any; else (Chinese) the
+    longest known word at each place (:data:`EMBEDDINGS`), one character otherwise."""
+    if not isinstance(sentence, str) or not sentence.strip():
+        raise ValueError(f"sentence must be a non-empty string, got {sentence!r}")
+    if re.search(r"\s", sentence.strip()) or not _CJK.search(sentence):
+        return sentence.split()
+    tokens, i = [], 0
+    text = sentence.strip()
+    while i < len(text):
+        n = next((n for n in (3, 2) if text[i:i + n] in EMBEDDINGS), 1)
+        tokens.append(text[i:i + n])
+        i += n
+    return tokens
+
+
+def embed(tokens: Sequence[str]) -> np.ndarray:
+    """One 3-d vector per token: :data:`EMBEDDINGS` for the known words, a fixed
+    pseudo-random vector (seeded by the word itself) for any other."""
+    rows = []
+    for t in tokens:
+        known = EMBEDDINGS.get(t.lower())
+        if known is None:
+            rng = np.random.default_rng(zlib.crc32(t.encode("utf-8")))
+            known = tuple(np.round(rng.uniform(-1.0, 1.0, 3), 2))
+        rows.append(known)
+    return np.array(rows, dtype=np.float64)
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+def _font(labels: Sequence[str]):
+    from ..viz import font_context
+
+    return font_context([str(x) for x in labels])
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def heatmap(weights: Any, tokens: Sequence[str], title: str = ""):
+    """:func:`attnlab.viz.heatmap` with a title and the axes named in the lesson's language."""
+    from ..viz import heatmap as draw
+
+    with _font([*tokens, title, "查询键注意力权重"]):
+        fig = draw(weights, list(tokens))
+        ax = fig.axes[0]
+        ax.set_xlabel(T("key", "键 (key)"))
+        ax.set_ylabel(T("query", "查询 (query)"))
+        fig.axes[-1].set_ylabel(T("attention weight", "注意力权重"))  # the colour bar
+        if title:
+            ax.set_title(title)
+    return fig
+
+
+def matrix(values: Any, rows: Sequence[str], cols: Sequence[str], title: str = "",
+           label: str = ""):
+    """Any matrix (signed values allowed) with its numbers written in the cells."""
+    values = _numpy(values)
+    with _font([*rows, *cols, title, label]):
+        fig = _figure(1.6 + 0.75 * len(cols), 1.2 + 0.6 * len(rows))
+        ax = fig.add_subplot()
+        image = ax.imshow(values, cmap="viridis")
+        ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+        ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+        for (i, j), x in np.ndenumerate(values):
+            ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=8,
+                    color="white" if x < values.mean() else "black")
+        if title:
+            ax.set_title(title)
+        fig.colorbar(image, ax=ax, label=label)
+    return fig
+
+
+def bars(labels: Sequence[str], values: Sequence[float], title: str = "", ylabel: str = ""):
+    """A bar chart with each value written over its bar."""
+    with _font([*labels, title, ylabel]):
+        fig = _figure(1.5 + 1.1 * len(labels), 3.6)
+        ax = fig.add_subplot()
+        drawn = ax.bar([str(x) for x in labels], [float(v) for v in values], color="#3b75af")
+        ax.bar_label(drawn, fmt="%.3g", fontsize=8)
+        ax.set_ylabel(ylabel)
+        if title:
+            ax.set_title(title)
+    return fig
+
+
+def show(fig: Any, name: str) -> Path | None:
+    """Show ``fig`` inline (notebook) or write ``lesson-NN-<name>.png`` (terminal)."""
+    from ..io import atomic_write_bytes
+    from ..viz.heatmap import png_bytes
+
+    if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name):
+        raise ValueError(f"name must be lower-case letters, digits and '-', got {name!r}")
+    data = png_bytes(fig)
+    out = _STATE["out"]
+    if out is None:
+        try:
+            from IPython.display import Image, display
+        except ImportError:  # a plain Python run outside the terminal runner: nothing to show
+            return None
+        display(Image(data=data))
+        return None
+    path = out / f"lesson-{_STATE['lesson']:02d}-{name}.png"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+    _STATE["log"](T(f"[picture: {path}]", f"[图片：{path}]"))
+    return path

@@ -1,0 +1,195 @@
+"""The learner's path: one source for ``attnlab learn N`` and the committed notebooks.
+
+Fast checks: the notebooks in lessons/ are exactly what the build writes, every lesson
+has both languages and ends with a check, the check fails when a result is wrong,
+and ``attnlab learn`` keeps the CLI's rules (one line + exit 2, a user's folder is
+never written into). tests/test_lesson_notebooks.py runs every notebook.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnlab import lessons
+from attnlab.io.outdir import foreign_entries
+from attnlab.lessons import kit
+from attnlab.lessons.cells import Code, Lesson, Markdown, code, md
+from tests.hostile.conftest import assert_one_line_error, run_cli, snapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "lessons"
+
+
+def test_the_path_has_fourteen_lessons_in_order():
+    numbers = [le.number for le in lessons.all_lessons()]
+    assert numbers == list(range(1, 15))
+    slugs = [le.slug for le in lessons.all_lessons()]
+    assert len(set(slugs)) == 14 and all(re.fullmatch(r"[a-z0-9-]+", s) for s in slugs)
+
+
+@pytest.mark.parametrize("le", lessons.all_lessons(), ids=lambda le: le.name)
+def test_every_lesson_is_bilingual_and_ends_with_a_check(le):
+    assert le.title["en"] and le.title["zh"]
+    for cell in le.cells:
+        if isinstance(cell, Markdown):
+            assert re.search(r"[\u4e00-\u9fff]", cell.text["zh"]), cell.text["zh"][:40]
+            assert not re.search(r"[\u4e00-\u9fff]", cell.text["en"]), cell.text["en"][:40]
+    codes = [c for c in le.cells if isinstance(c, Code)]
+    assert codes, "a lesson runs code"
+    for c in codes:
+        ast.parse(c.source)  # valid Python
+    last_call = [n for n in ast.walk(ast.parse(codes[-1].source)) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) == "kit.check"]
+    assert last_call, f"lesson {le.number}: its last code cell must call kit.check"
+    assert ast.unparse(ast.parse(codes[-1].source).body[-1]).startswith("kit.check("), \
+        f"lesson {le.number}: the check must be the last statement"
+    if le.sentence:
+        assert any("SENTENCE" in c.source for c in codes)
+
+
+def test_committed_notebooks_equal_the_build():
+    from attnlab.lessons.notebooks import notebook_text
+
+    expected = {f"{lang}/{le.name}.ipynb": notebook_text(le, lang)
+                for lang in lessons.LANGS for le in lessons.all_lessons()}
+    found = {str(p.relative_to(NOTEBOOKS)): p.read_text(encoding="utf-8")
+             for p in NOTEBOOKS.glob("*/*.ipynb")}
+    assert sorted(found) == sorted(expected), \
+        "run: python -m attnlab.lessons --write-notebooks lessons/"
+    stale = [name for name in expected if found[name] != expected[name]]
+    assert stale == [], f"stale notebooks {stale}; run: python -m attnlab.lessons " \
+                        "--write-notebooks lessons/"
+
+
+def test_the_build_writes_the_same_bytes_twice(tmp_path):
+    first = lessons.write_notebooks(tmp_path / "a")
+    lessons.write_notebooks(tmp_path / "b")
+    assert len(first) == 28
+    for path in first:
+        twin = tmp_path / "b" / path.relative_to(tmp_path / "a")
+        assert path.read_bytes() == twin.read_bytes()
+
+
+def test_chinese_notebook_text_joins_lines_without_spaces():
+    from attnlab.lessons.notebooks import _markdown
+
+    text = "第一句。\n第二句。\n\n- 列表一\n- 列表二\n```\ncode\nmore\n```"
+    assert _markdown(text, "zh") == "第一句。第二句。\n\n- 列表一\n- 列表二\n```\ncode\nmore\n```"
+    assert _markdown(text, "en") == text
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"LANG": "zh_CN.UTF-8"}, "zh"), ({"LANG": "en_US.UTF-8"}, "en"), ({}, "en"),
+    ({"LC_ALL": "zh_TW.UTF-8", "LANG": "en_US.UTF-8"}, "zh"),
+    ({"LC_ALL": "C.UTF-8", "LANG": "zh_CN.UTF-8"}, "en"), ({"LANG": "C"}, "en"),
+])
+def test_default_language_follows_the_locale(env, want):
+    assert lessons.default_lang(env) == want
+
+
+def test_words_and_embeddings():
+    assert kit.words("我喜欢蓝色的天空") == ["我", "喜欢", "蓝色", "的", "天空"]
+    assert kit.words("I like the blue sky") == ["I", "like", "the", "blue", "sky"]
+    assert kit.words("我爱猫") == ["我", "爱", "猫"]
+    np.testing.assert_array_equal(kit.embed(["蓝色"]), kit.embed(["blue"]))
+    np.testing.assert_array_equal(kit.embed(["猫"]), kit.embed(["猫"]))  # fixed, not random
+    x = kit.embed(["blue", "sky", "I"])
+    cos = (x @ x.T) / np.outer(np.linalg.norm(x, axis=1), np.linalg.norm(x, axis=1))
+    assert cos[0, 1] > 0.95 > 0.5 > cos[0, 2]
+
+
+def test_check_raises_on_a_wrong_result_and_passes_a_right_one():
+    kit.setup(lesson=1, lang="en")
+    assert kit.check("same", [1.0, 2.0], np.array([1.0, 2.0 + 1e-9])) < 1e-6
+    with pytest.raises(AssertionError, match="differs by 0.1"):
+        kit.check("wrong", [1.0, 2.1], [1.0, 2.0])
+    with pytest.raises(AssertionError):
+        kit.check("nan", [float("nan")], [0.0])
+    with pytest.raises(AssertionError, match="shape"):
+        kit.check("shape", [1.0], [[1.0]])
+    assert [c["passed"] for c in kit.checks_run()] == [True, False, False, False]
+
+
+def _fake(source: str) -> Lesson:
+    return Lesson(2, "fake", {"en": "fake", "zh": "假的"}, cells=[md("x", "x"), code(source)])
+
+
+@pytest.mark.parametrize(("source", "passed"), [
+    ("kit.check('ok', 1.0, 1.0)", True),
+    ("kit.check('off by 0.5', 1.5, 1.0)", False),  # a planted wrong result
+    ("x = 1", False),  # no final check: no verdict of success
+])
+def test_the_runner_verdict_is_the_final_check(monkeypatch, tmp_path, source, passed):
+    from attnlab.lessons import runner
+
+    monkeypatch.setattr(runner, "lesson", lambda n: _fake(source))
+    lines: list[str] = []
+    result = runner.run_lesson(2, lang="en", out=tmp_path / "out", log=lines.append)
+    assert result["passed"] is passed
+    assert lines[-1].startswith("✓" if passed else "✗")
+
+
+def test_lesson_figures_count_as_attnlabs_own_files(tmp_path):
+    for name in ("lesson-01-cosine.png", ".lesson-07-heads.png.k2j3.tmp", "notes.png",
+                 "lesson-1-x.png", "lesson-01-x.png.bak"):
+        (tmp_path / name).write_bytes(b"x")
+    assert foreign_entries(tmp_path) == ["lesson-01-x.png.bak", "lesson-1-x.png", "notes.png"]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_learn_without_a_number_lists_the_lessons(tmp_path):
+    proc = run_cli(["learn", "--lang", "zh"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "点积与余弦相似度" in proc.stdout and "在 CPU 上理解 FlashAttention" in proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if re.match(r"\s+\d+\s", ln)]) == 14
+    assert list(tmp_path.iterdir()) == []  # a listing writes nothing
+
+
+@pytest.mark.parametrize("bad", [["15"], ["0"], ["-1"], ["abc"], ["2", "--lang", "fr"],
+                                 ["3", "--text", "  "], ["3", "--text", "sky"]])
+def test_a_bad_lesson_is_one_line_and_exit_2(tmp_path, bad):
+    proc = run_cli(["learn", *bad], cwd=tmp_path)
+    assert_one_line_error(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_learn_runs_a_lesson_writes_its_picture_and_never_a_users_folder(tmp_path):
+    proc = run_cli(["learn", "2", "--lang", "zh", "--out", "pics"], cwd=tmp_path,
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("✓ 第 2 课：检查通过")
+    assert "缩放点积注意力" in proc.stdout
+    assert [p.name for p in (tmp_path / "pics").iterdir()] == ["lesson-02-weights.png"]
+    assert (tmp_path / "pics" / "lesson-02-weights.png").read_bytes()[:4] == b"\x89PNG"
+    again = run_cli(["learn", "2", "--lang", "en", "--out", "pics"], cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr  # its own folder: written again
+    assert "Lesson 2: the check passed" in again.stdout
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    before = snapshot(tmp_path)
+    proc = run_cli(["learn", "2", "--out", "mine"], cwd=tmp_path)
+    assert_one_line_error(proc, "--out", "notes.txt")
+    assert snapshot(tmp_path) == before
+
+
+def test_the_chinese_readme_has_the_two_commands_and_a_first_lesson_that_runs():
+    zh = (ROOT / "README.zh-CN.md").read_text(encoding="utf-8")
+    en = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.search(r"```sh\n(make demo.*?\nmake test.*?\n)```", en).group(1)
+    assert f"```sh\n{commands}```" in zh
+    assert "attnlab learn" in zh and "attnlab learn" in en and "README.zh-CN.md" in en
+    for term in ("注意力", "查询", "键", "值", "掩码", "因果注意力", "多头注意力", "键值缓存"):
+        assert term in zh, term
+    namespace: dict = {}
+    exec("\n".join(re.findall(r"```python\n(.*?)```", zh, re.S)), namespace)  # noqa: S102
+    assert namespace["tokens"] == ["我", "喜欢", "蓝色", "的", "天空"]
+    assert namespace["cos"][2, 4] > 0.99
