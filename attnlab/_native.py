@@ -9,24 +9,44 @@ rebuild happens only when one of them changes:
 - else inside the active virtual environment (``<venv>/.attnlab-native/``);
 - else the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, ``/attnlab/native/``).
 
-If there is no compiler or the build fails, one line on stderr says so (once per
-process, with the path of the full log) and attnlab runs its PyTorch paths.
+A start never waits on a file another process may have left behind. A finished build
+is one file, ``<key>/attnlab_native.so``, published by an atomic rename from a private
+temporary folder where it was compiled, so a killed build is never used; a start that
+finds it loads it with no lock at all. Only a start that must build takes an OS lock
+(``<key>/build.lock``, released by the kernel when its holder dies, so it cannot go
+stale); a second process waits for the first's build at most ``$ATTNLAB_NATIVE_WAIT``
+seconds (600), saying so in one line. Threads of one process share one load.
+
+If there is no compiler, the build fails or the wait runs out, one line on stderr says
+so (once per process, with the path of the full log) and attnlab runs its PyTorch paths.
 ``ATTNLAB_NATIVE=0`` switches the kernel off (tests run both ways).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock; the private folders keep it correct, if slower
+    fcntl = None  # type: ignore[assignment]
+
 ENV_SWITCH = "ATTNLAB_NATIVE"
 ENV_DIR = "ATTNLAB_NATIVE_DIR"
+ENV_WAIT = "ATTNLAB_NATIVE_WAIT"
+WAIT_S = 600.0  # a fresh build takes ~3 min on two cores
 LIBRARY = "attnlab_native"  # the TORCH_LIBRARY namespace: torch.ops.attnlab_native
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layers.cpp")
@@ -36,7 +56,7 @@ SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layer
 CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
 
 _state: dict = {"ops": None, "reason": None, "tried": False}
-
+_first_load = threading.Lock()  # the other threads wait for the first one's load
 
 _OFF = ("0", "false", "no", "off")
 
@@ -70,51 +90,142 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def _build(verbose: bool):
-    """Compile (or reuse) and load the library; return torch.ops.attnlab_native."""
+def _wait_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ENV_WAIT, WAIT_S)))
+    except ValueError:
+        return WAIT_S
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``<directory>/build.lock`` (flock: the kernel drops it when its holder dies).
+    Wait for a live holder at most ``_wait_s()`` seconds, saying once what for."""
+    if fcntl is None:
+        yield
+        return
+    path = directory / "build.lock"
+    with open(path, "a+") as f:
+        deadline, said = time.monotonic() + _wait_s(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"waited {_wait_s():g} s for process {holder} building "
+                                       f"it in {directory} (lock {path})") from None
+                if not said:
+                    said = True
+                    print(f"attnlab: waiting up to {_wait_s():g} s for process {holder}, which "
+                          f"is building the native kernel in {directory}", file=sys.stderr)
+                time.sleep(0.1)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))  # who holds it, for the waiters' line
+        f.flush()
+        yield  # closing the file (or dying) releases the lock
+
+
+def _ninja_first() -> str:
+    """PATH with the ninja wheel's binary (a dependency) first: the build never depends
+    on which ninja the system puts first (their build logs do not agree)."""
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja
+
+        return ninja.BIN_DIR + os.pathsep + path
+    except ImportError:
+        if shutil.which("ninja") is None:
+            raise RuntimeError("ninja is not installed (pip install ninja)") from None
+        return path
+
+
+def _build(directory: Path, library: Path, verbose: bool) -> None:
+    """Compile in a private folder, then publish ``library`` by one atomic rename.
+    Run under the build lock, so earlier killed builds' folders can go."""
     from torch.utils import cpp_extension
 
     if _compiler() is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
-    if shutil.which("ninja") is None:
-        try:  # the ninja wheel (a dependency) puts its binary next to the interpreter
-            import ninja
+    for old in directory.glob("tmp-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    private = Path(tempfile.mkdtemp(prefix="tmp-", dir=directory))
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = _ninja_first()
+    try:  # loads the library too (from the private folder: same file, same inode)
+        cpp_extension.load(
+            name=LIBRARY, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,
+            extra_include_paths=[str(CSRC)], build_directory=str(private),
+            is_python_module=False, verbose=verbose,
+        )
+        os.replace(private / f"{LIBRARY}.so", library)
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+        shutil.rmtree(private, ignore_errors=True)
 
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError as exc:
-            raise RuntimeError("ninja is not installed (pip install ninja)") from exc
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _open(verbose: bool):
+    """Load the published build, else build and publish it; return torch.ops.attnlab_native."""
     directory = build_dir()
+    library = directory / f"{LIBRARY}.so"
+    broken = _stamp(library)
+    if broken is not None:
+        try:
+            torch.ops.load_library(str(library))
+            return getattr(torch.ops, LIBRARY)
+        except OSError:  # not a library (a build of older attnlab killed mid-link): rebuilt
+            pass
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=LIBRARY, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,
-        extra_include_paths=[str(CSRC)], build_directory=str(directory),
-        is_python_module=False, verbose=verbose,
-    )
+    with _build_lock(directory):
+        if _stamp(library) not in (None, broken):  # another process published it meanwhile
+            torch.ops.load_library(str(library))
+        else:
+            _build(directory, library, verbose)
     return getattr(torch.ops, LIBRARY)
 
 
 def load(verbose: bool = False):
     """``torch.ops.attnlab_native`` with the kernel, or None where it cannot be had.
 
-    The build is tried once per process; after a failure :func:`unavailable_reason`
-    says why and every later call returns None at once.
+    The build is tried once per process (other threads wait for it); after a failure
+    :func:`unavailable_reason` says why and every later call returns None at once.
     """
     if disabled_reason() is not None:
         return None
-    if _state["ops"] is not None:
+    if _state["ops"] is not None or _state["tried"]:
         return _state["ops"]
-    if not _state["tried"]:
-        _state["tried"] = True
-        try:
-            _state["ops"] = _build(verbose)
-        except Exception as exc:  # no compiler, a failed build, a broken cache: say it once
-            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            _state["reason"] = f"the build failed ({detail})"
-            log = _write_log(exc)
-            where = f"; log: {log}" if log else ""
-            print(f"attnlab: native attention kernel unavailable: {_state['reason']}{where}; "
-                  "using the PyTorch paths", file=sys.stderr)
+    with _first_load:
+        if not _state["tried"]:
+            try:
+                _state["ops"] = _open(verbose)
+            except TimeoutError as exc:  # a live build elsewhere took too long
+                _say(str(exc), None)
+            except Exception as exc:  # no compiler, a failed build, a broken cache: say it once
+                detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                _say(f"the build failed ({detail})", _write_log(exc))
+            _state["tried"] = True
     return _state["ops"]
+
+
+def _say(reason: str, log: Path | None) -> None:
+    _state["reason"] = reason
+    where = f"; log: {log}" if log else ""
+    print(f"attnlab: native attention kernel unavailable: {reason}{where}; "
+          "using the PyTorch paths", file=sys.stderr)
 
 
 def _write_log(exc: Exception) -> Path | None:
