@@ -184,12 +184,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .interop.auto import load_for_cli
+    from .interop.auto import known_text, load_for_cli
     from .viz import show_attention
 
-    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
+    model, tokenizer, meta = load_for_cli(args.ckpt, args.model, demo_fallback=True)
     paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
-                           head=args.head, rollout=args.rollout)
+                           head=args.head, rollout=args.rollout,
+                           example=known_text(meta, tokenizer))
     print(f"wrote {paths['png']}")
     print(f"wrote {paths['html']}")
     return 0
@@ -280,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
                           "HTML explorer")
     show.add_argument("text", help="the text to look at (any script)")
-    _model_options(show)
+    _model_options(show, ckpt_help="an attnlab checkpoint (default, with no --model: "
+                                   "./attnlab-demo, which `attnlab demo` writes)")
     show.add_argument("--rollout", action="store_true",
                       help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
     show.add_argument("--layer", type=int, default=None,

@@ -34,18 +34,24 @@ def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
 
 
 def capture(model: Any, tokenizer: Any, text: str, *,
-            log: Callable[[str], None] | None = None) -> tuple[list[str], list]:
+            log: Callable[[str], None] | None = None,
+            example: str | None = None) -> tuple[list[str], list]:
     """Tokens of ``text`` and the model's weights: one ``(heads, seq, seq)`` tensor per layer.
 
     The tokens are readable labels, the text each token covers
     (:func:`attnlab.text.labels.token_labels`). When a notable share of them is
     the unknown token, one line saying so goes to ``log`` (default: stderr).
+    A text with characters a character-level tokenizer lacks is refused with the
+    characters it knows and ``example``, a text it can read, when given.
     """
     import torch
 
     if not isinstance(text, str) or not text:
         raise ValueError(f"text must be a non-empty string, got {text!r}")
-    ids, labels = token_labels(tokenizer, text)
+    try:
+        ids, labels = token_labels(tokenizer, text)
+    except ValueError as exc:
+        raise ValueError(_unknown_hint(str(exc), tokenizer, example)) from None
     limit = getattr(model, "context_length", None)
     if limit is not None and len(ids) > limit:
         raise ValueError(f"text is {len(ids)} tokens but the model's context_length is {limit}")
@@ -60,6 +66,20 @@ def capture(model: Any, tokenizer: Any, text: str, *,
     finally:
         model.train(was_training)
     return labels, [a[0] for a in attentions]
+
+
+_KNOWN_SHOWN = 60  # characters of a vocabulary listed in an error; a Chinese one has hundreds
+
+
+def _unknown_hint(message: str, tokenizer: Any, example: str | None) -> str:
+    """``message`` (the tokenizer's refusal) and what the model can read instead."""
+    chars = getattr(tokenizer, "chars", None)
+    if not isinstance(chars, list) or not chars:
+        return message
+    known = "".join(chars)
+    listed = repr(known[:_KNOWN_SHOWN]) + (" ..." if len(known) > _KNOWN_SHOWN else "")
+    hint = f"{message}; the model knows only these {len(known)} characters: {listed}"
+    return hint + (f"; try a text it knows, such as {example!r}" if example else "")
 
 
 def _stderr(line: str) -> None:
@@ -93,7 +113,8 @@ def _pick(n: int, value: int | None, name: str) -> list[int]:
 def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike[str], *,
                    layer: int | None = None, head: int | None = None,
                    title: str | None = None, rollout: bool = False,
-                   log: Callable[[str], None] | None = None) -> ShowResult:
+                   log: Callable[[str], None] | None = None,
+                   example: str | None = None) -> ShowResult:
     """Write ``attention.png`` and ``attention.html`` (``io.HEATMAP_FILE``,
     ``io.EXPLORER_FILE``) for ``text`` into directory ``out``.
 
@@ -110,6 +131,8 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
             layer after the last: the row labelled "rollout" in the PNG, the last
             layer in the explorer (the same matrix in every head's place).
         log: where the one-line unknown-token note goes (default: stderr).
+        example: a text the model can read, offered when ``text`` has characters
+            its tokenizer lacks (:func:`attnlab.interop.auto.known_text`).
 
     Returns:
         ``{"png": path, "html": path}``; in a notebook it displays as the explorer.
@@ -117,7 +140,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
     # The rule every writer follows: a folder holding files attnlab did not write
     # is the user's, and is refused before any work.
     check_own_dir(out)
-    tokens, attentions = capture(model, tokenizer, text, log=log)
+    tokens, attentions = capture(model, tokenizer, text, log=log, example=example)
     layers = _pick(len(attentions), layer, "layer")
     heads = _pick(attentions[0].shape[0], head, "head")
     with output_lock(out):
