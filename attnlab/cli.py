@@ -140,8 +140,10 @@ def _train(args: argparse.Namespace) -> int:
         from .io import SUMMARY_FILE, atomic_write_json
 
         atomic_write_json(f"{args.out}/{SUMMARY_FILE}", summary)
+        best = (f"; lowest eval {summary['best_eval_loss']:.4f} (step {summary['best_step']}) "
+                f"in {args.out}/best/" if summary["best_step"] != summary["steps"] else "")
         print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
-              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/")
+              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/{best}")
     return 0
 
 
