@@ -443,11 +443,13 @@ def test_show_layer_and_head_restrict_the_png(gpt_ckpt, tmp_path, capsys, layer,
                                      load_checkpoint_tokenizer(gpt_ckpt), SHOW_TEXT)
     layers_ = range(2) if layer is None else [layer]
     heads = list(range(3)) if head is None else [head]
+    causal = np.tril(np.ones((len(tokens), len(tokens)), bool))  # the future is drawn grey
     if layer is not None and head is not None:
-        want = png_pixels(viz.heatmap(attentions[layer][head], tokens))
+        want = png_pixels(viz.heatmap(attentions[layer][head], tokens, mask=causal))
     else:
         viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_],
-                          layer_ids=list(layers_), head_ids=heads)  # rows say which layer
+                          layer_ids=list(layers_), head_ids=heads,  # rows say which layer
+                          mask=causal)
         want = png_pixels(tmp_path / "want.png")
     got = png_pixels(tmp_path / "attention.png")
     assert got.shape == want.shape and np.array_equal(got, want)
