@@ -12,10 +12,10 @@ CAT = "The cat sat on the mat"
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory) -> Path:
     """A folder holding what `attnlab demo` leaves there (a short run of the same recipe)."""
-    from attnlab.demo import DEMO_OUT, train_demo_model
+    from attnlab.demo import train_demo_model
 
     cwd = tmp_path_factory.mktemp("learner")
-    train_demo_model(steps=3, seed=0, out=str(cwd / DEMO_OUT), meta={"demo": True},
+    train_demo_model(steps=3, seed=0, out=str(cwd / "attnlab-demo"), meta={"demo": True},
                      progress=False)
     return cwd
 
