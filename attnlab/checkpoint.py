@@ -20,6 +20,7 @@ from torch import nn
 
 from .checks import non_negative_int
 from .io import (
+    BEST_DIR,
     CONFIG_FILE,
     MODEL_FILE,
     STATE_JSON,
@@ -45,8 +46,11 @@ __all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
 
 
 def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokenizer=None,
-                      **extra: Any) -> None:
-    """Write the model's weights, config (and tokenizer) into an existing directory."""
+                      weights: dict[str, torch.Tensor] | None = None, **extra: Any) -> None:
+    """Write the model's weights, config (and tokenizer) into an existing directory.
+
+    ``weights``: a state dict of ``model``'s to write instead of its current one (the
+    best checkpoint of a run, kept from an earlier step)."""
     model_type = getattr(model, "model_type", None)
     if model_type is None or not hasattr(model, "config"):
         raise TypeError(
@@ -54,7 +58,7 @@ def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokeniz
             f"{type(model).__name__}"
         )
     directory = Path(directory)
-    save_tensors(directory / MODEL_FILE, model.state_dict())
+    save_tensors(directory / MODEL_FILE, model.state_dict() if weights is None else weights)
     if tokenizer is not None:
         tokenizer.save(directory / TOKENIZER_FILE)
     atomic_write_json(directory / CONFIG_FILE, {
@@ -209,10 +213,15 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         gen: torch.Generator, step: int, train_config: dict,
-                        history: list, tokenizer=None, meta: dict | None = None) -> None:
+                        history: list, tokenizer=None, meta: dict | None = None,
+                        best: dict | None = None) -> None:
     """Write the checkpoint ``out`` of a run at ``step``: the model files and everything
     that makes the next step depend on the steps so far (AdamW moments, the batch
-    sampler's generator, torch's RNG, the settings and the loss history), atomically."""
+    sampler's generator, torch's RNG, the settings and the loss history), atomically.
+
+    ``best``: ``{"step", "eval_loss", "weights"}`` of the lowest held-out loss so far,
+    written as the checkpoint ``out/best/`` in the same atomic swap (the folder is
+    replaced as a whole, so the best one travels with every save)."""
     tensors = {"rng.torch": torch.get_rng_state(), "rng.batches": gen.get_state()}
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -228,6 +237,11 @@ def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Opti
     groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
     with atomic_dir(out) as tmp:
         write_model_files(tmp, model, tokenizer=tokenizer, **(meta or {}))
+        if best is not None:
+            (tmp / BEST_DIR).mkdir()
+            write_model_files(tmp / BEST_DIR, model, tokenizer=tokenizer,
+                              weights=best["weights"], **(meta or {}),
+                              best={"step": best["step"], "eval_loss": best["eval_loss"]})
         save_tensors(tmp / STATE_TENSORS, tensors)
         atomic_write_json(tmp / STATE_JSON, {"step": step, "train_config": train_config,
                                              "param_groups": groups, "history": history})
@@ -349,6 +363,22 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
                               f"incomplete ({type(exc).__name__}: {exc})") from None
+
+
+def read_best(out: Path) -> dict | None:
+    """``{"step", "eval_loss", "weights"}`` of the best checkpoint a run kept in
+    ``out/best/`` (:func:`save_training_state`), or None when it has none (a run
+    written before there was one)."""
+    best = Path(out) / BEST_DIR
+    if not (best / CONFIG_FILE).is_file():
+        return None
+    info = read_json(best / CONFIG_FILE, CONFIG_LIMIT).get("best")
+    if not (isinstance(info, dict) and isinstance(info.get("step"), int)
+            and isinstance(info.get("eval_loss"), float) and math.isfinite(info["eval_loss"])):
+        raise CheckpointError(f"--resume: {str(best / CONFIG_FILE)!r} is damaged: 'best' must "
+                              f"be {{step, eval_loss}}, got {str(info)[:60]}")
+    return {"step": info["step"], "eval_loss": info["eval_loss"],
+            "weights": load_tensors(best / MODEL_FILE)}
 
 
 def nothing_to_resume(out, log) -> None:

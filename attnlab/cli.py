@@ -171,8 +171,10 @@ def _train(args: argparse.Namespace) -> int:
         from .io import SUMMARY_FILE, atomic_write_json
 
         atomic_write_json(f"{args.out}/{SUMMARY_FILE}", summary)
+        best = (f"; lowest eval {summary['best_eval_loss']:.4f} (step {summary['best_step']}) "
+                f"in {args.out}/best/" if summary["best_step"] != summary["steps"] else "")
         print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
-              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/")
+              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/{best}")
     return 0
 
 
@@ -215,14 +217,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .interop.auto import load_for_cli
+    from .interop.auto import known_text, load_for_cli
     from .io.outdir import check_own_dir
     from .viz import show_attention
 
     check_own_dir(args.out)  # before the model is loaded (show_attention checks it again)
-    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
+    model, tokenizer, meta = load_for_cli(args.ckpt, args.model, demo_fallback=True)
     paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
-                           head=args.head, rollout=args.rollout)
+                           head=args.head, rollout=args.rollout,
+                           example=known_text(meta, tokenizer))
     print(f"wrote {paths['png']}")
     print(f"wrote {paths['html']}")
     return 0
@@ -338,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
                           "HTML explorer")
     show.add_argument("text", help="the text to look at (any script)")
-    _model_options(show)
+    _model_options(show, ckpt_help="an attnlab checkpoint (default, with no --model: "
+                                   "./attnlab-demo, which `attnlab demo` writes)")
     show.add_argument("--rollout", action="store_true",
                       help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
     show.add_argument("--layer", type=_index, default=None,

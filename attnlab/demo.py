@@ -137,7 +137,13 @@ def train_demo_model(*, steps: int, seed: int, text: str | None = None,
     return model, tokenizer, summary
 
 
-def run_demo(out: str = "attnlab-demo", steps: int = 400, seed: int = 0,
+#: Where ``attnlab demo`` writes, and where ``attnlab show`` looks when given no model.
+DEMO_OUT = "attnlab-demo"
+#: The demo's sentence: only characters of its corpus (" abcdxyz"), so the demo model knows it.
+SAMPLE = "ababab acacac xyzxyz"
+
+
+def run_demo(out: str = DEMO_OUT, steps: int = 400, seed: int = 0,
              log=print) -> dict:
     """Train ``ToyAttnLM`` on :func:`pattern_corpus`, report and draw what the head learned.
 
@@ -161,7 +167,7 @@ def _run_demo(out, steps, seed, log) -> dict:
 
     model, tokenizer, summary = train_demo_model(steps=steps, seed=seed, log=log, out=out,
                                                  meta={"demo": True})
-    sample = "ababab acacac xyzxyz"
+    sample = SAMPLE
     paths = show_attention(model, tokenizer, sample, out, title="ToyAttnLM on " + sample)
     with torch.no_grad():
         _, attentions = model(torch.tensor([tokenizer.encode(sample)]), output_attentions=True)

@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
-from .checkpoint import check_out_dir, has_checkpoint, nothing_to_resume, restore_training_state
+from .checkpoint import (
+    check_out_dir,
+    has_checkpoint,
+    nothing_to_resume,
+    read_best,
+    restore_training_state,
+)
 from .checks import (
     Config,
     bounded_int,
@@ -38,6 +44,7 @@ from .checks import (
     optional_positive_int,
     positive_int,
 )
+from .io import BEST_DIR
 from .io.locks import output_lock
 from .progress import Progress
 
@@ -288,7 +295,14 @@ def train(
 
     Returns:
         ``{"steps", "final_loss", "eval_loss", "seconds", "tokens_per_s", "history",
-        "resumed_from"}`` where history is ``[[step, train_loss, eval_loss|None], ...]``.
+        "resumed_from", "best_step", "best_eval_loss", "overfitting"}`` where history is
+        ``[[step, train_loss, eval_loss|None], ...]``.
+
+    With ``out``, every checkpoint also holds ``out/best/``: the checkpoint (a model
+    folder :func:`attnlab.load_checkpoint` reads) of the step with the lowest held-out
+    loss so far, its step and loss in its ``config.json`` (``"best"``). When the
+    held-out loss climbs well above its best for two evals, one warning line goes to
+    ``log``: the model is overfitting its text.
     """
     device = next(model.parameters()).device
     rank, world, created = _dist_setup(device)
@@ -341,13 +355,67 @@ class TrainingDiverged(ValueError):
     """The loss, a gradient or a weight stopped being finite: nothing more is saved."""
 
 
+class _Best:
+    """The lowest held-out loss so far and the weights that had it (kept in memory, on
+    the CPU, and written as ``out/best/`` with every checkpoint), and the one warning
+    when the held-out loss climbs away from it while training goes on: overfitting."""
+
+    # Warn once the latest eval is this many evals past the best and this much above it:
+    # one noisy eval is not a trend.
+    EVALS_PAST, RISE = 2, 0.02
+
+    def __init__(self, keep: bool, saved: dict | None = None) -> None:
+        self.keep = keep
+        self.step, self.loss, self.weights = None, math.inf, None
+        if saved is not None:
+            self.step, self.loss, self.weights = (saved["step"], saved["eval_loss"],
+                                                  saved["weights"])
+        self.evals_past = 0
+        self.warned = False
+
+    def update(self, step: int, eval_loss: float, model: nn.Module) -> None:
+        if eval_loss < self.loss:
+            self.step, self.loss, self.evals_past = step, eval_loss, 0
+            if self.keep:
+                self.weights = {k: v.detach().to("cpu", copy=True)
+                                for k, v in model.state_dict().items()}
+        else:
+            self.evals_past += 1
+
+    def record(self) -> dict | None:
+        if not self.keep or self.weights is None:
+            return None
+        return {"step": self.step, "eval_loss": self.loss, "weights": self.weights}
+
+    def overfitting(self, step: int, eval_loss: float, train_loss: float, n_tokens: int,
+                    vocab: int | None, out) -> str | None:
+        """The warning, the first time the held-out loss has risen well above its best."""
+        if (self.warned or self.evals_past < self.EVALS_PAST
+                or eval_loss < self.loss * (1 + self.RISE) + self.RISE):
+            return None
+        self.warned = True
+        uniform = ""
+        if vocab and eval_loss > math.log(vocab):
+            uniform = (f", worse than a uniform guess over its {vocab} tokens "
+                       f"(ln {vocab} = {math.log(vocab):.2f}),")
+        kept = (f"; the checkpoint of the lowest held-out loss is kept in "
+                f"{os.path.join(out, BEST_DIR)}/" if out is not None else "")
+        return (f"warning: overfitting: the held-out loss rose from {self.loss:.2f} "
+                f"(step {self.step}) to {eval_loss:.2f} (step {step}){uniform} while the "
+                f"training loss fell to {train_loss:.3f}: the model is memorising its "
+                f"{n_tokens:,}-token text. Train on more text, or use fewer --steps or a "
+                f"smaller --context{kept}")
+
+
 def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
          out, resume, tokenizer, progress, log, meta) -> dict:
     step, history, resumed_from = 0, [], None
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
+    best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
             step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
+            best = _Best(keep=rank == 0, saved=read_best(Path(out)))
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
         elif rank == 0:
@@ -388,6 +456,13 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
             if not math.isfinite(eval_loss):  # weights that overflow on held-out text
                 raise _stop(step, "eval loss", eval_loss, out, saved)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
+            best.update(step, eval_loss, model)
+            warning = best.overfitting(step, eval_loss, train_loss,
+                                       len(train_stream) + len(eval_stream),
+                                       getattr(getattr(model, "config", None), "vocab_size",
+                                               None), out)
+            if warning is not None:
+                say(warning)
         history.append([step, train_loss, eval_loss])
         if show is not None:
             elapsed = time.perf_counter() - start
@@ -400,8 +475,9 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
             if bad is not None:  # a NaN moment or an absurd weight decay: never save it
                 raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
             saved = step
+            # best goes positionally: tests wrap this function as (..., *rest)
             checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
-                                           history, tokenizer, meta)
+                                           history, tokenizer, meta, best.record())
     if show is not None:
         show.close()
     seconds = time.perf_counter() - start
@@ -416,4 +492,7 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
         "history": history,
         "resumed_from": resumed_from,
         "world_size": world,
+        "best_step": best.step,
+        "best_eval_loss": best.loss if best.step is not None else None,
+        "overfitting": best.warned,
     }

@@ -62,7 +62,8 @@ def test_show_a_folder_with_rollout(gpt2_dir, tmp_path, capsys):
     assert main(["show", "the cat sat on the mat", "--model", str(gpt2_dir), "--rollout",
                  "--out", str(tmp_path / "s")]) == 0
     html = (tmp_path / "s" / "attention.html").read_text()
-    assert "attention rollout" in html and '"layers":3' in html  # 2 layers + the rollout
+    # 2 layers, and the rollout beside them, not counted as a third
+    assert "attention rollout" in html and '"layers":2' in html and '"rollout":"' in html
     assert (tmp_path / "s" / "attention.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -94,7 +94,8 @@ def _damaged_copies(src, tmp_path) -> dict:
         d = tmp_path / key
         d.mkdir()
         for f in src.iterdir():
-            (d / f.name).write_bytes(f.read_bytes())
+            if f.is_file():  # not best/: the damage is to the run's own files
+                (d / f.name).write_bytes(f.read_bytes())
         if data is None:  # the training state without its history
             state = json.loads((d / name).read_text())
             state["history"] = None

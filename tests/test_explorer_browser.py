@@ -240,3 +240,148 @@ def test_a_large_model_renders(tmp_path, open_page):
     assert page.evaluate("[document.body.dataset.layer, document.body.dataset.head]") == ["5", "11"]
     assert decode_png(page.locator("#matrix").screenshot()).std() > 0.02
     assert o.errors == [] and o.off_disk == []
+
+
+# --------------------------------------------------------------- step by step: one score
+
+ZH = "注意力就是一切。"
+
+
+@pytest.fixture(scope="module")
+def zh_model():
+    """A GPT with grouped-query heads (4 query heads, 2 key/value heads) and RoPE, so the
+    page's q, k must be what attention received, with the head groups mapped right."""
+    import torch
+
+    from attnlab.models import GPT, GPTConfig
+    from attnlab.text import CharTokenizer
+
+    torch.manual_seed(0)
+    tok = CharTokenizer.from_text(ZH)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=32,
+                          num_layers=2, num_heads=4, num_kv_heads=2, positions="rope")).eval()
+    with torch.no_grad():  # sharper weights, so rows differ visibly
+        for block in model.blocks:
+            block.attn.W_query.weight.mul_(4)
+    return model, tok
+
+
+def python_view(model, tok, text):
+    """q, k (as attention received them), the weights and the heads' outputs, from Python."""
+    import torch
+
+    from attnlab.experiments import ablated
+
+    record: dict = {}
+    with torch.no_grad(), ablated(model, None, record):
+        _, weights = model(torch.tensor([tok.encode(text)]), output_attentions=True)
+    return record, [w[0].double().numpy() for w in weights]
+
+
+def test_step_by_step_view_shows_q_dot_k_times_scale_and_the_softmax_row(tmp_path, open_page,
+                                                                         zh_model):
+    model, tok = zh_model
+    shown = viz.show_attention(model, tok, ZH, tmp_path / "zh")
+    o = open_page(shown["html"])
+    page = o.page
+    record, weights = python_view(model, tok, ZH)
+    for layer, head, i, j in [(1, 3, 6, 2), (0, 1, 7, 7), (1, 0, 3, 0)]:
+        page.click(f'.thumb[data-layer="{layer}"][data-head="{head}"]')
+        page.select_option("#steps-query", str(i))
+        page.select_option("#steps-key", str(j))
+        assert page.evaluate("[document.body.dataset.sq, document.body.dataset.sk]") == [
+            str(i), str(j)]
+        q = record["q"][layer][0, head].double().numpy()  # (seq, head_dim)
+        k = record["k"][layer][0, head // 2].double().numpy()  # its key/value head
+        scale = 1 / np.sqrt(q.shape[-1])
+        dot = float(q[i] @ k[j])
+
+        def number(sel):
+            return float(page.get_attribute(sel, "data-value"))
+
+        np.testing.assert_allclose(number("#steps-dot"), dot, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(number("#steps-score"), dot * scale, rtol=1e-9, atol=1e-12)
+        assert page.text_content("#steps-score") == f"{dot * scale:.4f}"
+        assert page.text_content("#steps-scale") == f"{scale:.4f}"
+        np.testing.assert_allclose(
+            [float(x) for x in page.eval_on_selector_all(
+                "#steps-prod td", "tds => tds.map(t => t.dataset.value)")], q[i] * k[j],
+            rtol=1e-9, atol=1e-12)
+        # the softmax row is the model's row of weights; masked (future) keys are -inf
+        row = page.eval_on_selector_all("#steps-row td.weight",
+                                        "tds => tds.map(t => [+t.dataset.value, t.textContent])")
+        np.testing.assert_allclose([v for v, _ in row], weights[layer][head, i], atol=2e-6)
+        for (_, text), want in zip(row, weights[layer][head, i]):
+            assert abs(float(text) - want) <= 0.5e-4 + 2e-6
+        scores = page.eval_on_selector_all("#steps-row td.score",
+                                           "tds => tds.map(t => t.textContent)")
+        assert all((s == "\u2212\u221e") == (jj > i) for jj, s in enumerate(scores))
+        np.testing.assert_allclose(number("#steps-weight"), weights[layer][head, i, j],
+                                   atol=2e-6)
+        # the weighted sum of the values is the head's output for that query
+        D = q.shape[-1]
+        out = record["context"][layer][0, i, head * D:(head + 1) * D].double().numpy()
+        np.testing.assert_allclose([float(x) for x in page.eval_on_selector_all(
+            "#steps-out td", "tds => tds.map(t => t.dataset.value)")], out, atol=2e-6)
+    # a future key: the mask step says so
+    page.select_option("#steps-query", "2")
+    page.select_option("#steps-key", "5")
+    assert "masked" in page.text_content("#steps-mask")
+    assert float(page.get_attribute("#steps-weight", "data-value")) == 0.0
+    # clicking a matrix cell picks that (query, key)
+    page.click('.thumb[data-layer="0"][data-head="2"]')
+    box = page.evaluate("(() => { const d = document.getElementById('matrix').dataset;"
+                        " return [+d.left, +d.top, +d.cell]; })()")
+    page.click("#matrix", position={"x": box[0] + 1.5 * box[2], "y": box[1] + 4.5 * box[2]})
+    assert page.evaluate("[document.body.dataset.sq, document.body.dataset.sk]") == ["4", "1"]
+    assert page.text_content("#steps-caption") == ("layer 0 \u00b7 head 2 \u00b7 query #4 "
+                                                   "\u2192 key #1")
+    assert o.errors == [] and o.off_disk == []
+
+
+def test_step_by_step_view_says_why_when_the_vectors_are_missing(tmp_path, open_page):
+    page = open_page(viz.write_html(tmp_path / "e.html", TOKENS, model(1, 2, 12, 12))).page
+    assert "made from the weights alone" in page.text_content("#steps-body")
+    assert page.evaluate("document.getElementById('steps-query').disabled")
+    toks = [f"t{i}" for i in range(70)]
+    q = [np.zeros((2, 70, 4))]
+    page = open_page(viz.write_html(tmp_path / "long.html", toks, model(1, 2, 70, 70),
+                                    steps={"q": q, "k": q, "v": q, "scale": [0.5]})).page
+    assert "up to 64 tokens; this one has 70" in page.text_content("#steps-body")
+
+
+def test_masked_cells_are_grey_and_the_rollout_is_one_row_not_a_layer(tmp_path, open_page,
+                                                                      zh_model):
+    model, tok = zh_model
+    shown = viz.show_attention(model, tok, ZH, tmp_path / "r", rollout=True)
+    o = open_page(shown["html"])
+    page = o.page
+    assert page.text_content("#meta").startswith("2 layers + the rollout \u00b7 4 heads")
+    assert page.locator("#layer-select option").count() == 3
+    assert page.locator(".thumb").count() == 2 * 4 + 1  # the rollout drawn once
+    # a future key is grey, not the colour of a weight of 0 (viridis' darkest)
+    assert matrix_pixel(page, 1, 5) == [200, 200, 200]
+    assert matrix_pixel(page, 5, 1) != [200, 200, 200]
+    page.click('.thumb[data-layer="2"][data-head="0"]')
+    assert page.locator("#matrix-caption").text_content() == "rollout"
+    assert matrix_pixel(page, 1, 5) == [200, 200, 200]
+    heads = {ln for ln in page.evaluate(
+        "[...document.querySelectorAll('#head-view line')].map(l => l.dataset.h)")}
+    assert heads == {"0"}  # one set of lines, not one per head
+    assert "pick a layer" in page.text_content("#steps-body")
+    assert o.errors == [] and o.off_disk == []
+
+
+def test_long_labels_are_cut_to_fit_not_clipped(tmp_path, open_page):
+    toks = ["supercalifragilisticexpialidocious", "注意力机制是深度学习中的重要概念"] + TOKENS[:4]
+    n = len(toks)
+    page = open_page(viz.write_html(tmp_path / "e.html", toks, model(1, 1, n, n))).page
+    # every head-view label lies inside the svg
+    inside = page.evaluate("""(() => { const s = document.getElementById('head-svg')
+        .getBoundingClientRect(); return [...document.querySelectorAll('#head-svg .tok text')]
+        .every(t => { const r = t.getBoundingClientRect();
+                      return r.left >= s.left - 0.5 && r.right <= s.right + 0.5; }); })()""")
+    assert inside
+    labels = page.evaluate("[...document.querySelectorAll('#head-svg .tok.k text')]"
+                           ".map(t => t.firstChild.textContent)")
+    assert labels[0].endswith("\u2026") and labels[2] == "The"

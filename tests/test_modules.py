@@ -273,8 +273,9 @@ def _bad_calls():
     x = torch.randn(2, 3, 16)
     return [
         (m, (torch.randn(2, 3, 8),), {}, "x has 8 features (shape (2, 3, 8)) but d_in=16"),
-        (m, (torch.randn(3, 16),), {}, "x must be (batch, seq, features=16) (batch first), "
-                                       "got (3, 16)"),
+        (m, (torch.randn(1, 1, 3, 16),), {}, "x must be (batch, seq, features=16) (batch "
+                                             "first) or one (seq, features=16) sequence, "
+                                             "got (1, 1, 3, 16)"),
         (m, (torch.randn(1, 7, 16),), {}, "sequence of 7 tokens (0 cached + 7 new) is longer "
                                           "than context_length=6"),
         (m, (x,), {"cache": KVCache(3, 8, 2, 4)},

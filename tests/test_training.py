@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -177,7 +178,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
     assert again.returncode == 0, again.stderr
     assert (weights.read_bytes(), weights.stat().st_mtime_ns) == before
     # Only safetensors and JSON: nothing that would need pickle to read.
-    assert {p.suffix for p in out.iterdir()} == {".json", ".safetensors"}
+    assert {p.suffix for p in out.rglob("*") if p.is_file()} == {".json", ".safetensors"}
     assert load_checkpoint(out).config.context_length == 16
 
 
@@ -251,7 +252,7 @@ def _toy_setup(dropout: float = 0.0, seed: int = 0):
 
 
 def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("entries", [
@@ -443,3 +444,113 @@ def test_negative_or_huge_seed_is_refused():
         with pytest.raises(ValueError, match="seed"):
             TrainConfig(seed=seed)
     TrainConfig(seed=2**63 - 1)
+
+
+# ------------------------------------------------------------------ overfitting and best/
+
+
+def _overfit_setup(seed: int = 0):
+    """A 400-character random text: nothing to learn that carries over to held-out text,
+    so the held-out loss climbs while the training loss falls (the issue's 5 KB case,
+    small)."""
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdefghijklmnopqrst") for _ in range(400))
+    tok = CharTokenizer.from_text(text)
+    torch.manual_seed(seed)
+    model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=8, d_model=32))
+    cfg = TrainConfig(steps=80, batch_size=16, context=8, lr=3e-2, warmup=0, eval_every=8,
+                      checkpoint_every=12)
+    return model, torch.tensor(tok.encode(text)), tok, cfg
+
+
+def test_rising_held_out_loss_warns_and_the_best_checkpoint_is_kept(tmp_path):
+    from attnlab.training import evaluate, split
+
+    out = tmp_path / "run"
+    model, tokens, tok, cfg = _overfit_setup()
+    lines = []
+    summary = train(model, tokens, cfg, out=out, tokenizer=tok, progress=False,
+                    log=lines.append)
+    evals = [(h[0], h[2]) for h in summary["history"] if h[2] is not None]
+    best_step, best_loss = min(evals, key=lambda e: e[1])
+    assert best_step < cfg.steps and evals[-1][1] > best_loss  # it did overfit
+    warnings = [ln for ln in lines if ln.startswith("warning:")]
+    assert len(warnings) == 1 and summary["overfitting"]
+    for words in ("overfitting", "held-out loss rose from", f"(step {best_step})",
+                  "400-token text", "more text", "--steps", f"{out}/best/",
+                  "uniform guess over its 20 tokens"):
+        assert words in warnings[0], (words, warnings[0])
+    assert (summary["best_step"], summary["best_eval_loss"]) == (best_step, best_loss)
+    # out/ is the last step, as before; out/best/ the step of the lowest held-out loss,
+    # a checkpoint of its own whose held-out loss is exactly the one recorded
+    _, eval_stream = split(tokens, cfg.context)
+    best = load_checkpoint(out / "best")
+    assert evaluate(best, eval_stream, cfg) == best_loss
+    assert same_weights(load_checkpoint(out), model)
+    assert not same_weights(best, model)
+    meta = json.loads((out / "best" / "config.json").read_text())
+    assert meta["best"] == {"step": best_step, "eval_loss": best_loss}
+    assert (out / "best" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+
+
+def test_no_warning_when_the_held_out_loss_falls(tmp_path):
+    model, tokens, tok = _toy_setup()
+    lines = []
+    summary = train(model, tokens, TrainConfig(steps=40, batch_size=8, context=16, lr=1e-2,
+                                               eval_every=5), out=tmp_path / "run",
+                    tokenizer=tok, progress=False, log=lines.append)
+    assert not summary["overfitting"] and not any("warning" in ln for ln in lines)
+    assert summary["best_step"] == 40 and (tmp_path / "run" / "best").is_dir()
+
+
+def test_resume_keeps_the_same_best_checkpoint(tmp_path):
+    """Killed after a checkpoint later than the best eval, resumed: out/ and out/best/ are
+    byte for byte those of the uninterrupted run."""
+    model, tokens, tok, cfg = _overfit_setup()
+    train(model, tokens, cfg, out=tmp_path / "ref", tokenizer=tok, progress=False, log=None)
+    _interrupted_run_of(_overfit_setup, tmp_path / "run", cfg, stop_after=60)
+    assert json.loads((tmp_path / "run" / "best" / "config.json").read_text())["best"][
+        "step"] < 60
+    model, _, _, _ = _overfit_setup(seed=5)
+    got = train(model, tokens, cfg, out=tmp_path / "run", resume=True, tokenizer=tok,
+                progress=False, log=None)
+    assert got["resumed_from"] == 60
+    for name in ("model.safetensors", "best/model.safetensors", "best/config.json"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def _interrupted_run_of(setup, out: Path, cfg: TrainConfig, stop_after: int):
+    import attnlab.checkpoint as checkpoint
+
+    real_save = checkpoint.save_training_state
+
+    class Killed(BaseException):
+        pass
+
+    def save_then_die(out_, model, optimizer, gen, step, *rest):
+        real_save(out_, model, optimizer, gen, step, *rest)
+        if step == stop_after:
+            raise Killed
+
+    model, tokens, tok, _ = setup()
+    checkpoint.save_training_state = save_then_die
+    try:
+        with pytest.raises(Killed):
+            train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
+    finally:
+        checkpoint.save_training_state = real_save
+
+
+def test_out_with_best_is_attnlabs_but_not_with_a_foreign_file_in_best(tmp_path):
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    cfg = TrainConfig(steps=2, batch_size=4, context=16)
+    train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
+    assert (out / "best" / "model.safetensors").is_file()
+    train(model, tokens, TrainConfig(steps=3, batch_size=4, context=16), out=out,
+          progress=False, log=None)  # an attnlab folder, best/ and all
+    (out / "best" / "notes.txt").write_text("mine")
+    before = _files(out)
+    with pytest.raises(ValueError, match="not an attnlab checkpoint.*'best'"):
+        train(model, tokens, cfg, out=out, progress=False, log=None)
+    assert _files(out) == before

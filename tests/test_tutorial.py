@@ -107,6 +107,46 @@ def test_wrapper_matches_book(d_in, d_out, seq, heads):
     close(out, book(x))
 
 
+@pytest.mark.parametrize("qkv_bias", [None, False, True])
+@pytest.mark.parametrize(("d_in", "d_out", "seq", "heads"), [(3, 2, 6, 2), (64, 64, 32, 8)])
+def test_multihead_attention_takes_the_books_call(qkv_bias, d_in, d_out, seq, heads):
+    """``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``,
+    as the book calls it, is the book's causal module: same weights, same outputs."""
+    from attnlab import MultiHeadAttention
+
+    args = (d_in, d_out, seq, 0.0, heads) + (() if qkv_bias is None else (qkv_bias,))
+    ours, book = pair(MultiHeadAttention, ch03.MultiHeadAttention, args)
+    assert ours.causal and ours.context_length == seq and ours.num_heads == heads
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [
+        (n, p.shape) for n, p in book.named_parameters()]
+    x = BATCH if d_in == 3 else torch.randn(3, seq, d_in)
+    close(ours(x), book(x))
+    close(ours(x[:, :4]), book(x[:, :4]))
+    # one unbatched (seq, d_in) sequence, as CausalAttention takes it
+    close(ours(x[0]), book(x[:1])[0])
+    out, weights = ours(x[0], return_weights=True)
+    assert out.shape == (seq, d_out) and weights.shape == (heads, seq, seq)
+    assert not weights.triu(1).any()
+    torch.manual_seed(0)
+    assert MultiHeadAttention(d_in, d_out, seq, 0.25, heads).dropout == 0.25
+
+
+def test_multihead_attention_book_call_errors_name_both_forms():
+    from attnlab import MultiHeadAttention
+
+    with pytest.raises(TypeError, match=r"the book's \(d_in, d_out, context_length, dropout, "
+                                        r"num_heads, qkv_bias=False\); got 4 positional"):
+        MultiHeadAttention(3, 2, 6, 0.0)
+    with pytest.raises(TypeError, match="context_length and dropout"):
+        MultiHeadAttention(3, 2, 6, 0.0, 2, context_length=6)
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
+        MultiHeadAttention(3, 2, 6, 0.0, 0)
+    with pytest.raises(ValueError, match="context_length must be a positive int"):
+        MultiHeadAttention(3, 2, 0, 0.0, 2)
+    assert not MultiHeadAttention(3, 2, 2).causal  # the design's form is unchanged
+    assert not MultiHeadAttention(3, 2, 6, 0.0, 2, causal=False).causal
+
+
 def test_gradients_match_book():
     ours, book = pair(CausalAttention, ch03.CausalAttention, (16, 8, 10, 0.0))
     x = torch.randn(2, 10, 16)

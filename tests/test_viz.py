@@ -135,6 +135,63 @@ def test_heatmap_grid_drops_unreadable_tick_labels_and_squeezes_batch_one():
     assert all(not ax.get_xticklabels() and not ax.get_yticklabels() for ax in cells)
 
 
+def test_masked_cells_are_grey_not_a_weight_of_zero():
+    """circuitsvis greys the cells a query may not see; a weight of 0 is viridis' darkest."""
+    from attnlab.viz.heatmap import MASKED_COLOUR
+
+    w = softmax_rows((7, 7))
+    causal = np.tril(np.ones((7, 7), bool))
+    for fig in (viz.heatmap(w, TOKENS, mask=causal),
+                viz.heatmap_grid(TOKENS, layers(2, 3, 7, 7), mask=causal)):
+        cells = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.images]
+        for ax in cells:
+            image = ax.images[0]
+            rgba = image.to_rgba(image.get_array())  # what is drawn, cell by cell
+            grey = np.all(np.abs(rgba[..., :3] - np.array(
+                [int(MASKED_COLOUR[i:i + 2], 16) / 255 for i in (1, 3, 5)])) < 1e-6, axis=-1)
+            assert np.array_equal(grey, ~causal)
+        bar = next(ax for ax in fig.axes if ax.get_label() == "<colorbar>")
+        assert "grey: masked" in bar.get_ylabel()
+    # without a mask nothing is grey, as before
+    plain = viz.heatmap(w, TOKENS).axes[0].images[0]
+    assert not np.ma.is_masked(plain.get_array())
+    with pytest.raises(ValueError, match=r"mask: expected shape \(7, 7\)"):
+        viz.heatmap(w, TOKENS, mask=causal[:3])
+    with pytest.raises(TypeError, match="mask: expected a boolean array"):
+        viz.heatmap(w, TOKENS, mask=causal.astype(int))
+
+
+def test_grid_draws_the_rollout_once_and_labels_query_and_key():
+    atts = layers(2, 4, 7, 7)
+    flow = viz.rollout(atts)
+    fig = viz.heatmap_grid(TOKENS, atts, rollout=flow, mask=np.tril(np.ones((7, 7), bool)))
+    drawn = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.images]
+    assert len(drawn) == 2 * 4 + 1  # four heads per layer, the rollout once
+    rows = [ax.get_ylabel() for ax in drawn if ax.get_ylabel()]
+    assert rows == ["layer 0", "layer 1", "rollout"]
+    np.testing.assert_allclose(np.ma.getdata(drawn[-1].images[0].get_array()), flow, atol=1e-12)
+    texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+    assert "query \u2193" in texts
+    assert [ax.get_xlabel() for ax in drawn if ax.get_xlabel()] == ["key"] * 4
+
+
+def test_long_labels_are_cut_to_fit_and_nothing_leaves_the_figure():
+    toks = ["The", "internationalization", "supercalifragilisticexpialidocious_token",
+            "注意力机制是深度学习中的重要概念", "a"]
+    atts = layers(2, 4, 5, 5)
+    for fig in (viz.heatmap(softmax_rows((5, 5)), toks),
+                viz.heatmap_grid(toks, atts, rollout=viz.rollout(atts))):
+        ax = [a for a in fig.axes if a.get_yticklabels()][0]
+        labels = tick_texts(ax.get_yticklabels())
+        assert labels[:2] == toks[:2]  # short enough: whole
+        assert labels[2].endswith("\u2026") and toks[2].startswith(labels[2][:-1])
+        assert labels[3].endswith("\u2026") and toks[3].startswith(labels[3][:-1])
+        fig.canvas.draw()  # as savefig does: the layout is made at draw time
+        box = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+        w, h = fig.get_size_inches()
+        assert box.x0 >= -0.01 and box.y0 >= -0.01 and box.x1 <= w + 0.01 and box.y1 <= h + 0.01
+
+
 def png_size(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -386,11 +443,13 @@ def test_show_layer_and_head_restrict_the_png(gpt_ckpt, tmp_path, capsys, layer,
                                      load_checkpoint_tokenizer(gpt_ckpt), SHOW_TEXT)
     layers_ = range(2) if layer is None else [layer]
     heads = list(range(3)) if head is None else [head]
+    causal = np.tril(np.ones((len(tokens), len(tokens)), bool))  # the future is drawn grey
     if layer is not None and head is not None:
-        want = png_pixels(viz.heatmap(attentions[layer][head], tokens))
+        want = png_pixels(viz.heatmap(attentions[layer][head], tokens, mask=causal))
     else:
         viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_],
-                          layer_ids=list(layers_), head_ids=heads)  # rows say which layer
+                          layer_ids=list(layers_), head_ids=heads,  # rows say which layer
+                          mask=causal)
         want = png_pixels(tmp_path / "want.png")
     got = png_pixels(tmp_path / "attention.png")
     assert got.shape == want.shape and np.array_equal(got, want)

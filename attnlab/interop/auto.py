@@ -22,7 +22,7 @@ from ..io.reading import CONFIG_LIMIT
 from ..models import GPT, MODEL_TYPES, Encoder
 from .hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 
-__all__ = ["load_for_cli", "load_hf_folder"]
+__all__ = ["load_for_cli", "load_hf_folder", "known_text"]
 
 
 def _model_type(folder: Path) -> object:
@@ -56,14 +56,29 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     return model, tokenizer
 
 
-def load_for_cli(ckpt: str | None, model: str | None) -> tuple[nn.Module, object, dict]:
+def load_for_cli(ckpt: str | None, model: str | None, *,
+                 demo_fallback: bool = False) -> tuple[nn.Module, object, dict]:
     """``(model, tokenizer, meta)`` for ``--ckpt DIR`` or ``--model minilm|DIR``.
 
     ``meta`` is the attnlab checkpoint's ``config.json`` (``{}`` for ``--model``):
-    it holds what training recorded, such as the held-out text.
+    it holds what training recorded, such as the held-out text. With neither
+    option and ``demo_fallback``, the model ``attnlab demo`` wrote in
+    ``./attnlab-demo`` is used (with a note on stderr), or the one-line error says
+    to run ``attnlab demo`` first.
     """
-    from ..checkpoint import load_checkpoint, load_checkpoint_tokenizer, read_config
+    import sys
 
+    from ..checkpoint import load_checkpoint, load_checkpoint_tokenizer, read_config
+    from ..demo import DEMO_OUT
+
+    if ckpt is None and model is None and demo_fallback:
+        if not (Path(DEMO_OUT) / CONFIG_FILE).is_file():
+            raise ValueError(f"no model given and no ./{DEMO_OUT}: run `attnlab demo` first "
+                             f"(it trains one into ./{DEMO_OUT}), or give --ckpt DIR (an "
+                             "attnlab checkpoint) or --model minilm|DIR (a Hugging Face folder)")
+        print(f"note: no --ckpt or --model: using ./{DEMO_OUT}, the model `attnlab demo` "
+              "trained", file=sys.stderr)
+        ckpt = DEMO_OUT
     if ckpt is None and model is None:
         raise ValueError("give --ckpt DIR (an attnlab checkpoint) or --model minilm|DIR "
                          "(a Hugging Face folder)")
@@ -85,3 +100,21 @@ def load_for_cli(ckpt: str | None, model: str | None) -> tuple[nn.Module, object
     if tokenizer is None:
         raise ValueError(f"--ckpt {ckpt!r} has no tokenizer.json")
     return found, tokenizer, read_config(ckpt)
+
+
+def known_text(meta: dict, tokenizer: object, max_tokens: int = 40) -> str | None:
+    """A text the model of checkpoint ``meta`` can read, to offer when the user's cannot:
+    the demo's sentence for the demo's model, else the start of the held-out text its
+    training recorded (decoded with ``tokenizer``); None when neither is known."""
+    from ..demo import SAMPLE
+
+    if meta.get("demo"):
+        return SAMPLE
+    ids = (meta.get("held_out") or {}).get("ids") if isinstance(meta, dict) else None
+    if not isinstance(ids, list) or not ids:
+        return None
+    try:
+        text = tokenizer.decode(ids[:max_tokens])
+    except (ValueError, TypeError, IndexError):
+        return None
+    return " ".join(text.split()) or None

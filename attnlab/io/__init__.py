@@ -43,6 +43,7 @@ from __future__ import annotations
 from .dirs import atomic_dir, recover_dir
 from .files import (
     ATOMIC_MARKER,
+    BEST_DIR,
     CONFIG_FILE,
     EXPLORER_FILE,
     HEATMAP_FILE,
@@ -72,5 +73,5 @@ __all__ = [
     "atomic_dir",
     "recover_dir",
     "MODEL_FILE", "CONFIG_FILE", "TOKENIZER_FILE", "STATE_TENSORS", "STATE_JSON",
-    "ATOMIC_MARKER", "SUMMARY_FILE", "HEATMAP_FILE", "EXPLORER_FILE", "OWN_FILES",
+    "ATOMIC_MARKER", "SUMMARY_FILE", "HEATMAP_FILE", "EXPLORER_FILE", "OWN_FILES", "BEST_DIR",
 ]

@@ -35,6 +35,8 @@ EXPLORER_FILE = "attention.html"
 ATOMIC_MARKER = ".attnlab-atomic"
 OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
                        SUMMARY_FILE, HEATMAP_FILE, EXPLORER_FILE})
+# The checkpoint of a run's lowest held-out loss, a folder inside its checkpoint folder.
+BEST_DIR = "best"
 
 
 # --------------------------------------------------------------------------- files

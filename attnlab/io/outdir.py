@@ -1,9 +1,9 @@
 """Which entries of an output folder are attnlab's: the one rule for every writer.
 
 attnlab writes into a folder only the files named in :data:`OWN_FILES`, the lesson
-pictures ``lesson-NN-<name>.png`` (and the
-temp files an atomic write killed by SIGKILL leaves beside them, and the marker
-:func:`attnlab.io.atomic_dir` puts in the folders it builds). A folder holding
+pictures ``lesson-NN-<name>.png`` (and the temp files an atomic write killed by SIGKILL
+leaves beside them, the marker :func:`attnlab.io.atomic_dir` puts in the folders it
+builds, and training's ``best/`` checkpoint of such files). A folder holding
 anything else is the user's, and no writer (a checkpoint, ``show``, the demo)
 may replace or fill it.
 """
@@ -15,7 +15,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from .files import ATOMIC_MARKER, OWN_FILES, PathLike
+from .files import ATOMIC_MARKER, BEST_DIR, OWN_FILES, PathLike
 
 __all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_out_file"]
 
@@ -32,9 +32,17 @@ def _is_own_file(entry: Path) -> bool:
         or _LESSON_FIGURE.fullmatch(entry.name) is not None)
 
 
+def _is_own(entry: Path) -> bool:
+    """An own file, or the ``best/`` checkpoint training keeps inside its folder (a real
+    folder holding only own files)."""
+    if entry.name == BEST_DIR and entry.is_dir() and not entry.is_symlink():
+        return all(_is_own_file(e) for e in entry.iterdir())
+    return _is_own_file(entry)
+
+
 def foreign_entries(out: PathLike) -> list[str]:
     """Sorted names of the entries in folder ``out`` that attnlab did not write."""
-    return sorted(e.name for e in Path(out).iterdir() if not _is_own_file(e))
+    return sorted(e.name for e in Path(out).iterdir() if not _is_own(e))
 
 
 def check_parent_writable(out: PathLike, name: str = "--out") -> None:

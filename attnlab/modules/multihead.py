@@ -6,6 +6,8 @@ It projects, splits heads, rotates (RoPE), appends to the cache and calls
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -23,6 +25,28 @@ __all__ = ["MultiHeadAttention"]
 
 def _shape(t: object) -> object:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _book_call(third: Any, rest: tuple, context_length: Any, dropout: Any, qkv_bias: Any,
+               causal: Any) -> tuple:
+    """``(num_heads, context_length, dropout, qkv_bias, causal)`` of the book's positional
+    call ``(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``: its third
+    argument is ``context_length``, and the module is causal, as the book's always is."""
+    if len(rest) not in (2, 3):
+        raise TypeError(
+            f"MultiHeadAttention takes (d_in, d_out, num_heads, *, context_length=..., "
+            f"dropout=..., ...) or the book's (d_in, d_out, context_length, dropout, "
+            f"num_heads, qkv_bias=False); got {3 + len(rest)} positional arguments")
+    if context_length is not None or dropout != 0.0:
+        raise TypeError("MultiHeadAttention: the book's positional call already gives "
+                        "context_length and dropout (3rd and 4th arguments); got them as "
+                        "keywords too")
+    if len(rest) == 3:
+        if qkv_bias is not False:
+            raise TypeError("MultiHeadAttention: qkv_bias given both as the 6th positional "
+                            "argument and as a keyword")
+        qkv_bias = rest[2]
+    return rest[1], third, rest[0], qkv_bias, True if causal is None else causal
 
 
 class MultiHeadAttention(nn.Module):
@@ -55,6 +79,15 @@ class MultiHeadAttention(nn.Module):
     ``MultiHeadAttention(d_in, d_out, H, causal=True)`` equals
     ``llms_from_scratch.ch03.MultiHeadAttention(d_in, d_out, T, 0.0, H)``.
     ``W_key`` and ``W_value`` map ``d_in -> num_kv_heads * head_dim``.
+
+    The book's positional call works as it is:
+    ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``
+    (five or six positional arguments; this signature takes three, so the two never
+    meet) builds the book's module: causal, with that ``context_length``, ``dropout``
+    and ``qkv_bias``; under the same seed its weights and outputs are the book's. The
+    book's class is always causal, so ``causal`` defaults to True there and to False
+    in the three-argument form. Like the rest of the tutorial family, ``forward`` also
+    takes one unbatched ``(seq, d_in)`` sequence.
     """
 
     def __init__(
@@ -62,10 +95,10 @@ class MultiHeadAttention(nn.Module):
         d_in: int,
         d_out: int,
         num_heads: int,
-        *,
+        *book_args: Any,
         num_kv_heads: int | None = None,
         context_length: int | None = None,
-        causal: bool = False,
+        causal: bool | None = None,
         dropout: float = 0.0,
         resid_dropout: float = 0.0,
         qkv_bias: bool = False,
@@ -76,6 +109,10 @@ class MultiHeadAttention(nn.Module):
         rope_base: float = 10000.0,
     ) -> None:
         super().__init__()
+        if book_args:
+            num_heads, context_length, dropout, qkv_bias, causal = _book_call(
+                num_heads, book_args, context_length, dropout, qkv_bias, causal)
+        causal = False if causal is None else causal
         positive_int("d_in", d_in)
         positive_int("d_out", d_out)
         positive_int("num_heads", num_heads)
@@ -181,7 +218,15 @@ class MultiHeadAttention(nn.Module):
 
         Returns:
             ``(batch, q_len, d_out)``, or ``(out, weights)`` with ``return_weights``.
+
+        An unbatched ``(seq, d_in)`` ``x`` (as the book's chapter 3 passes it) is one
+        sequence of a batch of 1: ``kv`` then is ``(k_seq, d_in)``, ``mask`` and
+        ``cache`` are those of that batch of 1, and the batch axis is dropped from the
+        output (``(seq, d_out)``) and the weights (``(heads, q_len, k_len)``).
         """
+        if isinstance(x, torch.Tensor) and x.ndim == 2:
+            return self._unbatched(x, kv=kv, mask=mask, cache=cache, positions=positions,
+                                   return_weights=return_weights)
         b, t = self._check_x(x)
         past = 0
         if cache is not None:
@@ -268,6 +313,17 @@ class MultiHeadAttention(nn.Module):
         out = self._project(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
         return out if weights is None else (out, weights)
 
+    def _unbatched(self, x: torch.Tensor, *, kv, return_weights, **kw):
+        if kv is not None:
+            if not isinstance(kv, torch.Tensor) or kv.ndim != 2:
+                raise ValueError(f"kv must be (k_seq, features={self.d_in}) with an unbatched "
+                                 f"(seq, features) x, got {_shape(kv)}")
+            kv = kv.unsqueeze(0)
+        out = self(x.unsqueeze(0), kv=kv, return_weights=return_weights, **kw)
+        if isinstance(out, tuple):
+            return out[0][0], out[1][0]
+        return out[0]
+
     def _project(self, merged: torch.Tensor) -> torch.Tensor:
         """The heads side by side ``(B, T, d_out)`` -> output projection, dropout."""
         return dropout(fused.apply(merged, self.out_proj), self.resid_dropout, self.training)
@@ -275,7 +331,8 @@ class MultiHeadAttention(nn.Module):
     def _check_x(self, x) -> tuple[int, int]:
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
             raise ValueError(
-                f"x must be (batch, seq, features={self.d_in}) (batch first), got {_shape(x)}"
+                f"x must be (batch, seq, features={self.d_in}) (batch first) or one "
+                f"(seq, features={self.d_in}) sequence, got {_shape(x)}"
             )
         if x.shape[-1] != self.d_in:
             raise ValueError(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_numpy", "as_tokens", "as_matrix", "as_layers"]
+__all__ = ["to_numpy", "as_tokens", "as_matrix", "as_layers", "as_mask"]
 
 # Attention weights may overshoot [0, 1] a little in low precision; more is a caller error.
 _WEIGHT_TOLERANCE = 1e-2
@@ -148,3 +148,22 @@ def as_layers(attentions: Any, tokens: Any) -> tuple[np.ndarray, list[str]]:
             f"attentions: expected attention weights in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
         )
     return np.clip(stacked, 0.0, 1.0), tokens
+
+
+def as_mask(mask: Any, n_layers: int, q_len: int, k_len: int) -> np.ndarray | None:
+    """``mask`` (True = may attend: a ``(q_len, k_len)`` mask shared by every layer, or one
+    per layer, ``(layers, q_len, k_len)``) as a bool ``(layers, q_len, k_len)`` array;
+    None stays None. The pictures draw the cells it forbids grey, not as a weight of 0."""
+    if mask is None:
+        return None
+    if hasattr(mask, "detach") and type(mask).__module__.startswith("torch"):
+        mask = mask.detach().cpu().numpy()
+    m = np.asarray(mask)
+    if m.dtype != np.bool_:
+        raise TypeError(f"mask: expected a boolean array (True = may attend), got dtype {m.dtype}")
+    if m.ndim == 2:
+        m = m[None]
+    if m.ndim != 3 or m.shape[1:] != (q_len, k_len) or m.shape[0] not in (1, n_layers):
+        raise ValueError(f"mask: expected shape ({q_len}, {k_len}) or ({n_layers}, {q_len}, "
+                         f"{k_len}) (True = may attend), got {tuple(np.shape(mask))}")
+    return np.broadcast_to(m, (n_layers, q_len, k_len))

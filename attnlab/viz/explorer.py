@@ -4,13 +4,22 @@ The page (``explorer.html`` next to this module) holds its CSS and vanilla JS
 inline; the weights travel as JSON inside
 ``<script type="application/json" id="attnlab-data">``:
 
-``{"format": "attnlab-explorer", "version": 1, "title": str, "tokens": [str, ...],
+``{"format": "attnlab-explorer", "version": 2, "title": str, "tokens": [str, ...],
 "layers": L, "heads": H, "q_len": Q, "k_len": K, "encoding": "uint8-base64",
-"scale": 255, "weights": base64}``
+"scale": 255, "weights": base64, "masked": base64 | null, "rollout": base64 | null,
+"steps": {...} | {"note": str} | null}``
 
 where ``weights`` is the base64 of ``L*H*Q*K`` bytes in C order
 (layer, head, query, key), each byte ``round(weight * 255)`` of a weight in [0, 1].
-Query ``i`` is token ``K - Q + i``. The JSON is escaped so that no token can
+Query ``i`` is token ``K - Q + i``. ``L`` counts the model's layers only; the
+attention rollout, when given, is ``rollout``: ``Q*K`` more such bytes.
+``masked`` is ``np.packbits`` (big-endian bit order) of a ``(L + 1 if rollout
+else L, Q, K)`` bool array, 1 where the key is masked (the picture draws it grey).
+``steps`` holds what the step-by-step view of one score needs: ``{"head_dim": D,
+"kv_heads": Hkv, "scale": [L floats], "encoding": "float32-base64", "q": base64 of
+(L, H, Q, D), "k": base64 of (L, Hkv, K, D), "v": base64 of (L, Hkv, K, D)}``
+little-endian float32, as attention received them (after RoPE); or ``{"note"}``
+saying why they were left out. The JSON is escaped so that no token can
 close the script element or inject markup: ``<``, ``>``, ``&``, U+2028, U+2029
 and lone surrogates are written as ``\\uXXXX`` escapes.
 """
@@ -30,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..io import atomic_write_bytes
-from .data import as_layers
+from .data import as_layers, as_mask, to_numpy
 
 __all__ = ["write_html", "render_html", "payload_json", "Explorer", "explorer"]
 
@@ -44,14 +53,29 @@ def _template() -> str:
     return importlib.resources.files(__package__).joinpath("explorer.html").read_text("utf-8")
 
 
-def payload_json(tokens: Sequence[str], data: np.ndarray, title: str) -> str:
-    """The data JSON for checked ``(layers, heads, q_len, k_len)`` weights in [0, 1],
-    safe to place verbatim inside a ``<script>`` element."""
-    n_layers, n_heads, q_len, k_len = data.shape
+def _uint8(data: np.ndarray) -> str:
     quantised = np.rint(np.clip(data, 0.0, 1.0) * 255.0).astype(np.uint8)
+    return base64.b64encode(quantised.tobytes(order="C")).decode("ascii")
+
+
+def _float32(data: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(data, dtype="<f4").tobytes()).decode("ascii")
+
+
+def payload_json(tokens: Sequence[str], data: np.ndarray, title: str, *,
+                 masked: np.ndarray | None = None, rollout: np.ndarray | None = None,
+                 steps: dict | None = None) -> str:
+    """The data JSON for checked ``(layers, heads, q_len, k_len)`` weights in [0, 1],
+    safe to place verbatim inside a ``<script>`` element (``masked``, ``rollout``,
+    ``steps`` as checked by :func:`render_html`)."""
+    n_layers, n_heads, q_len, k_len = data.shape
+    if steps is not None and "note" not in steps:
+        steps = {"head_dim": steps["head_dim"], "kv_heads": steps["kv_heads"],
+                 "scale": steps["scale"], "encoding": "float32-base64",
+                 **{name: _float32(steps[name]) for name in ("q", "k", "v")}}
     payload = {
         "format": "attnlab-explorer",
-        "version": 1,
+        "version": 2,
         "title": title,
         "tokens": list(tokens),
         "layers": n_layers,
@@ -60,26 +84,93 @@ def payload_json(tokens: Sequence[str], data: np.ndarray, title: str) -> str:
         "k_len": k_len,
         "encoding": "uint8-base64",
         "scale": 255,
-        "weights": base64.b64encode(quantised.tobytes(order="C")).decode("ascii"),
+        "weights": _uint8(data),
+        "masked": None if masked is None else base64.b64encode(
+            np.packbits(masked.astype(bool), axis=None).tobytes()).decode("ascii"),
+        "rollout": None if rollout is None else _uint8(rollout),
+        "steps": steps,
     }
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def render_html(tokens: Sequence[str], attentions: Any, title: str | None = None) -> str:
+#: The step-by-step view's q, k and v go into a page for texts up to this many tokens,
+#: and up to this many numbers in all (4 MiB of float32): the page stays a few MB.
+STEPS_MAX_TOKENS = 64
+STEPS_MAX_VALUES = 1 << 20
+
+
+def _check_steps(steps: Any, n_layers: int, n_heads: int, q_len: int, k_len: int) -> dict:
+    """``steps`` as the page needs it: ``{"q", "k", "v", "scale"}`` checked and stacked, or
+    ``{"note": str}`` (why the vectors are not there)."""
+    if not isinstance(steps, dict):
+        raise TypeError(f"steps: expected a dict with q, k, v, scale (or note), got "
+                        f"{type(steps).__name__}")
+    if "note" in steps:
+        if not isinstance(steps["note"], str):
+            raise TypeError("steps: note must be a string")
+        return {"note": steps["note"]}
+    missing = {"q", "k", "v", "scale"} - set(steps)
+    if missing:
+        raise ValueError(f"steps: expected keys q, k, v, scale, missing {sorted(missing)}")
+    if k_len > STEPS_MAX_TOKENS:
+        return {"note": f"the step-by-step view needs q, k and v, kept for texts of up to "
+                        f"{STEPS_MAX_TOKENS} tokens; this one has {k_len}"}
+    q = np.stack([to_numpy(a, f"steps q[{i}]") for i, a in enumerate(steps["q"])])
+    k = np.stack([to_numpy(a, f"steps k[{i}]") for i, a in enumerate(steps["k"])])
+    v = np.stack([to_numpy(a, f"steps v[{i}]") for i, a in enumerate(steps["v"])])
+    if q.ndim != 4 or q.shape[:3] != (n_layers, n_heads, q_len):
+        raise ValueError(f"steps: q must be one ({n_heads}, {q_len}, head_dim) array per "
+                         f"layer ({n_layers}), got {q.shape}")
+    head_dim, kv_heads = q.shape[3], k.shape[1] if k.ndim == 4 else 0
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 4 or a.shape[0] != n_layers or a.shape[2:] != (k_len, head_dim) or \
+                not kv_heads or a.shape[1] != kv_heads or n_heads % kv_heads:
+            raise ValueError(f"steps: {name} must be one (kv_heads, {k_len}, {head_dim}) array "
+                             f"per layer ({n_layers}), kv_heads dividing {n_heads}; got "
+                             f"{a.shape}")
+    scale = [float(x) for x in steps["scale"]]
+    if len(scale) != n_layers or not all(np.isfinite(x) and x > 0 for x in scale):
+        raise ValueError(f"steps: scale must be {n_layers} positive numbers, got {scale}")
+    if not all(np.isfinite(a).all() for a in (q, k, v)):
+        raise ValueError("steps: q, k and v must be finite")
+    if q.size + k.size + v.size > STEPS_MAX_VALUES:
+        return {"note": f"the step-by-step view needs q, k and v: {q.size + k.size + v.size:,} "
+                        f"numbers here, more than the {STEPS_MAX_VALUES:,} a page keeps"}
+    return {"q": q, "k": k, "v": v, "scale": scale, "head_dim": head_dim,
+            "kv_heads": kv_heads}
+
+
+def render_html(tokens: Sequence[str], attentions: Any, title: str | None = None, *,
+                mask: Any = None, rollout: Any = None, steps: Any = None) -> str:
     """The explorer page as a string (what :func:`write_html` writes)."""
     data, tokens = as_layers(attentions, tokens)
+    n_layers, n_heads, q_len, k_len = data.shape
     if title is None:
         title = DEFAULT_TITLE
     elif not isinstance(title, str):
         raise TypeError(f"title: expected a string or None, got {type(title).__name__}")
-    values = {"TITLE": html.escape(title, quote=True), "DATA": payload_json(tokens, data, title)}
+    allowed = as_mask(mask, n_layers, q_len, k_len)
+    flow = None
+    if rollout is not None:
+        flow = as_layers([to_numpy(rollout, "rollout")[None]], tokens)[0][0, 0]
+        if flow.shape != (q_len, k_len):
+            raise ValueError(f"rollout: expected shape ({q_len}, {k_len}), got {flow.shape}")
+    masked = None
+    if allowed is not None:
+        # the rollout's masked cells: those no token reaches through the masks (exactly 0)
+        masked = ~allowed if flow is None else np.concatenate([~allowed, (flow == 0)[None]])
+    checked = None if steps is None else _check_steps(steps, n_layers, n_heads, q_len, k_len)
+    values = {"TITLE": html.escape(title, quote=True),
+              "DATA": payload_json(tokens, data, title, masked=masked,
+                                   rollout=None if flow is None else flow, steps=checked)}
     # One pass, so text substituted for one placeholder is never scanned for another.
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _template())
 
 
 def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: Any,
-               title: str | None = None) -> pathlib.Path:
+               title: str | None = None, *, mask: Any = None, rollout: Any = None,
+               steps: Any = None) -> pathlib.Path:
     """Write the interactive attention explorer as one self-contained HTML file.
 
     The page works opened from disk (``file://``) and makes no network request:
@@ -94,6 +185,16 @@ def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: 
             (or ``(1, heads, q_len, k_len)``) torch tensors or NumPy arrays of
             weights in [0, 1]; queries are the last ``q_len`` tokens.
         title: page title, HTML-escaped; defaults to "attnlab explorer".
+        mask: optional bool, True = may attend, ``(q_len, k_len)`` or one per layer:
+            the cells it forbids are drawn grey (not as a weight of 0).
+        rollout: optional ``(q_len, k_len)`` attention rollout, shown once after the
+            layers (not counted as a layer).
+        steps: optional ``{"q", "k", "v", "scale"}``: per layer ``(heads, q_len, D)``
+            queries, ``(kv_heads, k_len, D)`` keys and values as attention received
+            them, and the scale; they feed the step-by-step view of one score (q, k,
+            their product, sum, scale, mask, softmax row, weighted sum of values).
+            Kept up to :data:`STEPS_MAX_TOKENS` tokens; ``{"note": str}`` says why
+            they are missing. :func:`attnlab.viz.show_attention` fills all three.
 
     Returns:
         The path written. The write is atomic (:func:`attnlab.io.atomic_write_bytes`:
@@ -105,7 +206,7 @@ def write_html(path: str | os.PathLike[str], tokens: Sequence[str], attentions: 
             weights are non-finite or outside [0, 1].
     """
     path = pathlib.Path(path)
-    text = render_html(tokens, attentions, title)
+    text = render_html(tokens, attentions, title, mask=mask, rollout=rollout, steps=steps)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Lone surrogates (only possible in the title; the JSON escapes them) become "?".
     atomic_write_bytes(path, text.encode("utf-8", errors="replace"))
@@ -123,8 +224,11 @@ class Explorer:
     """
 
     def __init__(self, tokens: Sequence[str], attentions: Any, title: str | None = None,
-                 height: int = 760) -> None:
-        self.html = render_html(tokens, attentions, title)  # checks the input now, not on display
+                 height: int = 760, *, mask: Any = None, rollout: Any = None,
+                 steps: Any = None) -> None:
+        # checks the input now, not on display
+        self.html = render_html(tokens, attentions, title, mask=mask, rollout=rollout,
+                                steps=steps)
         if not isinstance(height, int) or isinstance(height, bool) or height < 100:
             raise ValueError(f"height must be an int >= 100 (pixels), got {height!r}")
         self.height = height
@@ -147,7 +251,9 @@ class Explorer:
         return f"Explorer({len(self.html)} characters of HTML; display it in a notebook)"
 
 
-def explorer(tokens: Sequence[str], attentions: Any, title: str | None = None) -> Explorer:
+def explorer(tokens: Sequence[str], attentions: Any, title: str | None = None, *,
+             mask: Any = None, rollout: Any = None, steps: Any = None) -> Explorer:
     """An :class:`Explorer` of ``attentions`` (one ``(heads, q_len, k_len)`` per layer)
-    over ``tokens``; the last expression of a notebook cell shows it inline."""
-    return Explorer(tokens, attentions, title)
+    over ``tokens``; the last expression of a notebook cell shows it inline.
+    ``mask``, ``rollout``, ``steps`` as in :func:`write_html`."""
+    return Explorer(tokens, attentions, title, mask=mask, rollout=rollout, steps=steps)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io import atomic_write_bytes
-from .data import as_layers, as_matrix
+from .data import as_layers, as_mask, as_matrix, to_numpy
 from .fonts import font_context
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,13 +41,31 @@ def _label_fontsize(n: int, span_inches: float) -> float:
 
 def _label_extent(tokens: Sequence[str], fontsize: float) -> float:
     """Roughly how many inches the longest tick label takes along its length."""
-    longest = max((_text_width(t) for t in tokens), default=1.0)
-    return min(longest, 24.0) * fontsize * 0.62 / 72.0 + 0.1
+    longest = max((_text_width(_fit_label(t)) for t in tokens), default=1.0)
+    return longest * fontsize * 0.62 / 72.0 + 0.1
 
 
 def _text_width(text: str) -> float:
     """Width of ``text`` in average Latin characters: CJK and emoji are full width (~1.6)."""
     return sum(1.6 if unicodedata.east_asian_width(c) in "WF" else 1.0 for c in text)
+
+
+# Longest tick label, in average Latin characters (a CJK character counts 1.6): a
+# longer token is cut with an ellipsis, so every label fits the figure.
+_MAX_LABEL = 20.0
+
+
+def _fit_label(text: str, limit: float = _MAX_LABEL) -> str:
+    """``text``, or its start and "…" when it is wider than ``limit``."""
+    if _text_width(text) <= limit:
+        return text
+    out, width = "", 1.0  # room for the ellipsis
+    for c in text:
+        width += _text_width(c)
+        if width > limit:
+            break
+        out += c
+    return out + "\u2026"
 
 
 def _label_step(n: int) -> int:
@@ -77,7 +95,7 @@ def _set_token_ticks(ax: Axes, x_tokens: Sequence[str], y_tokens: Sequence[str],
         if max((_text_width(tokens[i]) for i in idx), default=0.0) <= 2.0:
             rotation = 0  # one CJK character or two Latin ones: upright, as it is read
         # parse_math=False: a token such as "$x$" is text, not TeX.
-        set_labels([tokens[i] for i in idx], fontsize=fontsize, rotation=rotation,
+        set_labels([_fit_label(tokens[i]) for i in idx], fontsize=fontsize, rotation=rotation,
                    parse_math=False)
     ax.tick_params(length=2, pad=1.5)
 
@@ -85,7 +103,8 @@ def _set_token_ticks(ax: Axes, x_tokens: Sequence[str], y_tokens: Sequence[str],
 # --------------------------------------------------------------------------- public API
 
 
-def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figure:
+def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None, *,
+            mask: Any = None) -> Figure:
     """Draw one attention matrix with tokens on both axes and a colour bar.
 
     Args:
@@ -93,8 +112,12 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
             query i spreads its attention over the keys).
         tokens: ``k_len`` token strings. Keys (x axis) are all of them; queries
             (y axis) are the last ``q_len`` of them, which is what a decode
-            step with a KV cache produces.
+            step with a KV cache produces. A label wider than 20 characters is cut
+            with "…" so that it fits.
         ax: draw into this Axes; by default a new Figure sized for the token count.
+        mask: optional ``(q_len, k_len)`` bool, True = may attend: the cells it
+            forbids (future tokens of a causal model) are drawn grey, as
+            circuitsvis does, not as a weight of 0.
 
     Returns:
         The ``matplotlib.figure.Figure`` holding the heatmap.
@@ -104,11 +127,30 @@ def heatmap(weights: Any, tokens: Sequence[str], ax: Axes | None = None) -> Figu
             values, or ``len(tokens) != k_len``.
     """
     w, tokens = as_matrix(weights, tokens)
+    allowed = as_mask(mask, 1, *w.shape)
     with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
-        return _heatmap(w, tokens, ax)
+        return _heatmap(w, tokens, ax, None if allowed is None else allowed[0])
 
 
-def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None) -> Figure:
+# Masked cells: grey, as circuitsvis draws them; never the colour of a weight of 0.
+MASKED_COLOUR = "#c8c8c8"
+
+
+def _image(ax: Axes, w: np.ndarray, allowed: np.ndarray | None, **kw: Any):
+    import matplotlib
+
+    if allowed is None or allowed.all():
+        return ax.imshow(w, cmap=_CMAP, **kw)
+    cmap = matplotlib.colormaps[_CMAP].with_extremes(bad=MASKED_COLOUR)
+    return ax.imshow(np.ma.masked_array(w, mask=~allowed), cmap=cmap, **kw)
+
+
+def _bar_label(masked: bool) -> str:
+    return "attention weight (grey: masked)" if masked else "attention weight"
+
+
+def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None,
+             allowed: np.ndarray | None) -> Figure:
     q_len, k_len = w.shape
 
     span = float(np.clip(2.0 + 0.12 * k_len, 4.0, 17.0))  # inches for the matrix itself
@@ -120,34 +162,50 @@ def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None) -> Figure:
         ax = fig.add_subplot()
     fig = ax.figure
     vmax = float(w.max())
-    image = ax.imshow(w, cmap=_CMAP, vmin=min(0.0, float(w.min())), vmax=vmax if vmax > 0 else 1.0,
-                      interpolation="nearest", aspect="equal")
+    image = _image(ax, w, allowed, vmin=min(0.0, float(w.min())),
+                   vmax=vmax if vmax > 0 else 1.0, interpolation="nearest", aspect="equal")
     _set_token_ticks(ax, tokens, tokens[k_len - q_len:], fontsize)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03, label="attention weight")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03,
+                 label=_bar_label(allowed is not None and not allowed.all()))
     return fig
 
 
 def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
                  layer_ids: Sequence[int] | None = None,
-                 head_ids: Sequence[int] | None = None) -> Figure:
+                 head_ids: Sequence[int] | None = None,
+                 mask: Any = None, rollout: Any = None) -> Figure:
     """A Figure with one heatmap per layer (rows) and head (columns), sharing one colour bar.
 
     ``attentions`` is a sequence, one per layer, of ``(heads, q_len, k_len)``
     (or ``(1, heads, q_len, k_len)``) tensors or arrays of weights in [0, 1].
     Every cell shares the 0..1 colour scale so heads can be compared. Token
-    tick labels appear on the left column and bottom row when there is room.
-    ``layer_ids``/``head_ids`` number the rows and columns when ``attentions``
-    holds a selection (layer 3 alone is "layer 3", not "layer 0"); by default
-    0, 1, ... The figure holds ``layers * heads`` heatmap Axes plus the colour bar.
+    tick labels appear on the left column and bottom row when there is room
+    (cut with "…" beyond 20 characters), and the axes say which are the queries
+    and which the keys. ``layer_ids``/``head_ids`` number the rows and columns
+    when ``attentions`` holds a selection (layer 3 alone is "layer 3", not
+    "layer 0"); by default 0, 1, ...
+
+    ``mask`` (bool, True = may attend; ``(q_len, k_len)`` or one per layer) draws the
+    cells it forbids grey. ``rollout``, a ``(q_len, k_len)`` matrix
+    (:func:`attnlab.viz.rollout`), is drawn once, as one more row labelled
+    "rollout" (with a mask, its cells that no token reaches, exactly 0, are grey).
+    The figure holds ``layers * heads`` heatmap Axes (plus one for the rollout)
+    and the colour bar.
     """
     data, tokens = as_layers(attentions, tokens)
-    n_layers, n_heads = data.shape[:2]
+    n_layers, n_heads, q_len, k_len = data.shape
     layer_ids = _ids("layer_ids", layer_ids, n_layers)
     head_ids = _ids("head_ids", head_ids, n_heads)
+    allowed = as_mask(mask, n_layers, q_len, k_len)
+    flow = None
+    if rollout is not None:
+        flow = as_layers([to_numpy(rollout, "rollout")[None]], tokens)[0][0, 0]
+        if flow.shape != (q_len, k_len):
+            raise ValueError(f"rollout: expected shape ({q_len}, {k_len}), got {flow.shape}")
     with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
-        return _grid(data, tokens, layer_ids, head_ids)
+        return _grid(data, tokens, layer_ids, head_ids, allowed, flow)
 
 
 def _ids(name: str, ids: Sequence[int] | None, n: int) -> list[int]:
@@ -164,41 +222,54 @@ def _ids(name: str, ids: Sequence[int] | None, n: int) -> list[int]:
 _MIN_GRID_LABEL_PT = 7.0
 
 
-def _grid(data: np.ndarray, tokens: list[str], layer_ids: list[int],
-          head_ids: list[int]) -> Figure:
+def _grid(data: np.ndarray, tokens: list[str], layer_ids: list[int], head_ids: list[int],
+          allowed: np.ndarray | None, flow: np.ndarray | None) -> Figure:
     n_layers, n_heads, q_len, k_len = data.shape
+    rows_n = n_layers + (flow is not None)
+    row_names = [f"layer {i}" for i in layer_ids] + (["rollout"] if flow is not None else [])
 
     cell = float(np.clip(1.0 + 0.022 * k_len, 1.6, 4.0))
     cell = max(cell, min(4.0, _MIN_GRID_LABEL_PT * k_len / (0.8 * 72.0)))
-    cell = min(cell, 40.0 / n_heads, 40.0 / n_layers)  # keep huge grids within ~40 inches
+    cell = min(cell, 40.0 / n_heads, 40.0 / rows_n)  # keep huge grids within ~40 inches
     fontsize = min(9.0, 0.8 * cell * 72.0 / k_len)
     show_labels = fontsize >= 4.0  # "only where readable"
     extent = _label_extent(tokens, fontsize) if show_labels else 0.0
-    margin_l = 0.85 + extent
-    margin_b = 0.2 + extent
-    margin_t, margin_r, gap = 0.45, 1.1, 0.12
-    width = margin_l + n_heads * cell + (n_heads - 1) * gap + margin_r
+    margins = {"left": 0.85 + extent, "bottom": 0.45 + extent, "top": 0.45, "right": 1.1}
+    gap = 0.12
     row_h = max(cell * q_len / k_len, 0.3)
-    rows = n_layers * row_h
-    height = margin_b + rows + (n_layers - 1) * gap + margin_t
+    width = margins["left"] + n_heads * cell + (n_heads - 1) * gap + margins["right"]
+    height = margins["bottom"] + rows_n * row_h + (rows_n - 1) * gap + margins["top"]
     fig = _new_figure(width, height)
-    fig.subplots_adjust(left=margin_l / width, right=1 - margin_r / width,
-                        bottom=margin_b / height, top=1 - margin_t / height,
-                        wspace=gap / cell, hspace=gap / row_h)
-    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    axes = fig.subplots(rows_n, n_heads, squeeze=False)
+    fig.subplots_adjust(wspace=gap / cell, hspace=gap / row_h)
     image = None
-    for i in range(n_layers):
+    masked = False
+    for i in range(rows_n):
         for j in range(n_heads):
             ax = axes[i][j]
-            image = ax.imshow(data[i, j], cmap=_CMAP, vmin=0.0, vmax=1.0,
-                              interpolation="nearest", aspect="auto")
-            left, bottom = j == 0, i == n_layers - 1
+            if i == n_layers:  # the rollout: one matrix, drawn once
+                if j > 0:
+                    ax.set_axis_off()
+                    continue
+                cells = None if allowed is None else flow > 0
+                ax.imshow(np.ma.masked_array(flow, mask=~cells) if cells is not None else flow,
+                          cmap=_cmap(cells), vmin=0.0, vmax=1.0, interpolation="nearest",
+                          aspect="auto")
+                masked |= cells is not None and not cells.all()
+            else:
+                cells = None if allowed is None else allowed[i]
+                image = _image(ax, data[i, j], cells, vmin=0.0, vmax=1.0,
+                               interpolation="nearest", aspect="auto")
+                masked |= cells is not None and not cells.all()
+            left, bottom = j == 0, i == rows_n - 1 or (i == n_layers - 1 and j > 0)
             if show_labels and (left or bottom):
                 _set_token_ticks(ax, tokens, tokens[k_len - q_len:], fontsize)
                 if not left:
                     ax.set_yticks([])
                 if not bottom:
                     ax.set_xticks([])
+                else:
+                    ax.set_xlabel("key", fontsize=9)
             else:
                 ax.set_xticks([])
                 ax.set_yticks([])
@@ -206,12 +277,45 @@ def _grid(data: np.ndarray, tokens: list[str], layer_ids: list[int],
                 ax.set_title(f"head {head_ids[j]}", fontsize=10)
             if left:
                 # horizontal, so short rows (decode steps) never overlap their labels
-                ax.set_ylabel(f"layer {layer_ids[i]}", fontsize=10, rotation=0, ha="right",
+                ax.set_ylabel(row_names[i], fontsize=10, rotation=0, ha="right",
                               va="center", labelpad=6)
-    cax = fig.add_axes((1 - (margin_r - 0.25) / width, margin_b / height,
-                        0.15 / width, 1 - (margin_b + margin_t) / height), label="<colorbar>")
-    fig.colorbar(image, cax=cax, label="attention weight")
+    # which axis holds what: above the query labels, level with the head titles
+    axes[0][0].annotate("query \u2193", xy=(0, 1), xycoords="axes fraction",
+                        xytext=(-4, 4 if show_labels else 14), textcoords="offset points",
+                        ha="right", va="bottom", fontsize=9, color="#444444")
+    cax = fig.add_axes((0, 0, 1, 1), label="<colorbar>")
+    fig.colorbar(image, cax=cax, label=_bar_label(masked))
+    _fit(fig, axes, cax, margins, width, height)
     return fig
+
+
+def _cmap(cells: np.ndarray | None):
+    import matplotlib
+
+    return matplotlib.colormaps[_CMAP].with_extremes(bad=MASKED_COLOUR) if cells is not None \
+        else _CMAP
+
+
+def _place(fig: Figure, cax: Axes, margins: dict, width: float, height: float) -> None:
+    fig.set_size_inches(width, height)
+    fig.subplots_adjust(left=margins["left"] / width, right=1 - margins["right"] / width,
+                        bottom=margins["bottom"] / height, top=1 - margins["top"] / height)
+    cax.set_position((1 - (margins["right"] - 0.25) / width, margins["bottom"] / height,
+                      0.15 / width, 1 - (margins["bottom"] + margins["top"]) / height))
+
+
+def _fit(fig: Figure, axes, cax: Axes, margins: dict, width: float, height: float) -> None:
+    """Place the grid, then grow the margins by whatever text still falls outside the
+    figure (long labels, the layer names), so nothing is clipped."""
+    _place(fig, cax, margins, width, height)
+    box = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+    pad = 0.08
+    grow = {"left": max(0.0, pad - box.x0), "bottom": max(0.0, pad - box.y0),
+            "right": max(0.0, box.x1 - width + pad), "top": max(0.0, box.y1 - height + pad)}
+    if any(v > 0 for v in grow.values()):
+        margins = {k: margins[k] + grow[k] for k in margins}
+        _place(fig, cax, margins, width + grow["left"] + grow["right"],
+               height + grow["bottom"] + grow["top"])
 
 
 def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
@@ -228,15 +332,18 @@ def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
 
 def save_heatmaps(path: str | os.PathLike[str], tokens: Sequence[str],
                   attentions: Any, *, layer_ids: Sequence[int] | None = None,
-                  head_ids: Sequence[int] | None = None) -> pathlib.Path:
+                  head_ids: Sequence[int] | None = None, mask: Any = None,
+                  rollout: Any = None) -> pathlib.Path:
     """Write a layers x heads grid of heatmaps (see :func:`heatmap_grid`) as one PNG.
 
     The file is written atomically (:func:`attnlab.io.atomic_write_bytes`: temp
     file, fsync, rename, directory fsync). Parent directories are created.
-    ``layer_ids``/``head_ids`` as in :func:`heatmap_grid`. Returns the path written.
+    ``layer_ids``/``head_ids``/``mask``/``rollout`` as in :func:`heatmap_grid`.
+    Returns the path written.
     """
     path = pathlib.Path(path)
-    fig = heatmap_grid(tokens, attentions, layer_ids=layer_ids, head_ids=head_ids)
+    fig = heatmap_grid(tokens, attentions, layer_ids=layer_ids, head_ids=head_ids, mask=mask,
+                       rollout=rollout)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, png_bytes(fig, dpi=fig.dpi))
     return path
