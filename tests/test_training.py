@@ -346,25 +346,7 @@ def test_default_checkpoint_interval_is_a_tenth_of_the_run(tmp_path, monkeypatch
 
 def _interrupted_run(out: Path, cfg: TrainConfig, stop_after: int, dropout: float):
     """Train into ``out`` and die right after the checkpoint of ``stop_after``."""
-    import attnlab.checkpoint as checkpoint
-
-    real_save = checkpoint.save_training_state
-
-    class Killed(BaseException):
-        pass
-
-    def save_then_die(out_, model, optimizer, gen, step, *rest):
-        real_save(out_, model, optimizer, gen, step, *rest)
-        if step == stop_after:
-            raise Killed
-
-    model, tokens, tok = _toy_setup(dropout)
-    checkpoint.save_training_state = save_then_die
-    try:
-        with pytest.raises(Killed):
-            train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
-    finally:
-        checkpoint.save_training_state = real_save
+    _interrupted_run_of(lambda: (*_toy_setup(dropout), None), out, cfg, stop_after)
 
 
 def test_resume_with_dropout_is_bit_identical(tmp_path):

@@ -9,6 +9,7 @@ its input one way. torch is never imported: tensors are recognised by duck typin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,17 @@ def as_layers(attentions: Any, tokens: Any) -> tuple[np.ndarray, list[str]]:
             f"attentions: expected attention weights in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
         )
     return np.clip(stacked, 0.0, 1.0), tokens
+
+
+def as_rollout(rollout: Any, tokens: Sequence[str], q_len: int, k_len: int) -> np.ndarray | None:
+    """``rollout`` (a ``(q_len, k_len)`` matrix, :func:`attnlab.viz.rollout`) as a float
+    array checked against the attention's shape; None stays None."""
+    if rollout is None:
+        return None
+    flow = as_layers([to_numpy(rollout, "rollout")[None]], tokens)[0][0, 0]
+    if flow.shape != (q_len, k_len):
+        raise ValueError(f"rollout: expected shape ({q_len}, {k_len}), got {flow.shape}")
+    return flow
 
 
 def as_mask(mask: Any, n_layers: int, q_len: int, k_len: int) -> np.ndarray | None:

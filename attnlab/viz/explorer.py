@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..io import atomic_write_bytes
-from .data import as_layers, as_mask, to_numpy
+from .data import as_layers, as_mask, as_rollout, to_numpy
 
 __all__ = ["write_html", "render_html", "payload_json", "Explorer", "explorer"]
 
@@ -151,11 +151,7 @@ def render_html(tokens: Sequence[str], attentions: Any, title: str | None = None
     elif not isinstance(title, str):
         raise TypeError(f"title: expected a string or None, got {type(title).__name__}")
     allowed = as_mask(mask, n_layers, q_len, k_len)
-    flow = None
-    if rollout is not None:
-        flow = as_layers([to_numpy(rollout, "rollout")[None]], tokens)[0][0, 0]
-        if flow.shape != (q_len, k_len):
-            raise ValueError(f"rollout: expected shape ({q_len}, {k_len}), got {flow.shape}")
+    flow = as_rollout(rollout, tokens, q_len, k_len)
     masked = None
     if allowed is not None:
         # the rollout's masked cells: those no token reaches through the masks (exactly 0)

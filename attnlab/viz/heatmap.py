@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io import atomic_write_bytes
-from .data import as_layers, as_mask, as_matrix, to_numpy
+from .data import as_layers, as_mask, as_matrix, as_rollout
 from .fonts import font_context
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -199,11 +199,7 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
     layer_ids = _ids("layer_ids", layer_ids, n_layers)
     head_ids = _ids("head_ids", head_ids, n_heads)
     allowed = as_mask(mask, n_layers, q_len, k_len)
-    flow = None
-    if rollout is not None:
-        flow = as_layers([to_numpy(rollout, "rollout")[None]], tokens)[0][0, 0]
-        if flow.shape != (q_len, k_len):
-            raise ValueError(f"rollout: expected shape ({q_len}, {k_len}), got {flow.shape}")
+    flow = as_rollout(rollout, tokens, q_len, k_len)
     with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
         return _grid(data, tokens, layer_ids, head_ids, allowed, flow)
 
