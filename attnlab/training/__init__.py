@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint
-from .checkpoint import (
+from .. import checkpoint
+from ..checkpoint import (
     check_out_dir,
     has_checkpoint,
     nothing_to_resume,
     read_best,
     restore_training_state,
 )
-from .checks import (
+from ..checks import (
     Config,
     bounded_int,
     finite_float,
@@ -44,9 +44,11 @@ from .checks import (
     optional_positive_int,
     positive_int,
 )
-from .io import BEST_DIR
-from .io.locks import output_lock
-from .progress import Progress
+from ..io.locks import output_lock
+from ..progress import Progress
+from . import group as _group
+from .best import Best
+from .group import train_device as train_device  # the CLI asks where to train
 
 # The most steps of one run. Every step adds an entry (~70 bytes) to the loss history
 # that training_state.json keeps for --resume, and that file is read back under
@@ -200,64 +202,6 @@ def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
-# ------------------------------------------------------------------ distributed
-
-
-def train_device() -> torch.device:
-    """Where a CLI run trains: under torchrun with GPUs, this process's own GPU
-    (``LOCAL_RANK``); otherwise the CPU, as before."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
-    """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU.
-    Returns (rank, world size, whether this call created the group)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, False
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        # nccl binds each rank to the current device; without this every rank
-        # would talk through cuda:0.
-        torch.cuda.set_device(device)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, created
-
-
-def _leave_group(wait: bool) -> None:
-    """Leave the group ``_dist_setup`` created; after a finished run (``wait``), once
-    gloo's worker threads are idle.
-
-    A gloo worker frees each collective's work item right after running it; when that
-    drops the last reference to a tensor Python has seen (DDP's, ours), freeing it
-    takes the GIL. If the main thread was already finalising the interpreter, the
-    worker was unwound there and the rank aborted ("terminate called without an
-    active exception", exit status -6: about one two-rank run in 15 here). The
-    barrier returns once every queued collective has run, and waits with the GIL
-    released, so the workers finish freeing before this process goes on to exit."""
-    import torch.distributed as dist
-
-    if wait:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-def _mean_across(value: torch.Tensor, world: int) -> float:
-    value = value.detach()
-    if world > 1:
-        import torch.distributed as dist
-
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= world
-    return float(value)
-
-
 # ------------------------------------------------------------------ the loop
 
 
@@ -305,16 +249,16 @@ def train(
     ``log``: the model is overfitting its text.
     """
     device = next(model.parameters()).device
-    rank, world, created = _dist_setup(device)
+    rank, world, created = _group.join(device)
     try:
         summary = _train(model, tokens, cfg, rank, world, device, out=out, resume=resume,
                          tokenizer=tokenizer, progress=progress, log=log, meta=meta)
     except BaseException:
         if created:  # no barrier: the other ranks may never come to it
-            _leave_group(wait=False)
+            _group.leave(wait=False)
         raise
     if created:
-        _leave_group(wait=True)
+        _group.leave(wait=True)
     return summary
 
 
@@ -355,67 +299,15 @@ class TrainingDiverged(ValueError):
     """The loss, a gradient or a weight stopped being finite: nothing more is saved."""
 
 
-class _Best:
-    """The lowest held-out loss so far and the weights that had it (kept in memory, on
-    the CPU, and written as ``out/best/`` with every checkpoint), and the one warning
-    when the held-out loss climbs away from it while training goes on: overfitting."""
-
-    # Warn once the latest eval is this many evals past the best and this much above it:
-    # one noisy eval is not a trend.
-    EVALS_PAST, RISE = 2, 0.02
-
-    def __init__(self, keep: bool, saved: dict | None = None) -> None:
-        self.keep = keep
-        self.step, self.loss, self.weights = None, math.inf, None
-        if saved is not None:
-            self.step, self.loss, self.weights = (saved["step"], saved["eval_loss"],
-                                                  saved["weights"])
-        self.evals_past = 0
-        self.warned = False
-
-    def update(self, step: int, eval_loss: float, model: nn.Module) -> None:
-        if eval_loss < self.loss:
-            self.step, self.loss, self.evals_past = step, eval_loss, 0
-            if self.keep:
-                self.weights = {k: v.detach().to("cpu", copy=True)
-                                for k, v in model.state_dict().items()}
-        else:
-            self.evals_past += 1
-
-    def record(self) -> dict | None:
-        if not self.keep or self.weights is None:
-            return None
-        return {"step": self.step, "eval_loss": self.loss, "weights": self.weights}
-
-    def overfitting(self, step: int, eval_loss: float, train_loss: float, n_tokens: int,
-                    vocab: int | None, out) -> str | None:
-        """The warning, the first time the held-out loss has risen well above its best."""
-        if (self.warned or self.evals_past < self.EVALS_PAST
-                or eval_loss < self.loss * (1 + self.RISE) + self.RISE):
-            return None
-        self.warned = True
-        uniform = ""
-        if vocab and eval_loss > math.log(vocab):
-            uniform = (f", worse than a uniform guess over its {vocab} tokens "
-                       f"(ln {vocab} = {math.log(vocab):.2f}),")
-        kept = (f"; the checkpoint of the lowest held-out loss is kept in "
-                f"{os.path.join(out, BEST_DIR)}/" if out is not None else "")
-        return (f"warning: overfitting: the held-out loss rose from {self.loss:.2f} "
-                f"(step {self.step}) to {eval_loss:.2f} (step {step}){uniform} while the "
-                f"training loss fell to {train_loss:.3f}: the model is memorising its "
-                f"{n_tokens:,}-token text. Train on more text, or use fewer --steps or a "
-                f"smaller --context{kept}")
-
-
 def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
          out, resume, tokenizer, progress, log, meta) -> dict:
     step, history, resumed_from = 0, [], None
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
-    best = _Best(keep=out is not None and rank == 0)
+    best = Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
             step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
-            best = _Best(keep=rank == 0, saved=read_best(Path(out)))
+            best = Best(keep=rank == 0, saved=read_best(Path(out)))
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
         elif rank == 0:
@@ -441,7 +333,7 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The mean over ranks: a NaN on any rank stops every rank at the same step.
-        train_loss = _mean_across(loss, world)
+        train_loss = _group.mean_across(loss, world)
         if not math.isfinite(train_loss):
             raise _stop(step + 1, "loss", train_loss, out, saved)
         norm = float(nn.utils.clip_grad_norm_(model.parameters(),
