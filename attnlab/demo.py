@@ -10,6 +10,8 @@ import math
 import torch
 
 from .functional import attention
+from .io.files import DEMO_OUT
+from .text.corpus import SAMPLE
 
 QUERIES = [[1.0, 0.0], [0.0, 1.0]]
 KEYS = [[1.0, 1.0], [0.0, 2.0]]
@@ -137,10 +139,8 @@ def train_demo_model(*, steps: int, seed: int, text: str | None = None,
     return model, tokenizer, summary
 
 
-#: Where ``attnlab demo`` writes, and where ``attnlab show`` looks when given no model.
-DEMO_OUT = "attnlab-demo"
-#: The demo's sentence: only characters of its corpus (" abcdxyz"), so the demo model knows it.
-SAMPLE = "ababab acacac xyzxyz"
+# DEMO_OUT (io.files) and SAMPLE (text.corpus) live below the models, where interop's
+# "no model given: use the demo's" reads them too.
 
 
 def run_demo(out: str = DEMO_OUT, steps: int = 400, seed: int = 0,
