@@ -111,7 +111,7 @@ class Backend:
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
-        if request.learned_mask and not self.mask_gradients and torch.is_grad_enabled():
+        if not self.mask_gradients and request.learned_mask and torch.is_grad_enabled():
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
         return None
@@ -124,8 +124,9 @@ def choose(request: Request) -> Backend:
     learned bias keeps one backend from training to evaluation) and says it pays
     (``Backend.pays``: where it is faster than the ones before it). The first entry,
     ``eager``, takes everything and always pays."""
+    learned = request.learned_mask
     for backend in _AUTO_ORDER:
-        if ((backend.mask_gradients or not request.learned_mask)
+        if ((backend.mask_gradients or not learned)
                 and backend.pays(request) and backend.supports(request) is None):
             return backend
     raise AssertionError("the eager backend takes every call")  # unreachable
