@@ -17,33 +17,20 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from . import _flash
 from . import masks as _masks
-from ._sdpa import sdpa_attention
-from ._tiled import tiled_attention, tiled_weights
+from .backends import TABLE, Backend, Request, choose
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
-__all__ = ["attention", "BACKENDS"]
+__all__ = ["attention", "BACKENDS", "backend_table", "may_decode", "decode_step"]
 
-BACKENDS = ("auto", "eager", "sdpa", "tiled", "flash")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-# auto: above this many scores per (batch, head) the textbook path's q_len x k_len
-# matrix stops fitting in cache and the tiled path wins when weights are wanted.
-_EAGER_MAX_SCORES = 1024 * 1024
-# auto: a sliding window goes to the tiled path once most of the dense matrix is
-# masked out (k_len >= _WINDOW_RATIO * window) and the sequence is long enough for
-# tile skipping to pay for its Python loop.
-_WINDOW_RATIO = 4
-_WINDOW_MIN_LEN = 2048
-# auto: the native kernel ("flash") from this many queries (fewer when training:
-# torch's backward is slow on short rows). With its AVX-512 tile products it beats
-# SDPA on every row (bench grid: 0.55-0.6x dense, 0.45x causal); with BLAS tiles only
-# where a causal or window rule leaves work to skip, and dense rows stay with SDPA,
-# which matches it there. Measured crossovers, B=1-8, 12 heads, head_dim 64.
-_FLASH_MIN_LEN = {"tiles": 64, "blas": 128}
-_FLASH_MIN_LEN_TRAINING = 32
+# The names attention() takes: "auto" (backends.choose), then the table's.
+BACKENDS = ("auto", *TABLE)
+# Who takes a fused decoding step under each backend setting (auto: the first of the
+# table that can; a named backend only itself).
+_DECODERS = {name: b.decode for name, b in TABLE.items() if b.decoding}
+if _DECODERS:
+    _DECODERS["auto"] = next(iter(_DECODERS.values()))
 
 
 def attention(
@@ -83,47 +70,33 @@ def attention(
             before dropout. Not available with ``backend="sdpa"``.
         backend: ``"auto"``, ``"eager"``, ``"sdpa"``, ``"tiled"`` or ``"flash"`` (the
             native kernel, CPU only; its weights come from the tiled path's rows).
+            What each takes is in :func:`backend_table`; ``"auto"``'s rule is
+            :func:`attnlab.backends.choose`. A named backend that cannot take the
+            call raises ValueError saying why.
 
     Returns:
         ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
     """
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
-    if backend == "flash" and (why := _flash.unavailable(q)) is not None:
-        raise ValueError(f"backend='flash' (the native kernel) is not available: {why}; "
-                         "use backend='tiled' (the same algorithm in PyTorch) or 'auto'")
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     # A window wider than both sequences rules nothing out; capped, so that 2**70
     # stays a valid index on every path instead of overflowing a C long.
     window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
+    # Dispatch through the table (attnlab.backends): a named backend that cannot take
+    # the call says why; auto takes the one its rule gives.
+    request = Request(q4, k4, mask4, causal, window, dropout_p, rows)
+    if backend == "auto":
+        chosen = choose(request)
+    elif (why := (chosen := TABLE[backend]).supports(request)) is not None:
+        raise ValueError(why)
     if mask4 is not None and mask4.dtype != torch.bool:
         # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
         # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
         mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
                                   window=window, dtype=_masks.additive_dtype(q4.dtype))
-
-    if backend == "auto":
-        backend = _choose(q4, k4, mask4, window, rows, causal=causal)
-    if backend == "tiled" and min(q4.numel(), k4.numel(), v4.numel()) == 0:
-        backend = "eager"  # nothing to tile: an empty batch, head or sequence
-    weights = None
-    if backend == "eager":
-        out, weights = _eager(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
-    elif backend == "sdpa":
-        out = sdpa_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
-    else:
-        if mask4 is not None and mask4.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                f"backend={backend!r} does not differentiate an additive mask (mask requires "
-                "grad); use backend='eager' or 'sdpa' for a learned bias"
-            )
-        if backend == "flash":
-            out = _flash.flash_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
-        else:
-            out, _ = tiled_attention(q4, k4, v4, mask4, causal, window, scale, dropout_p)
-        if rows is not None:
-            weights = tiled_weights(q4, k4, mask4, causal, window, scale, rows)
+    out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
 
     if q.ndim != 4:
         out = out.reshape(*lead, *out.shape[1:])
@@ -196,7 +169,7 @@ def _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, back
         finite_float("scale", scale)
     if mask is not None:
         _check_mask(mask, q, k)
-    return _check_rows(return_weights, q, backend)
+    return _check_rows(return_weights, q)
 
 
 def _check_mask(mask, q, k):
@@ -229,7 +202,7 @@ def _check_mask(mask, q, k):
         )
 
 
-def _check_rows(return_weights, q, backend):
+def _check_rows(return_weights, q):
     if return_weights is False or return_weights is None:
         return None
     q_len = q.shape[-2]
@@ -252,11 +225,6 @@ def _check_rows(return_weights, q, backend):
                 f"return_weights rows must lie in [0, q_len={q_len}), got {rows.tolist()}"
             )
         rows = rows.remainder(q_len).long()
-    if backend == "sdpa":
-        raise ValueError(
-            "backend='sdpa' cannot return weights (torch's fused kernel never forms them); "
-            "use backend='auto', 'eager' or 'tiled'"
-        )
     return rows
 
 
@@ -276,75 +244,43 @@ def _to_4d(q, k, v, mask):
 
 
 def _choose(q, k, mask, window, rows, causal=False) -> str:
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    learned_mask = mask is not None and mask.requires_grad  # only eager/sdpa differentiate it
-    if rows is not None:
-        small = len(rows) * k_len <= _EAGER_MAX_SCORES
-        return "eager" if small or learned_mask else "tiled"
-    if not learned_mask and _flash_pays(q, k, causal, window):
-        return "flash"
-    if (
-        window is not None
-        and q_len > 1
-        and k_len >= _WINDOW_MIN_LEN
-        and k_len >= _WINDOW_RATIO * window
-        and not learned_mask
-    ):
-        return "tiled"
-    return "sdpa"
+    """The name of the backend ``auto`` takes for 4-D ``q``, ``k`` (backends.choose)."""
+    return choose(Request(q, k, mask, causal, window, 0.0, rows)).name
 
 
-def _flash_pays(q, k, causal, window) -> bool:
-    """Whether auto sends this problem to the native kernel (CPU float32, long enough;
-    with BLAS tiles only a causal or window rule to skip by)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or _flash.unavailable(q) is not None:
-        return False
-    tiles = _flash.tile_kernel()
-    if not tiles and not causal and window is None:
-        return False
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    least = _FLASH_MIN_LEN_TRAINING if training else _FLASH_MIN_LEN["tiles" if tiles else "blas"]
-    return q.shape[-2] >= least
+# --------------------------------------------------------------------------- the table
 
 
-# --------------------------------------------------------------------------- eager
+def backend_table() -> tuple[Backend, ...]:
+    """The backends ``attention`` dispatches to, in the order of :data:`BACKENDS`, each
+    with its capabilities (``Backend.capabilities()``: masks, mask gradients, windows,
+    dropout, weights, gradients, devices, dtypes, decoding) and ``supports(request)``.
+    ``backend="auto"`` takes the last one that supports a call and pays for it
+    (:func:`attnlab.backends.choose`)."""
+    return tuple(TABLE.values())
 
 
-def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    """The textbook path: materialise the scores, mask, softmax, weighted sum."""
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
-    dtype = q.dtype
-    if dtype in _LOW_PRECISION:
-        q, k, v = q.float(), k.float(), v.float()
+def may_decode(backend: str = "auto", *, dropout_p: float = 0.0, mask: object = None,
+               weights: object = False) -> bool:
+    """Whether a one-token step with a cache may go to a fused decoding step (a
+    backend's ``decode``, see :func:`decode_step`): the one question the modules and
+    models ask before their fast path. Yes for ``backend`` ``"auto"`` or one that
+    declares decoding, with no mask, no weights, no dropout and no gradients (the
+    step has no backward). The callers check what is theirs (hooks, positions)."""
+    return (backend in _DECODERS and mask is None and not weights and not dropout_p
+            and not torch.is_grad_enabled())
 
-    # (B, Hkv, G*Lq, D) @ (B, Hkv, D, Lk): the group rides along the query rows.
-    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
-    # In-place from here: the product is a fresh tensor that autograd does not keep.
-    scores = scores.view(batch, kv_heads, group, q_len, k_len).mul_(scale)
-    struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool else None)
-    if allowed is not None:
-        scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
-    if mask is not None and mask.dtype != torch.bool:
-        scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
 
-    # Causal and window rules alone leave every row a key unless q_len > k_len.
-    if mask is not None or (struct is not None and q_len > k_len):
-        # A row with nothing to attend is all -inf, where softmax (and its backward)
-        # gives NaN: soften it to zeros first, then zero its weights.
-        if k_len:
-            empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
-        else:  # no keys at all: every row is empty
-            empty = scores.new_ones((*scores.shape[:-1], 1), dtype=torch.bool)
-        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    used = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    out = torch.matmul(used.view(batch, kv_heads, group * q_len, k_len), v)
-    out = out.view(batch, q_heads, q_len, v.shape[-1]).to(dtype)
-    if rows is None:
-        return out, None
-    picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
-    return out, picked.to(dtype)
+def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads: int,
+                num_kv_heads: int, *, backend: str = "auto") -> torch.Tensor | None:
+    """Attention of one new token: RoPE, cache append and attention over the cache in
+    one call of the decoding backend (:func:`attnlab._decode.step` has the arguments).
+    Returns ``(B, 1, num_heads * head_dim)``, or None (the cache unchanged) where the
+    backend stands aside for these tensors; the caller then runs :func:`attention`.
+    ValueError for a ``backend`` with no decoding step (ask :func:`may_decode` first)."""
+    step = _DECODERS.get(backend)
+    if step is None:
+        one_of("backend", backend, BACKENDS)
+        raise ValueError(f"backend={backend!r} has no fused decoding step; use backend="
+                         f"{' or '.join(map(repr, _DECODERS))} (ask may_decode first)")
+    return step(qkv, cache, rotary, window, num_heads, num_kv_heads)

@@ -23,7 +23,7 @@ LAYERS = {
     "attnlab.masks": 1, "attnlab.rope": 1, "attnlab.cache": 1, "attnlab.text": 1,
     "attnlab.viz": 1, "attnlab.interop": 1, "attnlab.interop.hf": 1,
     "attnlab._tiled": 2, "attnlab._sdpa": 2, "attnlab._native": 2, "attnlab._flash": 2,
-    "attnlab.functional": 2,
+    "attnlab.functional": 2, "attnlab.backends": 2, "attnlab._eager": 2,
     "attnlab._decode": 2,
     "attnlab.modules": 3,
     "attnlab.models": 4,

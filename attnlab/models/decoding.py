@@ -34,6 +34,7 @@ from torch import nn
 
 from .. import _decode
 from ..cache import KVCache
+from ..functional import may_decode
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, RMSNorm
 
@@ -144,9 +145,10 @@ def _layer(block: nn.Module, kind: type) -> _decode.Layer | None:
     mods = block._modules
     attn, mlp, norm1, norm2 = (mods.get(n) for n in ("attn", "mlp", "norm1", "norm2"))
     if (type(attn) is not MultiHeadAttention or type(mlp) is not MLP
-            or attn.qkv_hook is not None or attn.backend not in ("auto", "flash")
+            or attn.qkv_hook is not None
+            or not may_decode(attn.backend, dropout_p=attn.dropout if attn.training else 0.0)
             or (block.training and block.dropout)
-            or (attn.training and (attn.dropout or attn.resid_dropout))):
+            or (attn.training and attn.resid_dropout)):
         return None
     norm = _NORMS.get(type(norm1))
     if (norm is None or type(norm2) is not type(norm1) or norm1.eps != norm2.eps

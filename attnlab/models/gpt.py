@@ -27,6 +27,7 @@ from ..checks import (
     positive_int,
     probability,
 )
+from ..functional import may_decode
 from ..interop.hf import gpt_layout
 from ..io.weights import build_loaded
 from ..modules import MultiHeadAttention, fused
@@ -239,10 +240,10 @@ class GPT(GenerationMixin, nn.Module):
         attentions, hidden = [], ([x] if output_hidden_states else None)
         # One row decoded with a cache and nothing asked beyond the logits: the blocks
         # in native calls where they can (models.decoding), else through their modules.
-        fused_rows = (caches is not None and batch * seq == 1 and mask is None
-                      and positions is None and not output_attentions
-                      and hidden is None and not torch.is_grad_enabled()
-                      and not fused.global_forward_hooks())
+        # (Each block's own backend and dropout are asked again in decoding.run.)
+        fused_rows = (caches is not None and batch * seq == 1 and positions is None
+                      and hidden is None and not fused.global_forward_hooks()
+                      and may_decode(mask=mask, weights=output_attentions))
         if fused_rows:
             x = decoding.run(self.blocks, x, caches, Block)
         for i, block in enumerate(() if fused_rows else self.blocks):

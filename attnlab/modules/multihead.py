@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _decode
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
-from ..functional import BACKENDS, attention
+from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
 from . import fused
 from .layers import dropout
@@ -70,8 +69,7 @@ class MultiHeadAttention(nn.Module):
             half-split convention).
         window (int | None): sliding window W: a query at position p sees keys
             ``p - W < j`` (and ``j <= p`` when causal, ``j < p + W`` otherwise).
-        backend (str): backend of :func:`attnlab.attention` (``"auto"``, ``"eager"``,
-            ``"sdpa"``, ``"tiled"``).
+        backend (str): backend of :func:`attnlab.attention`, one of ``attnlab.BACKENDS``.
         rope_base (float): RoPE frequency base.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
@@ -260,13 +258,13 @@ class MultiHeadAttention(nn.Module):
         # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
-        if (qkv is not None and t == 1 and cache is not None and mask is None
-                and positions is None
-                and not return_weights and self.qkv_hook is None
-                and self.backend in ("auto", "flash")
-                and not (self.training and self.dropout > 0)):
-            # Decoding one token: RoPE, cache append and attention in one native call.
-            out = _decode.step(qkv, cache, rot, self.window, heads, kv_heads)
+        if (qkv is not None and t == 1 and cache is not None and positions is None
+                and self.qkv_hook is None
+                and may_decode(self.backend, mask=mask, weights=return_weights,
+                               dropout_p=self.dropout if self.training else 0.0)):
+            # Decoding one token: RoPE, cache append and attention in one backend call.
+            out = decode_step(qkv, cache, rot, self.window, heads, kv_heads,
+                              backend=self.backend)
             if out is not None:
                 return self._project(out)
         if rot is not None:

@@ -1,0 +1,197 @@
+"""The backend table says what each backend takes, and the backends do what it says.
+
+For every backend and every capability: declared False, an explicit call with that
+feature raises ValueError; declared True, the result equals the eager backend's (which
+test_functional holds to the NumPy oracle). And ``auto`` only ever picks a backend
+that supports the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab import backends
+from attnlab.cache import KVCache
+from attnlab.functional import _choose, backend_table, decode_step, may_decode
+
+TABLE = backend_table()
+NAMES = [b.name for b in TABLE]
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _qkv(*, dtype=torch.float32, grad=False, t=9, s=11):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, 2, s, 8, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(2, 2, s, 8, generator=g, dtype=torch.float64).to(dtype)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def _runs_here(backend):
+    why = backend.unavailable and backend.unavailable(torch.zeros(1, 1, 1, 1))
+    if why:
+        pytest.skip(f"{backend.name} not available here: {why}")
+
+
+def test_the_table_is_the_list_of_backends():
+    assert attnlab.BACKENDS == ("auto", *NAMES) == ("auto", "eager", "sdpa", "tiled", "flash")
+    for b in TABLE:
+        caps = b.capabilities()
+        assert set(caps) == {"masks", "mask_gradients", "windows", "dropout", "weights",
+                             "gradients", "devices", "dtypes", "decoding"}
+    assert TABLE[0].supports(backends.Request(*_qkv()[:2], None, True, 3, 0.5,
+                                              torch.arange(2))) is None  # eager takes all
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masks_and_windows(name):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    q, k, v = _qkv()
+    allowed = torch.rand(2, 1, 9, 11, generator=torch.Generator().manual_seed(1)) > 0.3
+    bias = torch.randn(1, 4, 9, 11, generator=torch.Generator().manual_seed(2))
+    cases = []
+    if backend.masks:
+        cases += [dict(mask=allowed), dict(mask=bias), dict(mask=allowed, causal=True)]
+    if backend.windows:
+        cases += [dict(window=3), dict(window=3, causal=True), dict(window=2**40)]
+    assert cases, f"{name} declares neither masks nor windows"
+    for kw in cases:
+        want = attnlab.attention(q, k, v, backend="eager", **kw)
+        torch.testing.assert_close(attnlab.attention(q, k, v, backend=name, **kw), want, **TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weights(name):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    q, k, v = _qkv()
+    if not backend.weights:
+        with pytest.raises(ValueError, match=f"backend='{name}' cannot return weights"):
+            attnlab.attention(q, k, v, return_weights=True, backend=name)
+        return
+    for rows in (True, [0, 5, -1]):
+        out, w = attnlab.attention(q, k, v, causal=True, return_weights=rows, backend=name)
+        want, want_w = attnlab.attention(q, k, v, causal=True, return_weights=rows,
+                                         backend="eager")
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(w, want_w, **TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_and_mask_gradients(name):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    assert backend.gradients, f"{name}: every backend differentiates q, k, v today"
+    grads = {}
+    for which in (name, "eager"):
+        q, k, v = _qkv(dtype=torch.float64, grad=True)
+        attnlab.attention(q, k, v, causal=True, window=4, backend=which).square().sum().backward()
+        grads[which] = (q.grad, k.grad, v.grad)
+    torch.testing.assert_close(grads[name], grads["eager"])
+
+    q, k, v = _qkv(dtype=torch.float64)
+    bias = torch.randn(1, 4, 9, 11, dtype=torch.float64, requires_grad=True)
+    if not backend.mask_gradients:
+        with pytest.raises(ValueError, match=f"{name}.*mask requires grad"):
+            attnlab.attention(q, k, v, mask=bias, backend=name)
+        return
+    got = torch.autograd.grad(attnlab.attention(q, k, v, mask=bias, backend=name).sum(), bias)
+    want = torch.autograd.grad(attnlab.attention(q, k, v, mask=bias, backend="eager").sum(),
+                               bias)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dropout(name):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    assert backend.dropout, f"{name}: every backend takes dropout today"
+    q, k, v = _qkv()
+    # p = 1 drops every weight: the one value dropout has to give on every backend.
+    out = attnlab.attention(q, k, v, dropout_p=1.0, backend=name)
+    torch.testing.assert_close(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes(name, dtype):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    q, k, v = _qkv(dtype=dtype)
+    if backend.dtypes is not None and dtype not in backend.dtypes:
+        with pytest.raises(ValueError, match=f"backend='{name}'"):
+            attnlab.attention(q, k, v, backend=name)
+        return
+    want = attnlab.attention(q, k, v, causal=True, backend="eager")
+    got = attnlab.attention(q, k, v, causal=True, backend=name)
+    tol = {} if dtype == torch.float64 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_devices(name):
+    backend = backends.TABLE[name]
+    _runs_here(backend)
+    if backend.devices is None:
+        assert name != "flash"
+        return
+    assert "cpu" in backend.devices
+    meta = torch.zeros(1, 2, 4, 8, device="meta")  # a device it does not run on
+    with pytest.raises(ValueError, match=f"backend='{name}'.*meta"):
+        attnlab.attention(meta, meta, meta, backend=name)
+
+
+def _cache_and_step(window):
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(1, 16, 2, 8)
+    past_k, past_v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(2))
+    cache.update(past_k, past_v)
+    qkv = torch.randn(1, 1, (4 + 2 * 2) * 8, generator=g)
+    q, k, v = qkv.view(1, 1, 8, 8).transpose(1, 2).split_with_sizes([4, 2, 2], dim=1)
+    want = attnlab.attention(q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2),
+                             causal=True, window=window, backend="eager")
+    return qkv, cache, want.transpose(1, 2).reshape(1, 1, 32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_decoding(name, window):
+    backend = backends.TABLE[name]
+    qkv, cache, want = _cache_and_step(window)
+    with torch.inference_mode():
+        if not backend.decoding:
+            assert not may_decode(name)
+            with pytest.raises(ValueError, match=f"backend='{name}' has no fused decoding"):
+                decode_step(qkv, cache, None, window, 4, 2, backend=name)
+            assert cache.seq_len == 5
+            return
+        assert may_decode(name) and may_decode("auto")
+        assert not may_decode(name, mask=torch.ones(1, 6, dtype=torch.bool))
+        assert not may_decode(name, weights=True) and not may_decode(name, dropout_p=0.1)
+        _runs_here(backend)
+        out = decode_step(qkv, cache, None, window, 4, 2, backend=name)
+    assert out is not None and cache.seq_len == 6
+    torch.testing.assert_close(out, want, **TOL)
+    with torch.enable_grad():
+        assert not may_decode(name)  # the step has no backward
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(1, 300), s=st.integers(1, 300), causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 400)), rows=st.booleans(),
+       learned=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_auto_picks_only_backends_that_take_the_call(t, s, causal, window, rows, learned,
+                                                     dtype):
+    q, k = torch.zeros(1, 2, t, 8, dtype=dtype), torch.zeros(1, 2, s, 8, dtype=dtype)
+    mask = torch.zeros(1, 1, t, s, dtype=dtype, requires_grad=learned)
+    picked = backends.TABLE[_choose(q, k, mask, window, torch.arange(t) if rows else None,
+                                    causal=causal)]
+    request = backends.Request(q, k, mask, causal, window, 0.0,
+                               torch.arange(t) if rows else None)
+    assert picked.supports(request) is None
+    assert picked.mask_gradients or not learned
