@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import attnlab
-from attnlab import _decode, _native
+from attnlab import _decode, _flash, _native
 from attnlab.models import GPT, GPTConfig, decoding
 from attnlab.models.gpt import Block
 
@@ -159,3 +159,20 @@ def test_compiled_flash_module_matches_eager_forward_and_backward(causal):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_choosing_flash_traces_whole(monkeypatch):
+    """auto asks whether the CPU has the tile kernel (a native op returning a bool, which
+    dynamo cannot put in a graph): the answer is a constant, so a first call under
+    torch.compile still traces whole and picks flash as eager does."""
+    monkeypatch.setattr(_flash, "_tiles", None)  # not yet asked in this process
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 8, generator=g) for _ in range(3))
+
+    def causal(q, k, v):
+        return attnlab.attention(q, k, v, causal=True)
+
+    assert _flash_graph_ops(causal, q, k, v) == ["attnlab_native.flash_forward"]
+    torch.testing.assert_close(torch.compile(causal, backend="eager", fullgraph=True)(q, k, v),
+                               causal(q, k, v), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
