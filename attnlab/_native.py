@@ -211,7 +211,11 @@ def _with_fakes(ops):
         _state["faked"] = True
         # Whether the CPU has the tile kernel (linear's path for a few rows): asked of the
         # real op once, with two rows and a packed 1x1 weight, which it takes only then.
-        tiles = ops.linear(torch.ones(2, 1), torch.ones(1, 1), None, None) is not None
+        # Device and dtype named: the first load may run under torch.device("meta") or
+        # another default dtype.
+        one = {"device": "cpu", "dtype": torch.float32}
+        tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
+        tiles = tiles is not None
         for name, fake in _fakes(tiles).items():
             torch.library.register_fake(f"{LIBRARY}::{name}", fake)
     return ops
