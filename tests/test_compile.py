@@ -7,6 +7,11 @@ its real op: shapes, dtypes and strides of every output, None where the op decli
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -16,6 +21,8 @@ import attnlab
 from attnlab import _decode, _flash, _native
 from attnlab.models import GPT, GPTConfig, decoding
 from attnlab.models.gpt import Block
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native kernel: {_native.unavailable_reason()}")
@@ -176,3 +183,15 @@ def test_auto_choosing_flash_traces_whole(monkeypatch):
     torch.testing.assert_close(torch.compile(causal, backend="eager", fullgraph=True)(q, k, v),
                                causal(q, k, v), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_a_first_load_under_the_meta_device_and_float64_still_loads():
+    """Registering the fakes asks the real op one question on two tiny tensors: they must
+    be CPU float32 whatever default device and dtype the first load runs under."""
+    code = ("import torch; torch.set_default_dtype(torch.float64)\n"
+            "from attnlab import _native\n"
+            "with torch.device('meta'):\n"
+            "    print(_native.available(), _native.unavailable_reason())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "True None", done.stderr
