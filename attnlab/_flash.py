@@ -33,6 +33,8 @@ def unavailable(q: torch.Tensor) -> str | None:
     return _native.unavailable_reason()
 
 
+# A property of the CPU and the build: under torch.compile, run (not traced) and kept.
+@torch.compiler.assume_constant_result
 def tile_kernel() -> bool:
     """Whether the kernel multiplies float32 tiles with its AVX-512 routine (the CPU has
     it) rather than the BLAS torch links. False where the kernel is not available."""
@@ -80,10 +82,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _ops():
+    """``torch.ops.attnlab_native``, loaded (``unavailable`` said so before any call here).
+    Read from torch.ops rather than ``_native.load()``, whose lock and environment
+    lookups torch.compile cannot trace."""
+    return getattr(torch.ops, _native.LIBRARY)
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
-        ops = _native.load()
+        ops = _ops()
         q, k, v = _rows(q), _rows(k), _rows(v)
         blocks = _blocks(q.shape[2], k.shape[2], causal, window)
         out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
@@ -97,7 +106,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
         causal, window, scale, dropout_p, seed, blocks = ctx.settings
-        dq, dk, dv = _native.load().flash_backward(
+        dq, dk, dv = _ops().flash_backward(
             q, k, v, mask, out, lse, _rows(grad_out), causal, window, scale, dropout_p, seed,
             *blocks)
         return dq, dk, dv, None, None, None, None, None, None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -55,7 +56,7 @@ SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layer
 # (the runtime is torch's own libgomp, already loaded).
 CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
 
-_state: dict = {"ops": None, "reason": None, "tried": False}
+_state: dict = {"ops": None, "reason": None, "tried": False, "faked": False}
 _first_load = threading.Lock()  # the other threads wait for the first one's load
 
 _OFF = ("0", "false", "no", "off")
@@ -186,7 +187,7 @@ def _open(verbose: bool):
     if broken is not None:
         try:
             torch.ops.load_library(str(library))
-            return getattr(torch.ops, LIBRARY)
+            return _with_fakes(getattr(torch.ops, LIBRARY))
         except OSError:  # not a library (a build of older attnlab killed mid-link): rebuilt
             pass
     directory.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,104 @@ def _open(verbose: bool):
             torch.ops.load_library(str(library))
         else:
             _build(directory, library, verbose)
-    return getattr(torch.ops, LIBRARY)
+    return _with_fakes(getattr(torch.ops, LIBRARY))
+
+
+def _with_fakes(ops):
+    """``ops`` with a fake (meta) kernel registered for each tensor op, once per process.
+
+    A fake computes only what the real op returns, shapes, dtypes and strides, from the
+    inputs' metadata, so torch.compile (FakeTensorMode) can trace through the ops. Where
+    the real op returns None for inputs it does not read (``linear``, ``decode_layers``),
+    the fake repeats the decision from the same metadata: dynamo specialises on it.
+    """
+    if not _state["faked"]:
+        _state["faked"] = True
+        # Whether the CPU has the tile kernel (linear's path for a few rows): asked of the
+        # real op once, with two rows and a packed 1x1 weight, which it takes only then.
+        # Device and dtype named: the first load may run under torch.device("meta") or
+        # another default dtype.
+        one = {"device": "cpu", "dtype": torch.float32}
+        tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
+        tiles = tiles is not None
+        for name, fake in _fakes(tiles).items():
+            torch.library.register_fake(f"{LIBRARY}::{name}", fake)
+    return ops
+
+
+def _fakes(tiles: bool) -> dict:
+    """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
+
+    def flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed, block_q, block_k):
+        batch, heads, q_len, _ = q.shape
+        out = q.new_empty(batch, heads, q_len, v.shape[-1])
+        return out, q.new_empty(batch, heads, q_len)  # the log-sum-exp, one per row
+
+    def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, dropout_p,
+                       seed, block_q, block_k):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def rms_norm(x, weight, eps):
+        # The kernel's empty_like of x.contiguous() keeps that tensor's strides, even the
+        # free ones of size-1 dimensions, which torch.empty_like under fake tensors resets.
+        dense = x.contiguous()
+        return dense.new_empty_strided(dense.shape, dense.stride())
+
+    def silu_mul(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    def usable(t) -> bool:
+        return t.dtype == torch.float32 and t.device.type == "cpu"
+
+    def one_row(x, w, bias, residual):
+        if (not usable(x) or not usable(w) or w.dim() != 2 or x.dim() < 1
+                or x.shape[-1] != w.shape[1] or math.prod(x.shape[:-1]) != 1
+                or not x.is_contiguous()):
+            return None
+        n_out, n_in = w.shape
+        by_rows = w.stride(1) == 1 and (n_out <= 1 or w.stride(0) >= n_in)
+        by_columns = not by_rows and w.stride(0) == 1 and (n_in <= 1 or w.stride(1) >= n_out)
+        if not by_rows and not by_columns:
+            return None
+        for t in (bias, residual):
+            if t is not None and (not usable(t) or t.numel() != n_out or not t.is_contiguous()):
+                return None
+        return x.new_empty(*x.shape[:-1], n_out)
+
+    def linear(x, weight, bias, residual):
+        rows = math.prod(x.shape[:-1]) if x.dim() >= 1 else 0
+        if x.dim() >= 1 and rows == 1:
+            return one_row(x, weight, bias, residual)
+        if (not tiles or residual is not None or not usable(x) or not usable(weight)
+                or weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
+                or not x.is_contiguous() or weight.stride(0) != 1
+                or weight.stride(1) < weight.shape[0] or rows > 64 or weight.shape[1] == 0):
+            return None
+        if bias is not None and (not usable(bias) or bias.numel() != weight.shape[0]
+                                 or not bias.is_contiguous()):
+            return None
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    def decode_step(qkv, cos, sin, k_cache, v_cache, pos, window, num_heads, num_kv_heads,
+                    scale):
+        return qkv.new_empty(k_cache.shape[0], 1, num_heads * k_cache.shape[3])
+
+    def decode_layers(x, params, cos, sin, k_caches, v_caches, pos, window, num_heads,
+                      num_kv_heads, scale, norm, eps, mlp):
+        # The lists' lengths and x as the kernel checks them first. Its per-layer checks
+        # (decode_layers.cpp, layer_ok: packed groups lying side by side in memory) need
+        # data pointers a fake tensor lacks; _decode.layers runs only in eager inference.
+        n = len(k_caches)
+        lengths = (len(cos), len(sin), len(v_caches), len(pos), len(window), len(num_heads),
+                   len(num_kv_heads), len(scale), len(norm), len(eps), len(mlp))
+        if (x.numel() != x.shape[-1] or not usable(x) or len(params) != 18 * n
+                or any(length != n for length in lengths)):
+            return None
+        return x.new_empty(x.shape)
+
+    return {"flash_forward": flash_forward, "flash_backward": flash_backward,
+            "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear,
+            "decode_step": decode_step, "decode_layers": decode_layers}
 
 
 def load(verbose: bool = False):
@@ -254,6 +352,9 @@ def available() -> bool:
     return load() is not None
 
 
+# Run, not traced, under torch.compile: the first call may build and load the library
+# (locks, files), which dynamo cannot trace; its answer is a constant of the process.
+@torch.compiler.assume_constant_result
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
     if disabled_reason() is not None:

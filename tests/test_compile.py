@@ -1,0 +1,197 @@
+"""torch.compile over the native ops: a fake (meta) kernel for each, and the flash backend
+traced whole (fullgraph=True) and equal to eager, forward and backward.
+
+The fakes live in ``attnlab/_native.py`` (``_fakes``); each is checked here against
+its real op: shapes, dtypes and strides of every output, None where the op declines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+import attnlab
+from attnlab import _decode, _flash, _native
+from attnlab.models import GPT, GPTConfig, decoding
+from attnlab.models.gpt import Block
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not _native.available(),
+                                reason=f"native kernel: {_native.unavailable_reason()}")
+
+
+def _ops():
+    return getattr(torch.ops, _native.LIBRARY)
+
+
+def _meta(t):
+    return None if t is None else (tuple(t.shape), t.dtype, t.stride())
+
+
+def _fake_equals_real(op, args) -> None:
+    """The op's outputs and its fake's agree in None-ness, shape, dtype and strides."""
+    mode = FakeTensorMode()
+    fake_args = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a,
+                         args)
+    with mode:
+        fake = op(*fake_args)
+    real = op(*args)
+    fake, real = (o if isinstance(o, tuple) else (o,) for o in (fake, real))
+    assert [_meta(t) for t in fake] == [_meta(t) for t in real]
+
+
+def _flash_args(causal: bool):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k = torch.randn(2, 2, 7, 8, generator=g)
+    v = torch.randn(2, 2, 7, 6, generator=g)  # v_dim != head_dim: out takes v's
+    return q, k, v, None, causal, 0, 0.35, 0.0, 0, 4, 4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_fakes_give_the_real_outputs_and_log_sum_exp(causal):
+    ops = _ops()
+    args = _flash_args(causal)
+    torch.library.opcheck(ops.flash_forward.default, args)
+    _fake_equals_real(ops.flash_forward.default, args)
+    q, k, v, mask, *settings = args
+    out, lse = ops.flash_forward(*args)
+    grad = torch.randn_like(out)
+    back = (q, k, v, mask, out, lse, grad, *settings)
+    torch.library.opcheck(ops.flash_backward.default, back)
+    _fake_equals_real(ops.flash_backward.default, back)
+
+
+def test_row_op_fakes_give_the_real_outputs():
+    ops = _ops()
+    x = torch.randn(3, 1, 10)
+    odd = torch.randn(1, 1, 10).as_strided((1, 1, 10), (5, 7, 1))  # dense, odd unit strides
+    for args in ((x, torch.randn(10), 1e-6), (x, None, 1e-5), (odd, None, 1e-5)):
+        torch.library.opcheck(ops.rms_norm.default, args)
+        _fake_equals_real(ops.rms_norm.default, args)
+    torch.library.opcheck(ops.silu_mul.default, (torch.randn(2, 3, 8),))
+    _fake_equals_real(ops.silu_mul.default, (torch.randn(2, 3, 8),))
+
+
+def test_linear_fake_takes_and_declines_as_the_op_does():
+    ops = _ops()
+    w = torch.randn(6, 10)
+    packed = torch.randn(10, 6).t()  # stored by columns, the packed blocks' layout
+    cases = [
+        (torch.randn(1, 1, 10), w, torch.randn(6), torch.randn(6)),  # one row: taken
+        (torch.randn(1, 10), packed, None, None),
+        (torch.randn(3, 10), packed, torch.randn(6), None),  # a few rows: the tile kernel
+        (torch.randn(3, 10), w, None, None),  # a few rows by rows: declined
+        (torch.randn(1, 10).double(), w.double(), None, None),  # float64: declined
+        (torch.randn(1, 20)[:, ::2], w, None, None),  # not contiguous: declined
+    ]
+    for args in cases:
+        _fake_equals_real(ops.linear.default, args)
+    torch.library.opcheck(ops.linear.default, cases[0])
+
+
+def test_decode_step_fake_gives_the_real_output():
+    ops = _ops()
+    heads, kv_heads, dim = 4, 2, 8
+    qkv = torch.randn(2, 1, (heads + 2 * kv_heads) * dim)
+    cache = (torch.zeros(2, kv_heads, 6, dim), torch.zeros(2, kv_heads, 6, dim))
+    cos, sin = torch.randn(6, dim), torch.randn(6, dim)
+    args = (qkv, cos, sin, *cache, 3, 0, heads, kv_heads, 0.35)
+    torch.library.opcheck(ops.decode_step.default, args)
+    _fake_equals_real(ops.decode_step.default, args)
+
+
+def test_decode_layers_fake_gives_the_real_output():
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=30, d_model=16, num_heads=2, num_layers=2,
+                          positions="rope", norm="rmsnorm", mlp="swiglu")).eval()
+    caches = model.new_cache(1, 4)
+    with torch.no_grad():
+        run = _decode.Run([decoding._layer(block, Block) for block in model.blocks])
+        cos, sin = run.rope_tables(caches, "cpu")
+    x = torch.randn(1, 1, 16)
+    n = len(run)
+    args = (x, run.params, cos, sin, [c.k for c in caches], [c.v for c in caches], [0] * n,
+            [0] * n, run.heads, run.kv_heads, [0.35] * n, run.norms, run.eps, run.mlps)
+    _fake_equals_real(_ops().decode_layers.default, args)
+    short = (x, run.params[:-1], *args[2:])  # a list one short: the op declines
+    _fake_equals_real(_ops().decode_layers.default, short)
+
+
+def _flash_graph_ops(fn, *args) -> list[str]:
+    """The attnlab ops in the graphs dynamo captures of ``fn(*args)`` with fullgraph=True."""
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        for sub in gm.modules():  # the autograd.Function's body is a subgraph
+            if isinstance(sub, torch.fx.GraphModule):
+                seen.extend(str(n.target) for n in sub.graph.nodes
+                            if "attnlab" in str(n.target))
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return seen
+
+
+@pytest.mark.slow  # inductor's first compile on two busy cores: ~50 s
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_flash_module_matches_eager_forward_and_backward(causal):
+    torch.manual_seed(0)
+    module = attnlab.MultiHeadAttention(16, 16, 2, causal=causal, backend="flash").eval()
+    x = torch.randn(2, 12, 16)
+    # Traced whole: the autograd.Function's forward and backward, each one native call.
+    assert _flash_graph_ops(module, x) == ["attnlab_native.flash_forward",
+                                           "attnlab_native.flash_backward"]
+
+    def run(fn):
+        xg = x.clone().requires_grad_(True)
+        out = fn(xg)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        grads = [xg.grad] + [p.grad.clone() for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    want, want_grads = run(module)
+    got, got_grads = run(torch.compile(module, fullgraph=True))
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_choosing_flash_traces_whole(monkeypatch):
+    """auto asks whether the CPU has the tile kernel (a native op returning a bool, which
+    dynamo cannot put in a graph): the answer is a constant, so a first call under
+    torch.compile still traces whole and picks flash as eager does."""
+    monkeypatch.setattr(_flash, "_tiles", None)  # not yet asked in this process
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 8, generator=g) for _ in range(3))
+
+    def causal(q, k, v):
+        return attnlab.attention(q, k, v, causal=True)
+
+    assert _flash_graph_ops(causal, q, k, v) == ["attnlab_native.flash_forward"]
+    torch.testing.assert_close(torch.compile(causal, backend="eager", fullgraph=True)(q, k, v),
+                               causal(q, k, v), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_a_first_load_under_the_meta_device_and_float64_still_loads():
+    """Registering the fakes asks the real op one question on two tiny tensors: they must
+    be CPU float32 whatever default device and dtype the first load runs under."""
+    code = ("import torch; torch.set_default_dtype(torch.float64)\n"
+            "from attnlab import _native\n"
+            "with torch.device('meta'):\n"
+            "    print(_native.available(), _native.unavailable_reason())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "True None", done.stderr
