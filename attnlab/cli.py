@@ -258,7 +258,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_out_file(args.json, "--json")
     # bench.run checks --baseline against the chosen cases before any case runs.
     records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
-                        json_path=args.json, case_filter=args.case, baseline=args.baseline)
+                        json_path=args.json, case_filter=args.case, baseline=args.baseline,
+                        under_load=args.under_load)
     if args.markdown:
         print(bench.markdown_table(records, baseline=args.baseline))
     return 0
@@ -403,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="implementation the Markdown ratios refer to (default: each "
                             "suite's peer: torch-sdpa, book PyTorchMHA, transformers, "
                             "sentence-transformers)")
+    bench.add_argument("--under-load", action="store_true",
+                       help="time each case again beside a busy process per core (started "
+                            "before, stopped after it) and set the ratios side by side")
     bench.set_defaults(func=cmd_bench)
 
     check = sub.add_parser("check", help="test a learner's own attention against the oracle, "

@@ -4,7 +4,10 @@ Each suite module exposes ``cases(quick) -> list[Case]``; :func:`run` runs the
 chosen suites and returns one record per (case, implementation):
 ``{"suite", "case", "impl", "median_ms", "times_ms", "peak_mb", "ratio_to": {peer: x}}``
 where ``x`` is this implementation's median time over the peer's (lower is faster)
-and ``times_ms`` the time of each round.
+and ``times_ms`` the time of each round. ``under_load=True`` adds
+``median_ms_under_load``, ``times_ms_under_load`` and ``ratio_to_under_load`` (the same
+rounds beside a busy process per core); the attention suite adds ``flop``,
+``gflops``, ``peak_share``, ``peak_gflops`` and ``cpu`` (see :mod:`.machine`).
 """
 
 from __future__ import annotations
@@ -32,14 +35,18 @@ def available_suites() -> list[str]:
 
 def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: bool = True,
         json_path: str | Path | None = None, log: Callable[[str], None] = print,
-        case_filter: str | None = None, baseline: str | None = None) -> list[dict]:
+        case_filter: str | None = None, baseline: str | None = None,
+        under_load: bool = False) -> list[dict]:
     """Run the named suites (all available ones by default) and return the records.
 
     ``case_filter``: run only the cases whose name contains this text. A suite
     module may define ``annotate(records)`` to add derived numbers (tokens/s).
     ``baseline``: the implementation :func:`markdown_table` will divide by; checked
     here, before any case runs, against the implementations of the chosen cases.
-    ``json_path`` is checked before any case runs too.
+    ``json_path`` is checked before any case runs too. A suite module may define
+    ``prologue(log)``, run once before its cases (the attention suite measures the
+    machine's peak there, quietly). ``under_load``: each case is timed again beside
+    a busy process per core (:mod:`.load`), stopped after the case.
     """
     if json_path is not None:
         from ..io.outdir import check_out_file
@@ -68,7 +75,10 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
                              f"the chosen cases {impls}, got {baseline!r}")
     records: list[dict] = []
     for name, module in modules.items():
-        suite_records = run_cases(chosen[name], memory=memory, log=log)
+        if chosen[name] and hasattr(module, "prologue"):
+            module.prologue(log=log)
+        suite_records = run_cases(chosen[name], memory=memory, log=log,
+                                  under_load=under_load)
         if hasattr(module, "annotate"):
             module.annotate(suite_records, log=log)
         records.extend(suite_records)

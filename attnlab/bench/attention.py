@@ -8,6 +8,15 @@ separately as ``compile_s``, its steps are timed warm); grouped-query attention
 at B=1, T=1024 and 4096, at B=4, T=1024, and on the window; and the memory cases
 (forward at T=16384, forward+backward at T=8192, H=4). ``attnlab-flash`` is the
 native kernel; where it cannot build its column says why.
+
+Every record also says how fast that is for the machine: ``flop`` (see
+:func:`attention_flops`), ``gflops`` (``flop`` over the median time) and
+``peak_share`` (``gflops`` over ``peak_gflops``, the float32 ``torch.mm`` peak at the
+bench's threads, measured quietly in the same run by :mod:`.machine`, before and
+after the cases, the higher of the two), and ``cpu``. On a busy machine the peak and
+the cases see different neighbours: a share above 100% says the run was noisy.
+With ``--under-load`` a second table sets flash's time over SDPA's under load next
+to its quiet ratio (target: within 1.15x of it, T=256 to 4096, forward and backward).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import masks
 from ..functional import attention
+from . import machine
 from .runner import Case, Impl
 
 MOD = __name__
@@ -30,6 +40,43 @@ EAGER_MAX_T = 4096
 # FlexAttention's compile time per (causal, window, seq), filled by _flex_step and
 # added to its records by annotate(); the steps themselves are timed warm.
 _FLEX_COMPILE_S: dict[tuple, float] = {}
+# The machine measured by prologue() (or by annotate() when no prologue ran).
+_MACHINE: dict = {}
+# The under-load table's pair, and the most flash/SDPA under load may exceed the quiet
+# ratio by (issue 27).
+LOAD_PAIR = ("attnlab-flash", BASELINE)
+LOAD_TARGET = 1.15
+
+
+def allowed_pairs(q_len: int, k_len: int, causal: bool = False,
+                  window: int | None = None) -> int:
+    """How many (query, key) pairs the causal/window rule lets through (masks.py's rule:
+    end-aligned position ``p = i + k_len - q_len`` sees ``j <= p`` if causal and
+    ``p - window < j`` (and ``j < p + window`` when not causal) if windowed)."""
+    total = 0
+    for p in range(k_len - q_len, k_len):
+        lo = 0 if window is None else max(0, p - window + 1)
+        hi = p + 1 if causal else (k_len if window is None else p + window)
+        total += max(0, min(hi, k_len) - lo)
+    return total
+
+
+def attention_flops(batch: int, heads: int, q_len: int, k_len: int, dim: int, *,
+                    causal: bool = False, window: int | None = None,
+                    backward: bool = False) -> int:
+    """The useful FLOPs of one attention call, counted as FlashAttention's papers do.
+
+    Forward: ``QK^T`` and ``PV`` are ``2 * dim`` FLOPs (a multiply and an add) per
+    allowed (query, key) pair each, so ``4 * B * H * pairs * D``; dense has
+    ``pairs = Lq * Lk``, causal ``Lq (Lq + 1) / 2`` (about half) at ``Lq = Lk``, a
+    window ``about Lq * window``. Backward does five such products (``S`` again, ``dV``,
+    ``dP``, ``dQ`` and ``dK``) against the forward's two:
+    2.5x the forward, so forward+backward is 3.5x. Softmax and masking are not
+    counted; a kernel that computes masked-out scores (eager) gets no credit for them.
+    ``heads`` are the query heads (grouped-query attention does the same arithmetic).
+    """
+    forward = 4 * batch * heads * allowed_pairs(q_len, k_len, causal, window) * dim
+    return forward * 7 // 2 if backward else forward
 
 
 def _inputs(batch, heads, kv_heads, seq, dim, grad, seed=0):
@@ -106,8 +153,32 @@ def _flex_step(q, k, v, seq, causal, window):
     return lambda: compiled(q, k, v, block_mask=block_mask)
 
 
+def prologue(log=print) -> None:
+    """Measure the CPU's peak before the cases run (quietly: no busy processes yet)."""
+    _MACHINE.clear()
+    _MACHINE.update(machine.measure(log=log))
+
+
 def annotate(records: list[dict], log=print) -> None:
-    """Add FlexAttention's compile time (seconds, first call) to its records."""
+    """Add FlexAttention's compile time (seconds, first call) to its records, and to
+    every record its GFLOP/s and share of the peak (and flash's under-load ratio)."""
+    if records:
+        after = machine.measure(log=None)
+        _MACHINE.update(machine.best(_MACHINE, after) if _MACHINE else after)
+        if log:
+            log(f"float32 FMA peak, the better of before and after the cases: "
+                f"{_MACHINE['peak_gflops_1']:.0f} GFLOP/s on 1 thread, "
+                f"{_MACHINE['peak_gflops']:.0f} on {_MACHINE['threads']}")
+    for r in records:
+        if r.get("median_ms") and r.get("flop"):
+            r["gflops"] = r["flop"] / (r["median_ms"] / 1000.0) / 1e9
+            r["peak_gflops"] = _MACHINE["peak_gflops"]
+            r["peak_share"] = r["gflops"] / _MACHINE["peak_gflops"]
+        if _MACHINE:
+            r["cpu"] = machine.cpu_line(_MACHINE["cpu"])
+        quiet, loaded = r.get("ratio_to", {}), r.get("ratio_to_under_load", {})
+        if BASELINE in quiet and BASELINE in loaded:
+            r["load_over_quiet"] = loaded[BASELINE] / quiet[BASELINE]
     compile_s = iter(_FLEX_COMPILE_S.values())
     for r in records:
         if r["impl"] == "torch-flex" and r.get("median_ms") is not None:
@@ -125,10 +196,29 @@ def _flash_skip() -> str | None:
 
 def _case(name, impls, repeats, **kw):
     skip = _flash_skip() if "attnlab-flash" in impls else None
+    flop = attention_flops(kw["batch"], kw["heads"], kw["seq"], kw["seq"], kw.get("dim", 64),
+                           causal=kw.get("causal", False), window=kw.get("window"),
+                           backward=kw.get("backward", False))
     return Case("attention", name,
                 [Impl(i, (MOD, "make_step", {"impl": i, **kw}),
                       skip=skip if i == "attnlab-flash" else None) for i in impls],
-                repeats=repeats)
+                repeats=repeats, extra={"flop": flop})
+
+
+def summary_table(records: list[dict]) -> str:
+    """With ``--under-load``: flash's time over SDPA's, quiet and under load. (The CPU
+    and the peak are in the log, and in every record.)"""
+    flash, peer = LOAD_PAIR
+    lines = [f"| case | {flash} / {peer} quiet | under load | under load / quiet "
+             f"(target <= {LOAD_TARGET}) |", "|---|---:|---:|---:|"]
+    for r in records:
+        if r["impl"] != flash or r.get("load_over_quiet") is None:
+            continue
+        x = r["load_over_quiet"]
+        lines.append(f"| {r['case']} | {r['ratio_to'][peer]:.2f}x | "
+                     f"{r['ratio_to_under_load'][peer]:.2f}x | {x:.2f}"
+                     f"{'' if x <= LOAD_TARGET else ' (over)'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def cases(quick: bool = False) -> list[Case]:

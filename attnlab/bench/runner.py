@@ -16,6 +16,12 @@ Memory: a fresh ``python -m attnlab.bench.memprobe`` per (case, implementation)
 builds the step and runs it once; ``peak_mb`` is its RSS high-water mark
 (``VmHWM``) minus its RSS after imports, so it includes the inputs and
 outputs the step holds.
+
+Under load (``under_load=True``): after the quiet rounds, the same warm steps run
+the same rounds again beside one spinning process per core (:mod:`.load`), started
+before and stopped after them; the records get ``median_ms_under_load``,
+``times_ms_under_load`` and ``ratio_to_under_load`` next to the quiet numbers, so
+both ratios come from one run.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from . import load
 
 Factory = tuple[str, str, dict]
 
@@ -78,8 +86,11 @@ def _time_once(step: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def time_case(case: Case, warmup: int = 1) -> dict[str, dict]:
-    """Round-robin timing of every runnable implementation; returns per-impl stats."""
+def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str, dict]:
+    """Round-robin timing of every runnable implementation; returns per-impl stats.
+
+    ``under_load``: time the same rounds again beside a busy process per core.
+    """
     steps: dict[str, Callable[[], object]] = {}
     results: dict[str, dict] = {}
     for impl in case.impls:
@@ -93,6 +104,23 @@ def time_case(case: Case, warmup: int = 1) -> dict[str, dict]:
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             steps.pop(impl.name, None)
             results[impl.name] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
+    try:
+        times = _rounds(case, steps)
+        for name, ts in times.items():
+            results[name] = {"median_ms": statistics.median(ts), "times_ms": ts}
+        if under_load and steps:
+            with load.busy():
+                loaded = _rounds(case, steps)
+            for name, ts in loaded.items():
+                results[name].update(median_ms_under_load=statistics.median(ts),
+                                     times_ms_under_load=ts)
+    finally:
+        steps.clear()
+        gc.collect()
+    return results
+
+
+def _rounds(case: Case, steps: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     order = random.Random(f"{case.suite}/{case.name}")  # the same orders on every run
@@ -103,11 +131,7 @@ def time_case(case: Case, warmup: int = 1) -> dict[str, dict]:
         order.shuffle(names)
         for name in names:
             times[name].append(_time_once(steps[name]))
-    for name, ts in times.items():
-        results[name] = {"median_ms": statistics.median(ts), "times_ms": ts}
-    steps.clear()
-    gc.collect()
-    return results
+    return times
 
 
 def measure_memory(factory: Factory, timeout: float = 600.0) -> float | None:
@@ -126,17 +150,21 @@ def measure_memory(factory: Factory, timeout: float = 600.0) -> float | None:
 
 
 def run_cases(cases: Iterable[Case], *, memory: bool = True,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print, under_load: bool = False) -> list[dict]:
     """Run the cases; return one record per (case, implementation)."""
     records: list[dict] = []
     for case in cases:
-        log(f"[{case.suite}] {case.name} ...")
-        stats = time_case(case)
+        log(f"[{case.suite}] {case.name} ..." + (" (quiet, then under load)" if under_load
+                                                  else ""))
+        stats = time_case(case, under_load=under_load)
         for impl in case.impls:
             s = stats.get(impl.name, {})
             record = {"suite": case.suite, "case": case.name, "impl": impl.name,
                       "median_ms": s.get("median_ms"), "times_ms": s.get("times_ms"),
                       "peak_mb": None, "ratio_to": {}, **case.extra}
+            if "median_ms_under_load" in s:
+                record["median_ms_under_load"] = s["median_ms_under_load"]
+                record["times_ms_under_load"] = s["times_ms_under_load"]
             if "skipped" in s:
                 record["skipped"] = s["skipped"]
             elif memory and case.memory and impl.memory:
@@ -152,6 +180,12 @@ def run_cases(cases: Iterable[Case], *, memory: bool = True,
                 for peer, other in by_name.items()
                 if peer != r["impl"] and other["median_ms"]
             }
+            if r.get("median_ms_under_load") is not None:
+                r["ratio_to_under_load"] = {
+                    peer: r["median_ms_under_load"] / other["median_ms_under_load"]
+                    for peer, other in by_name.items()
+                    if peer != r["impl"] and other.get("median_ms_under_load")
+                }
         for r in by_name.values():
             log("    " + format_record(r))
     return records
@@ -161,14 +195,17 @@ def format_record(r: dict) -> str:
     if r.get("skipped"):
         return f"{r['impl']:<28s} skipped: {r['skipped']}"
     mem = f"{r['peak_mb']:8.0f} MB" if r.get("peak_mb") is not None else "       - MB"
-    return f"{r['impl']:<28s} {r['median_ms']:10.2f} ms {mem}"
+    loaded = r.get("median_ms_under_load")
+    under = f" {loaded:10.2f} ms under load" if loaded is not None else ""
+    return f"{r['impl']:<28s} {r['median_ms']:10.2f} ms {mem}{under}"
 
 
 def markdown_table(records: list[dict], baseline: str | None = None) -> str:
     """Markdown tables, one per suite: a row per case, a column per implementation.
 
     A cell is ``median ms (time / baseline's), peak MB``, plus tokens/s where the
-    suite computed them. ``baseline`` defaults to each suite's ``BASELINE`` peer. A
+    suite computed them, and GFLOP/s with the share of the measured peak where the
+    suite counted FLOPs. ``baseline`` defaults to each suite's ``BASELINE`` peer. A
     suite module may add a table of its own after it (``summary_table(records)``).
     """
     tables = []
@@ -201,6 +238,10 @@ def _cell(r: dict, peer: str | None) -> str:
         text += f" ({ratio:.2f}x)"
     if r.get("tokens_per_s") is not None:
         text += f", {r['tokens_per_s']:.0f} tok/s"
+    if r.get("gflops") is not None:
+        text += f", {r['gflops']:.0f} GFLOP/s"
+        if r.get("peak_share") is not None:
+            text += f" ({r['peak_share']:.0%} of peak)"
     if r.get("gb_per_s") is not None:
         text += f", {r['gb_per_s']:.1f} GB/s"
     if r.get("peak_mb") is not None:
