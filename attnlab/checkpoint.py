@@ -37,7 +37,8 @@ from .io import (
 from .io.locks import output_lock
 from .io.outdir import check_parent_writable, foreign_entries
 from .io.reading import CONFIG_LIMIT, STATE_LIMIT
-from .io.weights import SafetensorsState, build_loaded, load_state
+from .io.weights import SafetensorsState
+from .models.loading import build_loaded, load_state
 
 FORMAT = 1
 

@@ -35,7 +35,6 @@ from .checkpoint import (
     restore_training_state,
 )
 from .checks import (
-    Config,
     bounded_int,
     finite_float,
     fits_in_memory,
@@ -44,6 +43,7 @@ from .checks import (
     optional_positive_int,
     positive_int,
 )
+from .config import Config
 from .io import BEST_DIR
 from .io.locks import output_lock
 from .progress import Progress

@@ -19,17 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent / "attnlab"
 # plain-data layout code of interop/hf.py), the layer sits lower, so the models
 # can call down into interop.hf for ``from_hf`` without a cycle.
 LAYERS = {
-    "attnlab.checks": 0, "attnlab.io": 0, "attnlab.reference": 0, "attnlab._version": 0,
+    "attnlab.checks": 0, "attnlab.config": 0, "attnlab.io": 0, "attnlab.reference": 0, "attnlab._version": 0,
     "attnlab.masks": 1, "attnlab.rope": 1, "attnlab.cache": 1, "attnlab.text": 1,
-    "attnlab.viz": 1, "attnlab.interop": 1, "attnlab.interop.hf": 1,
+    "attnlab.viz": 1, "attnlab.layouts": 1,
     "attnlab._tiled": 2, "attnlab._sdpa": 2, "attnlab._native": 2, "attnlab._flash": 2,
     "attnlab.functional": 2,
     "attnlab._decode": 2,
     "attnlab.modules": 3,
     "attnlab.models": 4,
     "attnlab.checkpoint": 5,
-    "attnlab.training": 6, "attnlab.progress": 6, "attnlab.interop.minilm": 6,
-    "attnlab.interop.auto": 6,
+    "attnlab.training": 6, "attnlab.progress": 6, "attnlab.interop": 6,
     "attnlab.experiments": 7, "attnlab.demo": 7, "attnlab.heads": 7, "attnlab.check": 7,
     "attnlab.lessons": 7,
     "attnlab.bench": 8,

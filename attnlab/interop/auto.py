@@ -19,8 +19,8 @@ from torch import nn
 
 from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT
+from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 from ..models import GPT, MODEL_TYPES, Encoder
-from .hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 
 __all__ = ["load_for_cli", "load_hf_folder", "known_text"]
 

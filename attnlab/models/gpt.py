@@ -17,7 +17,6 @@ from torch import nn
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import (
-    Config,
     boolean,
     finite_float,
     fits_in_memory,
@@ -27,13 +26,14 @@ from ..checks import (
     positive_int,
     probability,
 )
-from ..interop.hf import gpt_layout
-from ..io.weights import build_loaded
+from ..config import Config
+from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, dropout, embedding, make_norm
 from . import decoding
 from .generation import GenerationMixin
 from .ids import check_ids
+from .loading import build_loaded
 from .outputs import with_extras
 
 _CHOICES = {
