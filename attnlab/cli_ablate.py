@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import experiments, heads
+from . import experiments
+from .experiments import heads
 from .interop.auto import load_for_cli
 
 _DEMO_STEPS = 400  # the demo's own length: ~45 s of CPU time, about a minute on a laptop

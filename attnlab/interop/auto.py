@@ -69,7 +69,7 @@ def load_for_cli(ckpt: str | None, model: str | None, *,
     import sys
 
     from ..checkpoint import load_checkpoint, load_checkpoint_tokenizer, read_config
-    from ..demo import DEMO_OUT
+    from ..recipe import DEMO_OUT
 
     if ckpt is None and model is None and demo_fallback:
         if not (Path(DEMO_OUT) / CONFIG_FILE).is_file():
@@ -106,7 +106,7 @@ def known_text(meta: dict, tokenizer: object, max_tokens: int = 40) -> str | Non
     """A text the model of checkpoint ``meta`` can read, to offer when the user's cannot:
     the demo's sentence for the demo's model, else the start of the held-out text its
     training recorded (decoded with ``tokenizer``); None when neither is known."""
-    from ..demo import SAMPLE
+    from ..recipe import SAMPLE
 
     if meta.get("demo"):
         return SAMPLE

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import one_of
-from .modules import MultiHeadAttention
+from ..checks import one_of
+from .layers import attention_layers
 
 KNOCKOUTS = ("zero", "uniform")
 
@@ -42,14 +42,6 @@ MEANING = {
                         "averaged over the sentences: how far the sentence embedding moves "
                         "(an encoder has no next-token loss)",
 }
-
-
-def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
-    """The model's attention modules in layer order (one per layer)."""
-    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not found:
-        raise ValueError(f"model has no MultiHeadAttention modules: {type(model).__name__}")
-    return found
 
 
 @contextlib.contextmanager
