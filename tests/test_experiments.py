@@ -173,13 +173,13 @@ def test_rope_measures_match_scores_from_rotated_qk(rope_gpt, kind):
 
 @pytest.mark.slow
 def test_cli_ablate_without_ckpt_trains_the_demo_model_first(tmp_path, monkeypatch, capsys):
-    import attnlab.cli_ablate
+    import attnlab.cli.ablate
     from attnlab.cli import main
 
     # What only this test checks is the path without --ckpt: the demo model is trained
     # first and the report is written. That the ablations raise the loss is
     # test_ablation_measures_are_exact's job, on a trained model; a short run suffices here.
-    monkeypatch.setattr(attnlab.cli_ablate, "_DEMO_STEPS", 40)
+    monkeypatch.setattr(attnlab.cli.ablate, "_DEMO_STEPS", 40)
     monkeypatch.chdir(tmp_path)  # the demo model goes to ./attnlab-demo by default
     assert main(["ablate", "--json", "ab.json"]) == 0
     out = capsys.readouterr().out
