@@ -19,246 +19,30 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint
-from .checkpoint import (
+from .. import checkpoint
+from ..checkpoint import (
     check_out_dir,
     has_checkpoint,
     nothing_to_resume,
     read_best,
     restore_training_state,
 )
-from .checks import (
-    bounded_int,
-    finite_float,
-    fits_in_memory,
-    is_int,
-    non_negative_int,
-    optional_positive_int,
-    positive_int,
+from ..io import BEST_DIR
+from ..io.locks import output_lock
+from ..progress import Progress
+from .data import evaluate, held_out_record, lm_loss, sample, split
+from .distributed import _dist_setup, _leave_group, _mean_across
+from .settings import (
+    TrainConfig,
+    check_training_fits,
+    lr_at,
 )
-from .config import Config
-from .io import BEST_DIR
-from .io.locks import output_lock
-from .progress import Progress
-
-# The most steps of one run. Every step adds an entry (~70 bytes) to the loss history
-# that training_state.json keeps for --resume, and that file is read back under
-# io.reading.STATE_LIMIT (256 MiB): a million steps stay well inside it (and are
-# days of CPU time for the smallest model); 10**23 is a typo, refused before any work.
-MAX_STEPS = 10**6
-
-
-def check_steps(name: str, value: object) -> int:
-    """``value`` as a step count in ``[1, MAX_STEPS]`` (``--steps``, ``--checkpoint-every``)."""
-    return bounded_int(name, value, 1, MAX_STEPS)
-
-
-def check_seed(seed: object) -> int:
-    """``seed`` if it is an int in ``[0, 2**63)``, else ValueError: the one rule for
-    every seed (TrainConfig and the CLI). torch.manual_seed takes any int64, but a
-    negative seed is a typo more often than a choice."""
-    if not is_int(seed) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    return seed
-
-
-@dataclass
-class TrainConfig(Config):
-    """Hyperparameters of a run. ``steps`` is the total, also when resuming."""
-
-    steps: int = 300
-    batch_size: int = 32
-    context: int = 32
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        # Named as the CLI options, where these values usually come from.
-        for name in ("steps", "batch_size", "context", "eval_every", "eval_batches"):
-            positive_int(name.replace("_", "-"), getattr(self, name))
-        check_steps("steps", self.steps)
-        optional_positive_int("checkpoint-every", self.checkpoint_every)
-        if self.checkpoint_every is not None:
-            check_steps("checkpoint-every", self.checkpoint_every)
-        finite_float("lr", self.lr, positive=True)
-        non_negative_int("warmup", self.warmup)
-        for name in ("weight_decay", "grad_clip"):
-            if finite_float(name, getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got "
-                                 f"{getattr(self, name)!r}")
-        if not 0 <= finite_float("min_lr_ratio", self.min_lr_ratio) <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        check_seed(self.seed)
-
-
-def default_checkpoint_every(steps: int) -> int:
-    """Checkpoint interval when none is given: every tenth of the run.
-
-    A kill then loses at most ~10% of the work, and the ~10 checkpoints (a few MB
-    of safetensors each for the CLI's models) cost little next to the training
-    steps between them.
-    """
-    return max(1, steps // 10)
-
-
-def activation_bytes(model: object, batch: int, context: int) -> int:
-    """A rough upper estimate of what one training step holds besides the weights:
-    per token, the logits (and their gradient and softmax) and each layer's
-    activations; per layer and head, the attention weights. Checked before the
-    first step, so ``--batch-size 10**12`` is one line and not an allocator failure.
-    ``model``: a model, or its config (anything with ``d_model`` and ``vocab_size``,
-    and ``num_layers``/``num_heads`` where there are several)."""
-    config = getattr(model, "config", model)
-    d, vocab = config.d_model, config.vocab_size
-    layers, heads = getattr(config, "num_layers", 1), getattr(config, "num_heads", 1)
-    per_token = 3 * vocab + 24 * d * layers
-    return 4 * batch * context * (per_token + 2 * heads * layers * context)
-
-
-def check_training_fits(model: object, batch_size: int, context: int, world: int = 1) -> None:
-    """Refuse, before anything is allocated, a step that needs more memory than this
-    machine has (:func:`activation_bytes` of one process's share of the batch, out of
-    ``world``; ``model`` may be a config). The CLI checks this before it builds the
-    model, so an absurd ``--context`` is named as such, not as a model too large."""
-    fits_in_memory(f"training with batch-size {batch_size} and context {context}",
-                   activation_bytes(model, batch_size // world, context))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def split(tokens: torch.Tensor, context: int, eval_fraction: float = 0.1):
-    """Train on the first 90% of the token stream, evaluate on the rest."""
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
-    n_eval = max(context + 2, int(len(tokens) * eval_fraction))
-    if len(tokens) - n_eval < context + 2:
-        raise ValueError(
-            f"text is too short: {len(tokens)} tokens, need at least {2 * (context + 2)} "
-            f"for context {context} (a train and a held-out split); use a longer text or "
-            "a smaller --context"
-        )
-    return tokens[:-n_eval], tokens[-n_eval:]
-
-
-HELD_OUT_KEPT = 4096
-
-
-def held_out_record(eval_stream: torch.Tensor) -> dict:
-    """What a checkpoint keeps of its held-out text (``config.json``'s ``held_out``), so
-    experiments on it later measure on text it never trained on: the first
-    :data:`HELD_OUT_KEPT` token ids of the held-out stream (the last 10% of the
-    text), and how many tokens that stream had."""
-    return {"ids": eval_stream[:HELD_OUT_KEPT].tolist(), "tokens": len(eval_stream),
-            "part": "the last 10% of the training text (training.split)"}
-
-
-def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator):
-    """``batch`` random windows of ``context + 1`` tokens: ``(batch, context + 1)``."""
-    starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=gen)
-    return torch.stack([stream[s:s + context + 1] for s in starts.tolist()])
-
-
-def lm_loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    rows = rows.to(next(model.parameters()).device)  # batches are drawn on the CPU
-    logits = model(rows[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
-    """Mean loss on fixed held-out windows (their own generator: training RNG untouched)."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    was_training = model.training
-    model.eval()
-    try:
-        losses = [float(lm_loss(model, sample(stream, cfg.batch_size, cfg.context, gen)))
-                  for _ in range(cfg.eval_batches)]
-    finally:
-        model.train(was_training)
-    return sum(losses) / len(losses)
-
-
-# ------------------------------------------------------------------ distributed
-
-
-def train_device() -> torch.device:
-    """Where a CLI run trains: under torchrun with GPUs, this process's own GPU
-    (``LOCAL_RANK``); otherwise the CPU, as before."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
-    """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU.
-    Returns (rank, world size, whether this call created the group)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, False
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        # nccl binds each rank to the current device; without this every rank
-        # would talk through cuda:0.
-        torch.cuda.set_device(device)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, created
-
-
-def _leave_group(wait: bool) -> None:
-    """Leave the group ``_dist_setup`` created; after a finished run (``wait``), once
-    gloo's worker threads are idle.
-
-    A gloo worker frees each collective's work item right after running it; when that
-    drops the last reference to a tensor Python has seen (DDP's, ours), freeing it
-    takes the GIL. If the main thread was already finalising the interpreter, the
-    worker was unwound there and the rank aborted ("terminate called without an
-    active exception", exit status -6: about one two-rank run in 15 here). The
-    barrier returns once every queued collective has run, and waits with the GIL
-    released, so the workers finish freeing before this process goes on to exit."""
-    import torch.distributed as dist
-
-    if wait:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-def _mean_across(value: torch.Tensor, world: int) -> float:
-    value = value.detach()
-    if world > 1:
-        import torch.distributed as dist
-
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= world
-    return float(value)
-
-
-# ------------------------------------------------------------------ the loop
 
 
 def train(
