@@ -1,7 +1,8 @@
 """attnlab: attention mechanisms, exact, fast and visible.
 
-The public API is listed in DESIGN.md; the attention math lives in
-:mod:`attnlab.functional` and nowhere else.
+The public API is listed in the README; the package's layers and where each rule
+lives are in docs/DESIGN.md. The attention math lives in :mod:`attnlab.functional`
+and nowhere else.
 
 Every public name is loaded on first use (module ``__getattr__``, PEP 562): the
 ``attnlab`` command lives in this package, and ``attnlab --help`` should not wait

@@ -8,18 +8,17 @@ and names the argument. ``bool`` is refused where an ``int`` is expected
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 
 __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded_int",
            "probability",
-           "boolean", "finite_float", "one_of", "is_int", "Config", "machine_memory",
+           "boolean", "finite_float", "one_of", "is_int", "machine_memory",
            "fits_in_memory"]
 
 
@@ -117,26 +116,3 @@ def fits_in_memory(what: str, nbytes: int | float) -> None:
     if total is not None and nbytes > total:
         raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB of memory, but this "
                          f"machine has {total / 2**30:,.1f} GiB; expected a smaller size")
-
-
-class Config:
-    """Base of the dataclass configs (model and training): one way to and from a dict.
-
-    ``from_dict`` refuses unknown keys, naming them: a typo in a ``config.json``
-    must not silently fall back to a default.
-    """
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]):
-        if not isinstance(data, Mapping):
-            raise TypeError(f"{cls.__name__}: expected a dict of fields, got "
-                            f"{type(data).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        unknown = sorted(str(k) for k in data if k not in known)
-        if unknown:
-            raise ValueError(f"{cls.__name__} got unknown fields {unknown}; expected some of "
-                             f"{known}")
-        return cls(**data)

@@ -1,6 +1,10 @@
 """The classic worked example of scaled dot-product attention, step by step.
 
-Two tokens with 2-d queries, keys and values: small enough to check by hand.
+Two tokens with 2-d queries, keys and values: small enough to check by hand. And
+``attnlab demo``'s story (:func:`run_demo`): the worked example, the toy model trained
+on the demo's recipe (:mod:`attnlab.recipe`), what its head learned as pictures. It sits
+at the command line's level: it drives training, checkpoints and pictures the way a
+command does, and nothing in the library imports it (the recipe is what they share).
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import math
 import torch
 
 from .functional import attention
-from .io.files import DEMO_OUT
-from .text.corpus import SAMPLE
+from .recipe import DEMO_OUT, SAMPLE, train_demo_model
+
+__all__ = ["worked_example", "format_worked_example", "describe_head", "format_matrix",
+           "run_demo", "train_demo_model", "DEMO_OUT", "SAMPLE"]
 
 QUERIES = [[1.0, 0.0], [0.0, 1.0]]
 KEYS = [[1.0, 1.0], [0.0, 2.0]]
@@ -88,59 +94,6 @@ def format_matrix(weights: torch.Tensor, tokens: list[str]) -> str:
         cells = "".join(f"{round(100 * x):4d}" if j <= i else "   ." for j, x in enumerate(row))
         lines.append(f"  {shown[i]:>3s} {cells}")
     return "\n".join(lines)
-
-
-def train_demo_model(*, steps: int, seed: int, text: str | None = None,
-                     eval_every: int | None = None, attn_dropout: float | None = None,
-                     resid_dropout: float | None = None, log=None, **train_kw):
-    """The demo's one training recipe: ``ToyAttnLM`` (d_model 32, one causal head)
-    trained on characters, 32 windows of 24 tokens per step at lr 1e-2.
-
-    Args:
-        steps, seed: length of the run; ``seed`` fixes the corpus, the initial
-            weights (``torch.manual_seed`` before the model is built) and the batches.
-        text: the training text; default :func:`~attnlab.text.corpus.pattern_corpus`
-            of ``seed``. The tokenizer is a ``CharTokenizer`` of its characters.
-        eval_every: held-out evaluation interval (default ``steps // 8``, at least 1).
-        attn_dropout, resid_dropout: when given, set on the head after it is built
-            (dropout on the attention weights / on the attention output).
-        log: where the one-line description of the run and training progress go
-            (None: silent).
-        train_kw: passed to :func:`attnlab.training.train` (``out``, ``progress``,
-            ``meta``...); the tokenizer is saved with the model when ``out`` is given.
-
-    Returns:
-        ``(model, tokenizer, summary)``, ``summary`` as :func:`~attnlab.training.train`
-        returns it.
-    """
-    from .models import ToyAttnLM, ToyConfig
-    from .text import CharTokenizer
-    from .text.corpus import PATTERNS, pattern_corpus
-    from .training import TrainConfig, train
-
-    corpus = f"repeating patterns {', '.join(PATTERNS)}" if text is None else "the given text"
-    text = text or pattern_corpus(seed=seed)
-    tokenizer = CharTokenizer.from_text(text)
-    cfg = TrainConfig(steps=steps, batch_size=32, context=24, lr=1e-2, warmup=20,
-                      eval_every=max(1, steps // 8) if eval_every is None else eval_every,
-                      seed=seed)
-    torch.manual_seed(seed)
-    model = ToyAttnLM(ToyConfig(vocab_size=tokenizer.vocab_size, context_length=cfg.context,
-                                d_model=32))
-    if attn_dropout is not None:
-        model.attn.dropout = attn_dropout
-    if resid_dropout is not None:
-        model.attn.resid_dropout = resid_dropout
-    if log is not None:
-        log(f"Training ToyAttnLM ({sum(p.numel() for p in model.parameters()):,} parameters, "
-            f"one causal head) on {len(text):,} characters of {corpus}")
-    summary = train(model, torch.tensor(tokenizer.encode(text)), cfg, tokenizer=tokenizer,
-                    log=log, **train_kw)
-    return model, tokenizer, summary
-
-
-# DEMO_OUT (io.files) and SAMPLE (text.corpus) live below the models, where interop's
-# "no model given: use the demo's" reads them too.
 
 
 def run_demo(out: str = DEMO_OUT, steps: int = 400, seed: int = 0,

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from attnlab import experiments as E
 from attnlab.checkpoint import load_checkpoint, load_checkpoint_tokenizer
 from attnlab.demo import run_demo
+from attnlab.experiments import ablation as E
 from attnlab.models import GPT, GPTConfig
 
 
@@ -107,7 +107,7 @@ def rope_gpt():
     model = GPT(GPTConfig(vocab_size=50, context_length=32, d_model=32, num_layers=2,
                           num_heads=4, num_kv_heads=2, positions="rope")).eval()
     with torch.no_grad():  # sharpen the scores, which random init keeps near zero
-        for mha in E._attention_modules(model):
+        for mha in E.attention_layers(model):
             mha.W_query.weight.mul_(4)
     ids = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(0))
     return model, ids
@@ -116,7 +116,7 @@ def rope_gpt():
 def _scores_from_rotated_qk(model, ids, kind):
     """Per layer, the pre-softmax scores built here from the raw projections (rotated,
     then ablated as ``kind`` defines), and the model's real attention weights."""
-    modules = E._attention_modules(model)
+    modules = E.attention_layers(model)
     raw: dict = {"q": [], "k": []}
     hooks = [m.W_query.register_forward_hook(lambda _m, _i, o: raw["q"].append(o))
              for m in modules]
@@ -173,13 +173,13 @@ def test_rope_measures_match_scores_from_rotated_qk(rope_gpt, kind):
 
 @pytest.mark.slow
 def test_cli_ablate_without_ckpt_trains_the_demo_model_first(tmp_path, monkeypatch, capsys):
-    import attnlab.cli_ablate
+    import attnlab.cli.ablate
     from attnlab.cli import main
 
     # What only this test checks is the path without --ckpt: the demo model is trained
     # first and the report is written. That the ablations raise the loss is
     # test_ablation_measures_are_exact's job, on a trained model; a short run suffices here.
-    monkeypatch.setattr(attnlab.cli_ablate, "_DEMO_STEPS", 40)
+    monkeypatch.setattr(attnlab.cli.ablate, "_DEMO_STEPS", 40)
     monkeypatch.chdir(tmp_path)  # the demo model goes to ./attnlab-demo by default
     assert main(["ablate", "--json", "ab.json"]) == 0
     out = capsys.readouterr().out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab import heads as Hd
+from attnlab.experiments import heads as Hd
 from attnlab.models import GPT, Encoder, EncoderConfig, GPTConfig, ToyAttnLM
 from attnlab.viz import rollout
 

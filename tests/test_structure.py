@@ -1,4 +1,4 @@
-"""The package's shape: every import goes down the layers of DESIGN.md, no cycles, small files.
+"""The package's shape: every import goes down the layers of docs/DESIGN.md, no cycles, small files.
 
 Imports are read from the source (top level and inside functions alike), so a
 lazy ``from ..interop import x`` inside a method counts as much as one at the top.
@@ -7,33 +7,35 @@ lazy ``from ..interop import x`` inside a method counts as much as one at the to
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "attnlab"
+DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 
-# Layer of each module (the longest matching name wins), bottom to top. A module
-# may import its own layer and the layers below. It follows DESIGN.md's list;
-# where that list puts a layer higher than anything it needs (text/, viz/ and the
-# plain-data layout code of interop/hf.py), the layer sits lower, so the models
-# can call down into interop.hf for ``from_hf`` without a cycle.
+# Layer of each module (the longest matching name wins), bottom to top: DESIGN's list,
+# as docs/DESIGN.md's layer table writes it (test_the_design_document_states_these_layers
+# holds the two equal). A module may import its own layer and the layers below.
 LAYERS = {
-    "attnlab.checks": 0, "attnlab.io": 0, "attnlab.reference": 0, "attnlab._version": 0,
-    "attnlab.masks": 1, "attnlab.rope": 1, "attnlab.cache": 1, "attnlab.text": 1,
-    "attnlab.viz": 1, "attnlab.interop": 1, "attnlab.interop.hf": 1,
-    "attnlab._tiled": 2, "attnlab._sdpa": 2, "attnlab._native": 2, "attnlab._flash": 2,
-    "attnlab.functional": 2, "attnlab.backends": 2, "attnlab._eager": 2,
-    "attnlab._decode": 2,
-    "attnlab.modules": 3,
-    "attnlab.models": 4,
-    "attnlab.checkpoint": 5,
-    "attnlab.training": 6, "attnlab.progress": 6, "attnlab.interop.minilm": 6,
-    "attnlab.interop.auto": 6,
-    "attnlab.experiments": 7, "attnlab.demo": 7, "attnlab.heads": 7, "attnlab.check": 7,
-    "attnlab.lessons": 7,
-    "attnlab.bench": 8,
-    "attnlab.cli": 9, "attnlab.cli_ablate": 9, "attnlab.__main__": 9,
+    "attnlab.checks": 0, "attnlab.config": 0, "attnlab.io": 0, "attnlab._version": 0,
+    "attnlab.reference": 1,
+    "attnlab.masks": 2,
+    "attnlab.rope": 3, "attnlab.cache": 3,
+    "attnlab.text": 4, "attnlab.viz": 4,
+    "attnlab.layouts": 5,
+    "attnlab.functional": 6, "attnlab._sdpa": 6, "attnlab._tiled": 6, "attnlab._native": 6,
+    "attnlab._flash": 6, "attnlab._decode": 6, "attnlab.backends": 6, "attnlab._eager": 6,
+    "attnlab.modules": 7,
+    "attnlab.models": 8,
+    "attnlab.checkpoint": 9, "attnlab.training": 9, "attnlab.progress": 9,
+    "attnlab.recipe": 9,
+    "attnlab.interop": 10,
+    "attnlab.experiments": 11, "attnlab.heads": 11,
+    "attnlab.lessons": 12, "attnlab.check": 12,
+    "attnlab.bench": 13,
+    "attnlab.cli": 14, "attnlab.demo": 14, "attnlab.__main__": 14,
 }
 MAX_LINES = 400
 
@@ -122,3 +124,32 @@ def test_the_package_face_imports_only_what_it_reexports():
 def test_files_stay_small(path):
     lines = len(path.read_text(encoding="utf-8").splitlines())
     assert lines < MAX_LINES, f"{path.name} has {lines} lines; split it by job"
+
+
+def _design_layers() -> dict[str, int]:
+    """docs/DESIGN.md's layer table as ``{module: layer}``: the rows after the
+    ``<!-- layers`` marker, up to the first line that is not a table row."""
+    lines = DESIGN.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- layers"))
+    table: dict[str, int] = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not cells[0].isdigit():
+            continue  # the header and its rule
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            table[f"attnlab.{name.rstrip('/')}"] = int(cells[0])
+    return table
+
+
+def test_the_design_document_states_these_layers():
+    """The repository's own design document and this test say the same layers."""
+    assert _design_layers() == LAYERS
+
+
+def test_the_design_document_names_every_top_level_module():
+    tops = {p.stem for p in ROOT.glob("*.py") if p.name != "__init__.py"}
+    tops |= {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    missing = sorted(f"attnlab.{t}" for t in tops if f"attnlab.{t}" not in _design_layers())
+    assert missing == [], f"docs/DESIGN.md's layer table does not name {missing}"

@@ -92,7 +92,7 @@ def folder(shape: str) -> Path:
 
 def weight_bytes(shape: str) -> int:
     """Bytes of the weights as stored (a tied output layer once)."""
-    from ..interop.hf import read_folder
+    from ..layouts.hf import read_folder
 
     _, state = read_folder(folder(shape))
     total = 0

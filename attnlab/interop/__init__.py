@@ -1,11 +1,12 @@
-"""Real weights: Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2; BERT, RoBERTa,
-DistilBERT) and the bundled MiniLM.
+"""Ready-made models: the bundled MiniLM and the ``--model`` lookup of the command line.
 
-:mod:`.hf` maps transformers configs and state dicts to attnlab's (plain data,
-no model classes): ``GPT.from_hf(model)`` and ``Encoder.from_hf(model)`` build
-from it. :mod:`.minilm` loads the bundled encoder (``load()``, ``embed(sentences)``).
+It sits above :mod:`attnlab.models`: :mod:`.minilm` builds the bundled encoder
+(``load()``, ``embed(sentences)``) and :mod:`.auto` finds what ``--model`` names (a
+checkpoint, a Hugging Face folder, ``minilm``). The plain-data maps from Hugging Face
+layouts to attnlab's live one layer below the models, in :mod:`attnlab.layouts`;
+``gpt_layout`` and ``encoder_layout`` are re-exported here for older callers.
 """
 
-from .hf import encoder_layout, gpt_layout
+from ..layouts.hf import encoder_layout, gpt_layout
 
 __all__ = ["gpt_layout", "encoder_layout"]

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT
+from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 from ..models import GPT, MODEL_TYPES, Encoder
-from .hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 
 __all__ = ["load_for_cli", "load_hf_folder", "known_text"]
 
@@ -69,7 +69,7 @@ def load_for_cli(ckpt: str | None, model: str | None, *,
     import sys
 
     from ..checkpoint import load_checkpoint, load_checkpoint_tokenizer, read_config
-    from ..io.files import DEMO_OUT
+    from ..recipe import DEMO_OUT
 
     if ckpt is None and model is None and demo_fallback:
         if not (Path(DEMO_OUT) / CONFIG_FILE).is_file():
@@ -106,7 +106,7 @@ def known_text(meta: dict, tokenizer: object, max_tokens: int = 40) -> str | Non
     """A text the model of checkpoint ``meta`` can read, to offer when the user's cannot:
     the demo's sentence for the demo's model, else the start of the held-out text its
     training recorded (decoded with ``tokenizer``); None when neither is known."""
-    from ..text.corpus import SAMPLE
+    from ..recipe import SAMPLE
 
     if meta.get("demo"):
         return SAMPLE

@@ -16,10 +16,11 @@ import torch
 
 from ..checks import positive_int
 from ..io import MODEL_FILE
-from ..io.weights import SafetensorsState, build_loaded
+from ..io.weights import SafetensorsState
+from ..layouts.hf import bert_config, bert_state
 from ..models import Encoder, EncoderConfig
+from ..models.loading import build_loaded
 from ..text import HFTokenizer
-from .hf import bert_config, bert_state
 
 _LOADED: tuple[Encoder, HFTokenizer, int] | None = None
 

@@ -31,8 +31,6 @@ STATE_JSON = "training_state.json"
 SUMMARY_FILE = "summary.json"
 HEATMAP_FILE = "attention.png"
 EXPLORER_FILE = "attention.html"
-#: Where ``attnlab demo`` writes, and where ``attnlab show`` looks when given no model.
-DEMO_OUT = "attnlab-demo"
 # Inside the folders attnlab.io.atomic_dir builds: proves a leftover is attnlab's.
 ATOMIC_MARKER = ".attnlab-atomic"
 OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,

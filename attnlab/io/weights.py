@@ -1,8 +1,10 @@
-"""Loading a state dict into a model: the one place names, shapes and dtypes are checked.
+"""Reading weights from safetensors files: lazily, memory-mapped, in bounded chunks.
 
-Checkpoints, Hugging Face layouts, the bundled MiniLM and a training resume all
-load weights through :func:`load_state`, so a mismatch always reads the same
-way and names where the weights came from.
+:class:`SafetensorsState` is the tensors of one or more files (a sharded checkpoint)
+read on look-up; :func:`read_into` copies a mapped tensor into a model's parameter
+through a small bounce buffer, so the file's pages never become part of the process.
+Pure file reading: fitting the tensors to a model (names, shapes, dtypes, building on
+the meta device) is :mod:`attnlab.models.loading`.
 """
 
 from __future__ import annotations
@@ -12,193 +14,18 @@ import mmap
 import os
 import struct
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .files import CheckpointError
 from .tensors import check_file
 
-__all__ = ["load_state", "state_mismatches", "build_loaded", "read_into",
-           "SafetensorsState"]
+__all__ = ["read_into", "SafetensorsState"]
 
 
-def _kind(dtype: torch.dtype) -> str:
-    if dtype.is_floating_point:
-        return "float"
-    return "complex" if dtype.is_complex else str(dtype)
-
-
-def state_mismatches(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                     given: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                     allow_missing: Collection[str] = ()) -> list[str]:
-    """What keeps ``given`` (name -> (shape, dtype)) from loading where ``expected`` is wanted.
-
-    Shapes must be equal; a floating-point tensor may load into a parameter of
-    another floating-point dtype (it is cast, as ``load_state_dict`` does), any
-    other dtype must match in kind. Works on shapes alone, so a safetensors
-    header can be checked before a single weight is read.
-    """
-    problems = []
-    missing = [n for n in expected if n not in given and n not in allow_missing]
-    unexpected = [n for n in given if n not in expected]
-    if missing:
-        problems.append(f"missing {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
-    if unexpected:
-        problems.append(f"unexpected {unexpected[:5]}" + (" ..." if len(unexpected) > 5 else ""))
-    for name, (shape, dtype) in given.items():
-        if name not in expected:
-            continue
-        want_shape, want_dtype = expected[name]
-        if tuple(shape) != tuple(want_shape):
-            problems.append(f"{name!r} has shape {tuple(shape)}, expected {tuple(want_shape)}")
-        elif _kind(dtype) != _kind(want_dtype):
-            problems.append(f"{name!r} has dtype {dtype}, expected {want_dtype}")
-    return problems
-
-
-def _shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    if isinstance(state, SafetensorsState):
-        return state.shapes()  # from the file headers: nothing is read
-    return {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
-
-
-def load_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, source: str,
-               allow_missing: Collection[str] = (), assign: bool = False) -> nn.Module:
-    """Copy ``state`` into ``model`` after checking every name, shape and dtype.
-
-    Args:
-        model: the module to fill; its own ``state_dict()`` says what is expected.
-        state: name -> tensor, in the model's naming.
-        source: where the weights come from, for the message (a file path, "the
-            transformers model", ...).
-        allow_missing: names the model may keep as they are (an output layer tied
-            to the embedding, which the source stores once).
-        assign: make the given tensors the model's parameters instead of copying
-            into them (no second copy; the model may be on the meta device).
-
-    Raises:
-        CheckpointError: ``"<source> does not fit the <Model>: <what differs>"``;
-            the model is unchanged then.
-    """
-    check_fits(model, state, source=source, allow_missing=allow_missing)
-    model.load_state_dict(dict(state.items()), strict=False, assign=assign)
-    return model
-
-
-def check_fits(model: nn.Module, state: Mapping[str, torch.Tensor], *, source: str,
-               allow_missing: Collection[str] = ()) -> None:
-    """CheckpointError ``"<source> does not fit the <Model>: ..."`` unless every name,
-    shape and dtype of ``state`` fits ``model`` (which may be on the meta device)."""
-    own = model.state_dict()
-    problems = state_mismatches({n: (tuple(t.shape), t.dtype) for n, t in own.items()},
-                                _shapes(state), allow_missing)
-    if problems:
-        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
-                              + "; ".join(problems[:4]))
-
-
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (a tied output layer), primary first."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def _set_param(model: nn.Module, name: str, value) -> None:
-    owner, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, attr, value)
-
-
-def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor], *,
-                 source: str) -> nn.Module:
-    """``make()`` a model without allocating or initialising its weights, then fill it
-    from the tensors of ``state``: the weights exist once, never beside a throwaway
-    random copy, and the model owns every one of them.
-
-    The model is built on the meta device; names, shapes and dtypes are checked
-    (:func:`load_state`) before anything is allocated. Every parameter gets storage of
-    its own, filled from its source: a file's tensors straight from disk in chunks
-    (:func:`read_into`), so the model never maps the user's file (replacing or
-    truncating it later changes nothing) and a live model's tensors are copied, never
-    shared (training the loaded model leaves the live one as it was). Parameters
-    that are views of one tensor (weights packed for decoding, see
-    :mod:`attnlab.modules.fused`) get that tensor allocated group by group; a ``dict``
-    state lets go of each tensor as it is copied, so at no point are the weights held
-    twice. Tied parameters (an output layer sharing the embedding) stay tied, whether
-    the source stores them once or twice.
-    """
-    with torch.device("meta"):
-        model = make()
-    tied = _tied_groups(model)
-    aliases = {name for names in tied for name in names[1:]}
-    check_fits(model, state, source=source, allow_missing=aliases)
-    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():
-        blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
-    packed = {name for members in blocks.values()
-              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
-    # One buffer for every chunk read from a file: a new one per tensor would leave
-    # holes between the blocks that the allocator keeps.
-    bounce = torch.empty(_CHUNK, dtype=torch.uint8)
-    # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
-    # the given one would keep the user's file mapped (its pages read whenever used) or
-    # share a live model's storage.
-    own = {}
-    with torch.no_grad():
-        for name in [n for n in state if n not in packed and n not in aliases]:
-            src = state[name]
-            own[name] = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-            read_into(own[name], src, bounce)
-            del src
-            if isinstance(state, dict):
-                del state[name]  # freed now (unless a live model still holds it)
-    model.load_state_dict(own, strict=False, assign=True)
-    del own
-    for members in blocks.values():
-        if members[0][0] in packed:
-            _fill_block(model, members, state, bounce)
-    for names in tied:
-        primary = model.get_parameter(names[0])
-        for name in names[1:]:
-            _set_param(model, name, primary)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
-                              f"missing {left[:5]}")
-    return model
-
-
-def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
-                state: Mapping, bounce: torch.Tensor) -> None:
-    """Allocate the one tensor that ``members`` (meta parameters) are views of, in the
-    sources' dtype and device, and copy each source into its view."""
-    given = [state[n] for n, _ in members if n in state]
-    if not given:
-        return
-    first = given[0]
-    del given
-    meta = members[0][1]
-    numel = meta.untyped_storage().nbytes() // meta.element_size()
-    with torch.no_grad():
-        base = torch.empty(numel, dtype=first.dtype, device=first.device)
-        del first
-        views = []
-        for name, p in members:
-            view = base.as_strided(p.shape, p.stride(), p.storage_offset())
-            _set_param(model, name, nn.Parameter(view, requires_grad=p.requires_grad))
-            views.append(view)
-        for (name, _), view in zip(members, views):
-            if name in state:
-                read_into(view, state[name], bounce)
-                if isinstance(state, dict):
-                    del state[name]  # freed now (unless a live model still holds it)
-
-
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
 def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None = None) -> None:
@@ -226,7 +53,7 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
         return
     offset += src.storage_offset() * es
     if bounce is None or bounce.numel() < row:
-        bounce = torch.empty(max(_CHUNK, row), dtype=torch.uint8)
+        bounce = torch.empty(max(CHUNK, row), dtype=torch.uint8)
     step = (bounce.numel() - row) // pitch + 1  # rows a chunk holds
     raw = bounce.numpy()
     for a in range(0, src.shape[0], step):

@@ -14,7 +14,6 @@ from torch import nn
 
 from .. import masks as _masks
 from ..checks import (
-    Config,
     finite_float,
     fits_in_memory,
     non_negative_int,
@@ -22,12 +21,13 @@ from ..checks import (
     positive_int,
     probability,
 )
-from ..interop.hf import encoder_layout
-from ..io.weights import build_loaded
+from ..config import Config
+from ..layouts.hf import encoder_layout
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout, embedding
 from .gpt import _source
 from .ids import check_ids
+from .loading import build_loaded
 from .outputs import with_extras
 
 

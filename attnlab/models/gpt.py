@@ -17,7 +17,6 @@ from torch import nn
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import (
-    Config,
     boolean,
     finite_float,
     fits_in_memory,
@@ -27,14 +26,15 @@ from ..checks import (
     positive_int,
     probability,
 )
+from ..config import Config
 from ..functional import may_decode
-from ..interop.hf import gpt_layout
-from ..io.weights import build_loaded
+from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, dropout, embedding, make_norm
 from . import decoding
 from .generation import GenerationMixin
 from .ids import check_ids
+from .loading import build_loaded
 from .outputs import with_extras
 
 _CHOICES = {

@@ -15,7 +15,8 @@ from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import Config, fits_in_memory, non_negative_int, positive_int, probability
+from ..checks import fits_in_memory, non_negative_int, positive_int, probability
+from ..config import Config
 from ..modules import MultiHeadAttention
 from ..modules.layers import embedding
 from .generation import GenerationMixin

@@ -27,7 +27,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 def embedding(num: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
     """``nn.Embedding(num, dim, padding_idx)``; built on the meta device (weights to be
-    loaded, see ``io.weights.build_loaded``) it skips the random initialisation, whose
+    loaded, see ``models.loading.build_loaded``) it skips the random initialisation, whose
     ``normal_`` on meta tensors imports torch's Python decompositions: about 70 MB that
     a process loading a model would otherwise carry for nothing."""
     if torch.get_default_device().type == "meta":

@@ -6,8 +6,6 @@ from __future__ import annotations
 # letter came *before* the "a", so the current token alone cannot tell; the one
 # head has to look back at the previous token. "xyz" runs need no look-back.
 PATTERNS = ("ab", "ac", "ad", "xyz")
-#: A sentence of only the corpus's characters (" abcdxyz"): a model trained on it knows it.
-SAMPLE = "ababab acacac xyzxyz"
 
 
 def pattern_corpus(n_runs: int = 3000, seed: int = 0) -> str:

@@ -107,7 +107,7 @@ def test_refused_naming_the_argument(call, exc, name):
 
 
 def test_hf_layout_configs_name_the_missing_field():
-    from attnlab.interop import hf
+    from attnlab.layouts import hf
 
     for fn in (hf.gpt2_config, hf.llama_config, hf.bert_config):
         with pytest.raises(ValueError):

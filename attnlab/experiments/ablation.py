@@ -26,18 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import one_of, probability
-from .demo import train_demo_model
-from .modules import MultiHeadAttention
+from ..checks import one_of, probability
+from ..modules import MultiHeadAttention
+from ..recipe import train_demo_model
+from .layers import attention_layers
 
 ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
-
-
-def _attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
-    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not found:
-        raise ValueError(f"model has no MultiHeadAttention modules: {type(model).__name__}")
-    return found
 
 
 def _first_position(t: torch.Tensor) -> torch.Tensor:  # (B, H, T, D): position 0 everywhere
@@ -78,7 +72,7 @@ def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> I
     ``out_proj`` (lists, in call order).
     """
     one_of("ablation", kind, (*ABLATIONS, None))
-    modules = _attention_modules(model)
+    modules = attention_layers(model)
     previous = [mha.qkv_hook for mha in modules]  # restored on exit (the innermost block wins)
     handles = []
     try:
@@ -106,7 +100,7 @@ def lm_loss(model: nn.Module, ids: torch.Tensor, **kw) -> float:
 
 
 def _allowed(mha: MultiHeadAttention, q_len: int, k_len: int) -> torch.Tensor:
-    from . import masks
+    from .. import masks
 
     rule = masks.structural(q_len, k_len, causal=mha.causal, window=mha.window)
     return torch.ones(q_len, k_len, dtype=torch.bool) if rule is None else rule
@@ -236,7 +230,7 @@ def explain(model: nn.Module, tokenizer, text: str) -> dict:
     layers with the residual path), and gradient x input saliency (:func:`saliency`:
     what changed the prediction). Each row sums to 1.
     """
-    from .viz import capture, rollout
+    from ..viz import capture, rollout
 
     tokens, attentions = capture(model, tokenizer, text)  # per layer (heads, seq, seq)
     ids = torch.tensor(tokenizer.encode(text))
@@ -250,7 +244,7 @@ def dropout_placement(*, p: float = 0.2, steps: int = 200, seed: int = 0,
                       text: str | None = None) -> dict[str, dict[str, float]]:
     """Train the demo's ToyAttnLM three times: dropout on the weights, on the output, none.
 
-    Each run is the demo's recipe (:func:`attnlab.demo.train_demo_model`) with the
+    Each run is the demo's recipe (:func:`attnlab.recipe.train_demo_model`) with the
     same seed, so the three differ only in where dropout ``p`` is applied.
 
     Returns ``{"none" | "weights" | "output": {"loss", "train_loss", "eval_loss"}}``
@@ -271,8 +265,8 @@ def dropout_placement(*, p: float = 0.2, steps: int = 200, seed: int = 0,
 def held_out_batch(tokenizer, *, batch: int = 16, length: int = 25, seed: int = 0
                    ) -> torch.Tensor:
     """``(batch, length)`` windows of a pattern corpus the demo model never saw."""
-    from .text.corpus import pattern_corpus
-    from .training import sample
+    from ..text.corpus import pattern_corpus
+    from ..training import sample
 
     stream = torch.tensor(tokenizer.encode(pattern_corpus(n_runs=400, seed=seed + 1000)))
     return sample(stream, batch, length - 1, torch.Generator().manual_seed(seed))

@@ -1,214 +1,33 @@
-"""Checkpoints: ``model.safetensors`` + ``config.json`` (+ ``tokenizer.json``) in one directory.
-
-The one home of the checkpoint directory: its files (names in :mod:`attnlab.io`),
-the model and the training state a run resumes from, and the rules for an
-output directory (attnlab replaces only folders it wrote). Written atomically
-through :func:`attnlab.io.atomic_dir` (a finished directory replaces the old
-one in a rename), read without pickle.
+"""The training state a run resumes from: optimizer moments, generators, settings, history,
+and the best checkpoint kept in ``OUT/best/``; written in the same atomic swap as the model.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from .checks import non_negative_int
-from .io import (
+from ..checks import non_negative_int
+from ..io import (
     BEST_DIR,
     CONFIG_FILE,
     MODEL_FILE,
     STATE_JSON,
     STATE_TENSORS,
-    TOKENIZER_FILE,
     CheckpointError,
     atomic_dir,
     atomic_write_json,
     load_tensors,
     read_json,
-    recover_dir,
     save_tensors,
 )
-from .io.locks import output_lock
-from .io.outdir import check_parent_writable, foreign_entries
-from .io.reading import CONFIG_LIMIT, STATE_LIMIT
-from .io.weights import SafetensorsState, build_loaded, load_state
-
-FORMAT = 1
-
-__all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
-           "write_model_files", "CheckpointError"]
-
-
-def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokenizer=None,
-                      weights: dict[str, torch.Tensor] | None = None, **extra: Any) -> None:
-    """Write the model's weights, config (and tokenizer) into an existing directory.
-
-    ``weights``: a state dict of ``model``'s to write instead of its current one (the
-    best checkpoint of a run, kept from an earlier step)."""
-    model_type = getattr(model, "model_type", None)
-    if model_type is None or not hasattr(model, "config"):
-        raise TypeError(
-            f"model must be an attnlab model (ToyAttnLM, GPT or Encoder), got "
-            f"{type(model).__name__}"
-        )
-    directory = Path(directory)
-    save_tensors(directory / MODEL_FILE, model.state_dict() if weights is None else weights)
-    if tokenizer is not None:
-        tokenizer.save(directory / TOKENIZER_FILE)
-    atomic_write_json(directory / CONFIG_FILE, {
-        "format": FORMAT, "model_type": model_type, "config": model.config.to_dict(), **extra,
-    })
-
-
-def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
-                    **extra: Any) -> Path:
-    """Save ``model`` (and ``tokenizer``) to ``directory``, replacing it atomically.
-
-    ``extra`` keyword arguments (JSON-serialisable) are stored in ``config.json``.
-    ``directory`` must be new, empty or an attnlab checkpoint (:func:`check_out_dir`,
-    the rule ``--out`` follows too): a folder of other files is refused, not replaced.
-    A run writing to it (``attnlab train``) holds its lock, and is not overwritten.
-    """
-    check_out_dir(directory, "directory")
-    with output_lock(directory, "directory"), atomic_dir(directory) as tmp:
-        write_model_files(tmp, model, tokenizer=tokenizer, **extra)
-    return Path(directory)
-
-
-def read_config(directory: str | os.PathLike) -> dict:
-    directory = Path(directory)
-    recover_dir(directory)
-    if directory.is_file():
-        raise CheckpointError(f"{str(directory)!r} is a file, expected a checkpoint directory")
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
-    return read_json(directory / CONFIG_FILE, CONFIG_LIMIT)
-
-
-def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> nn.Module:
-    """Rebuild the model saved in ``directory`` (in eval mode)."""
-    from .models import MODEL_TYPES
-
-    directory = Path(directory)
-    meta = read_config(directory)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{str(directory / CONFIG_FILE)!r}: format must be {FORMAT}, got "
-            f"{meta.get('format')!r} (written by another attnlab version, or not by attnlab)")
-    model_type = meta.get("model_type")
-    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise CheckpointError(
-            f"{str(directory / CONFIG_FILE)!r}: model_type must be one of "
-            f"{sorted(MODEL_TYPES)}, got {model_type!r}"
-        )
-    cls, config_cls = MODEL_TYPES[model_type]
-    try:
-        config = config_cls.from_dict(meta.get("config", {}))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: bad config: {exc}") from exc
-    # Built on the meta device and checked against the file's header first: a config
-    # that does not fit the weights is refused before anything is allocated.
-    source = f"{str(directory / MODEL_FILE)!r}"
-    state = SafetensorsState([directory / MODEL_FILE], device=str(map_location))
-    model = build_loaded(lambda: cls(config), state, source=source)
-    bad = next((n for n, t in model.state_dict().items()
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
-    if bad is not None:  # a diverged run's weights: every output would be NaN
-        raise CheckpointError(f"{source}: tensor {bad!r} holds NaN or inf; expected finite "
-                              "weights (the run that wrote them diverged)")
-    return model.to(map_location).eval()
-
-
-def load_checkpoint_tokenizer(directory: str | os.PathLike):
-    """The tokenizer saved beside the model, or None.
-
-    A tokenizer with more ids than the model's vocabulary is refused here: the
-    model would fail on the extra ids deep inside its embedding (an IndexError)
-    instead of saying which file is wrong.
-    """
-    from .text import load_tokenizer
-
-    directory = Path(directory)
-    recover_dir(directory)
-    path = directory / TOKENIZER_FILE
-    if not path.exists():
-        return None
-    tokenizer = load_tokenizer(path)
-    if (directory / CONFIG_FILE).exists():
-        config = read_config(directory).get("config")
-        vocab = config.get("vocab_size") if isinstance(config, dict) else None
-        if isinstance(vocab, int) and tokenizer.vocab_size > vocab:
-            raise CheckpointError(
-                f"{str(path)!r} has {tokenizer.vocab_size} tokens but the model in "
-                f"{str(directory / CONFIG_FILE)!r} has vocab_size {vocab}; expected at most "
-                f"{vocab} (the tokenizer does not belong to this model)")
-    return tokenizer
-
-
-# ------------------------------------------------------------------ output directories
-
-
-def _not_ours(out: Path, why: str, name: str) -> ValueError:
-    return ValueError(
-        f"{name} {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
-        "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
-
-
-def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
-    """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
-
-    The one rule for every writer of a checkpoint folder (training, the demo,
-    :func:`save_checkpoint`). A checkpoint replaces its directory as a whole
-    (atomically), so writing one into a folder of other files would delete them.
-    A ``config.json`` alone proves nothing (a Hugging Face model has one too): it
-    must be attnlab's, and every other entry a file attnlab writes there
-    (:func:`attnlab.io.outdir.foreign_entries`). ``name`` is what the message
-    calls ``out`` (the CLI option, or the API argument).
-    """
-    check_parent_writable(out, name)
-    out = Path(out)
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"{name} {str(out)!r} is a file; expected a directory for the "
-                         "checkpoint")
-    entries = sorted(e.name for e in out.iterdir())
-    if not entries:
-        return
-    if not (out / CONFIG_FILE).is_file():
-        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0]!r}", name)
-    try:
-        config = read_json(out / CONFIG_FILE, CONFIG_LIMIT)
-    except CheckpointError as exc:
-        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}", name) from None
-    if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
-        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type", name)
-    foreign = foreign_entries(out)
-    if foreign:
-        raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
-                        + (" ..." if len(foreign) > 3 else ""), name)
-
-
-def has_checkpoint(out: str | os.PathLike) -> bool:
-    out = Path(out)
-    recover_dir(out)  # a writer killed between its two renames left the copy beside it
-    return (out / STATE_JSON).exists() and (out / CONFIG_FILE).exists()
-
-
-@torch.no_grad()
-def same_weights(a: nn.Module, b: nn.Module) -> bool:
-    """True when two models hold bit-identical parameters and buffers."""
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-# ------------------------------------------------------------------ training state
+from ..io.reading import CONFIG_LIMIT, STATE_LIMIT
+from ..models.loading import load_state
+from .format import read_config, write_model_files
 
 
 def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

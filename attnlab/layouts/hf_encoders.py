@@ -9,7 +9,7 @@ All three are BERT's post-norm block; they differ in names and in positions:
 - DistilBERT: other names (``q_lin``, ``sa_layer_norm``, ``ffn.lin1`` ...), no
   segment embeddings (a zero one-row table stands in), LayerNorm eps 1e-12.
 
-Plain data as in :mod:`attnlab.interop.hf`: config dict in, ``EncoderConfig``
+Plain data as in :mod:`attnlab.layouts.hf`: config dict in, ``EncoderConfig``
 values out; state dict in, attnlab state dict out.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .layout import Config, Tensors, _detached, _field, _require, _strip
+from .common import Config, Tensors, _detached, _field, _require, _strip
 
 _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
                 "gelu_pytorch_tanh": "gelu_tanh"}

@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import experiments, heads
-from .interop.auto import load_for_cli
+from .. import experiments
+from ..experiments import heads
+from ..interop.auto import load_for_cli
 
 _DEMO_STEPS = 400  # the demo's own length: ~45 s of CPU time, about a minute on a laptop
 
@@ -59,8 +60,8 @@ def _full_rows(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every file and folder this run will write, checked before any model is trained
     or loaded: a bad --json must not cost the whole run."""
-    from .checkpoint import check_out_dir
-    from .io.outdir import check_out_file
+    from ..checkpoint import check_out_dir
+    from ..io.outdir import check_out_file
 
     if args.ckpt is None and args.model is None:
         check_out_dir(args.out)  # the demo model's checkpoint (run_demo checks it again)
@@ -71,7 +72,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
-    from .demo import run_demo
+    from ..demo import run_demo
 
     if args.head is not None and args.layer is None:
         raise ValueError("--head needs --layer L (the layer the head is in)")
@@ -90,7 +91,7 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
     if args.heads:
         results = heads.head_importance(model, ids, mask)
         print(heads.format_head_table(results))
-        from .viz import save_head_importance
+        from ..viz import save_head_importance
 
         png = save_head_importance(args.png, {"head output zeroed": results["zero"],
                                               "uniform attention": results["uniform"]},
@@ -118,7 +119,7 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
     if args.json == "-":
         print(json.dumps(results, indent=1))
     elif args.json:
-        from .io import atomic_write_json
+        from ..io import atomic_write_json
 
         atomic_write_json(args.json, results)
         print(f"wrote {args.json}")

@@ -88,7 +88,7 @@ def check_layer_count(s: _Named, prefix: str, num_layers: int, key: str) -> None
 
 def _detached(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors detached, views (a transpose, a slice) left as views: building the
-    model copies each one into its parameter (``io.weights.build_loaded``), a file's
+    model copies each one into its parameter (``models.loading.build_loaded``), a file's
     straight from disk, so the weights are never held twice, not even one layer's."""
     return {k: v.detach() for k, v in state.items()}
 

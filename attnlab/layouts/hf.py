@@ -24,8 +24,7 @@ import torch
 from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
-from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
-from .layout import (
+from .common import (
     Config,
     ShapeMismatch,
     Tensors,
@@ -38,6 +37,7 @@ from .layout import (
     check_layer_count,
     check_shapes,
 )
+from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
            "gpt2_config", "gpt2_state", "llama_config", "llama_state", "bert_config",
@@ -359,7 +359,7 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     slices), sharing their storage as a ``state_dict`` does (``GPT.from_hf`` copies
     them into a model of its own). Make them contiguous before writing them to a file
     of their own (``safetensors`` refuses views). Every tensor's shape is checked
-    against the config first: :class:`~attnlab.interop.layout.ShapeMismatch` names the
+    against the config first: :class:`~attnlab.layouts.common.ShapeMismatch` names the
     tensor, the shape found and the shape expected."""
     cfg, state = _parts(model)
     kind = cfg.get("model_type")

@@ -1,13 +1,11 @@
-"""The torchrun process group of a training run: which device, joining, leaving, and
-the mean of a value across ranks (gloo on CPU, nccl on GPU)."""
+"""Training under ``torchrun``: the device of this rank, joining and leaving the group,
+the mean of a value across ranks."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-
-__all__ = ["train_device", "join", "leave", "mean_across"]
 
 
 def train_device() -> torch.device:
@@ -18,7 +16,7 @@ def train_device() -> torch.device:
     return torch.device("cpu")
 
 
-def join(device: torch.device) -> tuple[int, int, bool]:
+def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
     """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU.
     Returns (rank, world size, whether this call created the group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -36,8 +34,8 @@ def join(device: torch.device) -> tuple[int, int, bool]:
     return dist.get_rank(), world, created
 
 
-def leave(wait: bool) -> None:
-    """Leave the group ``join`` created; after a finished run (``wait``), once
+def _leave_group(wait: bool) -> None:
+    """Leave the group ``_dist_setup`` created; after a finished run (``wait``), once
     gloo's worker threads are idle.
 
     A gloo worker frees each collective's work item right after running it; when that
@@ -54,7 +52,7 @@ def leave(wait: bool) -> None:
     dist.destroy_process_group()
 
 
-def mean_across(value: torch.Tensor, world: int) -> float:
+def _mean_across(value: torch.Tensor, world: int) -> float:
     value = value.detach()
     if world > 1:
         import torch.distributed as dist

@@ -1,0 +1,89 @@
+"""The output-folder policy of a checkpoint: attnlab replaces only folders it wrote.
+
+:func:`check_out_dir` is the one rule for every writer (``attnlab train``, the demo,
+:func:`save_checkpoint`); a checkpoint replaces its directory as a whole (atomically,
+through :func:`attnlab.io.atomic_dir`), under the output lock.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..io import (
+    CONFIG_FILE,
+    STATE_JSON,
+    CheckpointError,
+    atomic_dir,
+    read_json,
+    recover_dir,
+)
+from ..io.locks import output_lock
+from ..io.outdir import check_parent_writable, foreign_entries
+from ..io.reading import CONFIG_LIMIT
+from .format import FORMAT, write_model_files
+
+
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
+                    **extra: Any) -> Path:
+    """Save ``model`` (and ``tokenizer``) to ``directory``, replacing it atomically.
+
+    ``extra`` keyword arguments (JSON-serialisable) are stored in ``config.json``.
+    ``directory`` must be new, empty or an attnlab checkpoint (:func:`check_out_dir`,
+    the rule ``--out`` follows too): a folder of other files is refused, not replaced.
+    A run writing to it (``attnlab train``) holds its lock, and is not overwritten.
+    """
+    check_out_dir(directory, "directory")
+    with output_lock(directory, "directory"), atomic_dir(directory) as tmp:
+        write_model_files(tmp, model, tokenizer=tokenizer, **extra)
+    return Path(directory)
+
+
+def _not_ours(out: Path, why: str, name: str) -> ValueError:
+    return ValueError(
+        f"{name} {str(out)!r} is not an attnlab checkpoint ({why}); expected a new or empty "
+        "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
+
+
+def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
+    """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
+
+    The one rule for every writer of a checkpoint folder (training, the demo,
+    :func:`save_checkpoint`). A checkpoint replaces its directory as a whole
+    (atomically), so writing one into a folder of other files would delete them.
+    A ``config.json`` alone proves nothing (a Hugging Face model has one too): it
+    must be attnlab's, and every other entry a file attnlab writes there
+    (:func:`attnlab.io.outdir.foreign_entries`). ``name`` is what the message
+    calls ``out`` (the CLI option, or the API argument).
+    """
+    check_parent_writable(out, name)
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{name} {str(out)!r} is a file; expected a directory for the "
+                         "checkpoint")
+    entries = sorted(e.name for e in out.iterdir())
+    if not entries:
+        return
+    if not (out / CONFIG_FILE).is_file():
+        raise _not_ours(out, f"no {CONFIG_FILE}, but {entries[0]!r}", name)
+    try:
+        config = read_json(out / CONFIG_FILE, CONFIG_LIMIT)
+    except CheckpointError as exc:
+        raise _not_ours(out, f"{CONFIG_FILE}: {str(exc).split(': ', 1)[-1]}", name) from None
+    if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
+        raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type", name)
+    foreign = foreign_entries(out)
+    if foreign:
+        raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
+                        + (" ..." if len(foreign) > 3 else ""), name)
+
+
+def has_checkpoint(out: str | os.PathLike) -> bool:
+    out = Path(out)
+    recover_dir(out)  # a writer killed between its two renames left the copy beside it
+    return (out / STATE_JSON).exists() and (out / CONFIG_FILE).exists()

@@ -1,0 +1,193 @@
+"""The ``attnlab`` command: parses arguments and calls library functions, nothing more.
+
+Every ``ValueError``/``TypeError`` (and the library's own checkpoint errors,
+which are ValueErrors) becomes one line on stderr and exit status 2. A bare
+``attnlab`` is a usage error too: it prints the usage and the list of commands
+on stderr and exits with status 2. Every option's help shows its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .commands import (
+    cmd_ablate,
+    cmd_bench,
+    cmd_check,
+    cmd_demo,
+    cmd_generate,
+    cmd_learn,
+    cmd_show,
+    cmd_train,
+)
+from .options import (
+    _index,
+    _model_options,
+    _new_token_count,
+    _non_negative_float,
+    _Parser,
+    _positive_float,
+    _positive_int,
+    _seed,
+    _step_count,
+)
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .._version import __version__
+
+    parser = _Parser(prog="attnlab", description="Attention mechanisms: exact, fast, visible.",
+                     epilog="Run 'attnlab COMMAND --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    # Not required: a bare ``attnlab`` gets the full usage (main), not argparse's one line.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="train the toy model on the built-in corpus, show what "
+                          "it learned")
+    demo.add_argument("--out", default="attnlab-demo", help="output directory")
+    demo.add_argument("--steps", type=_step_count, default=400, help="training steps")
+    demo.add_argument("--seed", type=_seed, default=0, help="random seed")
+    demo.add_argument("--worked-example", action="store_true",
+                      help="print the 2x2 worked example of attention, step by step, instead")
+    demo.set_defaults(func=cmd_demo)
+
+    train = sub.add_parser("train", help="train a model on the built-in corpus or --text FILE; "
+                           "--resume")
+    train.add_argument("--text", metavar="FILE",
+                       help="UTF-8 text to train on, char-level (default: the built-in corpus)")
+    train.add_argument("--model", choices=["toy", "gpt"], default="gpt", help="which model")
+    train.add_argument("--steps", type=_step_count, default=500, help="total steps")
+    train.add_argument("--batch-size", type=_positive_int, default=32, help="rows per step")
+    train.add_argument("--context", type=_positive_int, default=128,
+                       help="tokens per row (and the model's context length)")
+    train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
+    train.add_argument("--seed", type=_seed, default=0, help="random seed")
+    train.add_argument("--out", default="attnlab-train", help="checkpoint directory")
+    train.add_argument("--checkpoint-every", type=_step_count, default=None,
+                       help="steps between checkpoints, so a killed run can --resume "
+                            "(default: a tenth of --steps)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint in --out (--steps is the total)")
+    train.set_defaults(func=cmd_train)
+
+    generate = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face "
+                              "folder (--model DIR)")
+    _model_options(generate, minilm=False)
+    generate.add_argument("--prompt", required=True, help="text to continue (required)")
+    generate.add_argument("--max-new-tokens", type=_new_token_count, default=100,
+                          help="tokens to add")
+    generate.add_argument("--temperature", type=_non_negative_float, default=1.0,
+                          help="sampling temperature; 0 = greedy")
+    generate.add_argument("--top-k", type=_positive_int, default=None,
+                          help="sample among the k most likely tokens only (default: all)")
+    generate.add_argument("--top-p", type=_positive_float, default=None,
+                          help="nucleus sampling: the most likely tokens up to probability p "
+                               "(default: all)")
+    generate.add_argument("--seed", type=_seed, default=0, help="random seed")
+    generate.set_defaults(func=cmd_generate)
+
+    show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
+                          "HTML explorer")
+    show.add_argument("text", help="the text to look at (any script)")
+    _model_options(show, ckpt_help="an attnlab checkpoint (default, with no --model: "
+                                   "./attnlab-demo, which `attnlab demo` writes)")
+    show.add_argument("--rollout", action="store_true",
+                      help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
+    show.add_argument("--layer", type=_index, default=None,
+                      help="only this layer in the PNG (default: every layer)")
+    show.add_argument("--head", type=_index, default=None,
+                      help="only this head in the PNG (default: every head)")
+    show.add_argument("--out", default="attnlab-show", help="output directory")
+    show.set_defaults(func=cmd_show)
+
+    ablate = sub.add_parser("ablate", help="the Q/K/V, uniform-attention and per-head "
+                            "experiments, as a report")
+    _model_options(ablate, ckpt_help="a trained attnlab checkpoint (default: train the demo "
+                   "model first, about a minute)")
+    ablate.add_argument("--text", metavar="FILE",
+                        help="UTF-8 text to evaluate on (an encoder: one sentence a line); "
+                             "default: the checkpoint's held-out text; required with --model")
+    ablate.add_argument("--heads", action="store_true",
+                        help="the head-importance table: each head alone knocked out")
+    ablate.add_argument("--layer", type=_index, default=None,
+                        help="knock out this layer's heads (all, or --head H) and report")
+    ablate.add_argument("--head", type=_index, default=None, help="with --layer: only this head")
+    ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
+                        help="where --heads draws its layer x head heatmap")
+    ablate.add_argument("--json", metavar="FILE",
+                        help="also write the results as JSON to FILE ('-': print them)")
+    ablate.add_argument("--out", default="attnlab-demo",
+                        help="where the demo model is trained when no --ckpt is given")
+    ablate.add_argument("--seed", type=_seed, default=0, help="random seed")
+    ablate.set_defaults(func=cmd_ablate)
+
+    learn = sub.add_parser("learn", help="lesson N of the learner's path (--lang zh|en); "
+                           "no N: the list")
+    learn.add_argument("number", metavar="N", type=int, nargs="?",
+                       help="the lesson, 1 to 14 (default: list the lessons)")
+    learn.add_argument("--lang", choices=["en", "zh"], default=None,
+                       help="language of the lesson (default: zh when LANG or LC_ALL starts "
+                            "with zh, else en)")
+    learn.add_argument("--text", metavar="SENTENCE",
+                       help="your own sentence for the lessons that use one, e.g. "
+                            "我喜欢蓝色的天空 (default: the lesson's)")
+    learn.add_argument("--out", default="attnlab-lessons", help="folder for the pictures")
+    learn.set_defaults(func=cmd_learn)
+
+    bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
+    bench.add_argument("--suite", action="append",
+                       choices=["attention", "modules", "generate", "encode"],
+                       help="suite to run, repeatable (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
+    bench.add_argument("--case", metavar="TEXT",
+                       help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "
+                            "(default: all)")
+    bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the per-case memory subprocesses")
+    bench.add_argument("--markdown", action="store_true",
+                       help="print Markdown tables at the end (one per suite)")
+    bench.add_argument("--baseline", metavar="IMPL",
+                       help="implementation the Markdown ratios refer to (default: each "
+                            "suite's peer: torch-sdpa, book PyTorchMHA, transformers, "
+                            "sentence-transformers)")
+    bench.add_argument("--under-load", action="store_true",
+                       help="time each case again beside a busy process per core (started "
+                            "before, stopped after it) and set the ratios side by side")
+    bench.set_defaults(func=cmd_bench)
+
+    check = sub.add_parser("check", help="test a learner's own attention against the oracle, "
+                           "name each bug", description="Run FILE's NAME (a function (x), "
+                           "(x, mask) or (q, k, v[, mask]), or an nn.Module class) against the "
+                           "oracle; one line per finding. Exit 0 when clean, 1 when a bug is "
+                           "found, 2 for bad input.")
+    check.add_argument("spec", metavar="FILE:NAME", help="e.g. my_attention.py:SelfAttention")
+    check.add_argument("--lang", choices=["en", "zh"], default=None,
+                       help="language of the findings (default: from the locale)")
+    check.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `attnlab`: what it can do, as a usage error
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"attnlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The commands of ``attnlab``: each parses nothing, reads its arguments and calls the
+library (``ablate``'s longer work is :mod:`.ablate`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import format_worked_example, run_demo, worked_example
+
+    if args.worked_example:
+        print(format_worked_example(worked_example()))
+        return 0
+    run_demo(args.out, steps=args.steps, seed=args.seed)  # checks --out before training
+    return 0
+
+
+def _read_text(path: str | None) -> str:
+    from ..io.reading import TEXT_LIMIT, read_text
+    from ..text.corpus import pattern_corpus
+
+    if path is None:
+        return pattern_corpus()
+    # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
+    text = read_text(path, TEXT_LIMIT, "--text")
+    if not text.strip():
+        raise ValueError(f"--text {path!r} is empty")
+    return text
+
+
+# The sizes of the models ``attnlab train --model`` builds (besides vocab and context).
+_TRAIN_MODELS = {"toy": {"d_model": 64},
+                 "gpt": {"d_model": 128, "num_layers": 4, "num_heads": 4}}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+    from types import SimpleNamespace
+
+    from ..checkpoint import check_out_dir
+    from ..io.locks import output_lock
+    from ..training import check_training_fits
+
+    # Before anything is touched: --batch-size and --context that cannot fit are named
+    # as such (a lower bound, the vocabulary of one token; the model's own check, once
+    # the text is read, would only say the model is too large).
+    check_training_fits(SimpleNamespace(vocab_size=1, **_TRAIN_MODELS[args.model]),
+                        args.batch_size, args.context,
+                        world=max(1, int(os.environ.get("WORLD_SIZE", "1"))))
+    # Before anything is read or trained: a bad --out is known at once, and the
+    # lock keeps a second run off this --out for the whole of this one. Under
+    # torchrun only rank 0 writes, so only rank 0 checks and holds the lock.
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(args)
+    check_out_dir(args.out)
+    with output_lock(args.out):
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..checkpoint import load_checkpoint_tokenizer
+    from ..models import GPT, GPTConfig, ToyAttnLM, ToyConfig
+    from ..text import CharTokenizer
+    from ..training import TrainConfig, default_checkpoint_every, train, train_device
+
+    text = _read_text(args.text)
+    every = args.checkpoint_every or default_checkpoint_every(args.steps)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,
+                      lr=args.lr, seed=args.seed, checkpoint_every=every,
+                      eval_every=max(1, min(100, args.steps // 5)))
+    tokenizer = load_checkpoint_tokenizer(args.out) if args.resume else None
+    tokenizer = tokenizer or CharTokenizer.from_text(text)
+    tokens = torch.tensor(tokenizer.encode(text))
+    torch.manual_seed(args.seed)
+    sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,
+             **_TRAIN_MODELS[args.model]}
+    if args.model == "toy":
+        model = ToyAttnLM(ToyConfig(**sizes))
+    else:
+        model = GPT(GPTConfig(**sizes, dropout=0.0))
+    model.to(train_device())
+    summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
+    rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
+    if rank0 and summary["resumed_from"] == summary["steps"]:
+        print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
+    elif rank0:
+        from ..io import SUMMARY_FILE, atomic_write_json
+
+        atomic_write_json(f"{args.out}/{SUMMARY_FILE}", summary)
+        best = (f"; lowest eval {summary['best_eval_loss']:.4f} (step {summary['best_step']}) "
+                f"in {args.out}/best/" if summary["best_step"] != summary["steps"] else "")
+        print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
+              f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/{best}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..interop.auto import load_for_cli
+    from ..models import decoding
+    from ..models.generation import check_sampling
+
+    # Before the model is loaded (minutes for a large folder): a bad option is one line.
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
+    try:
+        ids = tokenizer.encode(args.prompt)
+    except ValueError as exc:
+        raise ValueError(f"--prompt: {exc}") from None
+    if not ids:
+        raise ValueError("--prompt is empty")
+    if not hasattr(model, "generate"):
+        given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
+        raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
+                         "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
+                         "Mistral or Qwen2 folder)")
+    gen = torch.Generator().manual_seed(args.seed)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    # Text pieces, not one decode per token: a character split over several byte-level
+    # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
+    # between the tokens here, so the fused decoding plan is made once (as generate).
+    with decoding.held(model, [ids]):
+        for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, generator=gen,
+                                  use_cache=len(ids) + args.max_new_tokens
+                                  <= model.context_length, tokenizer=tokenizer):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from ..interop.auto import known_text, load_for_cli
+    from ..io.outdir import check_own_dir
+    from ..viz import show_attention
+
+    check_own_dir(args.out)  # before the model is loaded (show_attention checks it again)
+    model, tokenizer, meta = load_for_cli(args.ckpt, args.model, demo_fallback=True)
+    paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
+                           head=args.head, rollout=args.rollout,
+                           example=known_text(meta, tokenizer))
+    print(f"wrote {paths['png']}")
+    print(f"wrote {paths['html']}")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from .ablate import run_ablate
+
+    return run_ablate(args, _read_text)
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    from ..lessons import default_lang, listing, run_lesson
+
+    lang = args.lang or default_lang()
+    if args.number is None:
+        print(listing(lang))
+        return 0
+    return 0 if run_lesson(args.number, lang=lang, out=args.out, text=args.text)["passed"] else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .. import bench
+    from ..io.outdir import check_out_file
+
+    if args.baseline is not None and not args.markdown:
+        raise ValueError(f"--baseline {args.baseline!r} sets what the Markdown tables divide "
+                         "by: add --markdown (the JSON records hold every ratio)")
+    if args.json is not None:
+        check_out_file(args.json, "--json")
+    # bench.run checks --baseline against the chosen cases before any case runs.
+    records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
+                        json_path=args.json, case_filter=args.case, baseline=args.baseline,
+                        under_load=args.under_load)
+    if args.markdown:
+        print(bench.markdown_table(records, baseline=args.baseline))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ..check import check_spec
+
+    report = check_spec(args.spec, lang=args.lang)
+    print(report)
+    return 0 if report.ok else 1

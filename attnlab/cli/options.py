@@ -1,0 +1,92 @@
+"""The command line's argument types and parser: each option checked by the library's own
+rule (:mod:`attnlab.checks`), so an option's error says what the argument it feeds says;
+one-line errors, every default shown in ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..checks import bounded_int, finite_float, non_negative_int, positive_int
+
+
+def _option(parse, check):
+    """An argparse type: ``parse`` the text, then apply the library's own rule
+    (:mod:`attnlab.checks`), so an option says what the argument it feeds says."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text  # the check then names what came
+        try:
+            return check("", value)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc).strip()) from None
+    return convert
+
+
+_positive_int = _option(int, positive_int)
+_positive_float = _option(float, lambda name, value: finite_float(name, value, positive=True))
+_non_negative_float = _option(float, lambda name, value: finite_float(name, value, least=0.0))
+_index = _option(int, non_negative_int)  # --layer, --head: the upper end needs the model
+
+
+def _steps(name: str, value: object) -> int:
+    from ..training import check_steps  # imported when used: the parser stays light
+
+    return check_steps(name, value)
+
+
+def _new_tokens(name: str, value: object) -> int:
+    from ..models.generation import MAX_NEW_TOKENS
+
+    return bounded_int(name, value, 1, MAX_NEW_TOKENS)
+
+
+_step_count = _option(int, _steps)
+_new_token_count = _option(int, _new_tokens)
+
+
+def _seed(text: str) -> int:
+    from ..training import check_seed
+
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [0, 2**63), got {text!r}") from None
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; "off" for a flag, "none" for no value,
+    unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None or action.default is False:
+            return f"{text} (default: {'off' if action.default is False else 'none'})".strip()
+        return f"{text} (default: %(default)s)".strip()
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
+                   ckpt_help: str = "an attnlab checkpoint") -> None:
+    """``--ckpt DIR`` or ``--model DIR`` (a Hugging Face folder; ``minilm`` = the bundled
+    MiniLM where it fits), one of them."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", metavar="DIR", help=ckpt_help)
+    source.add_argument("--model", metavar="minilm|DIR" if minilm else "DIR",
+                        help="a folder written by transformers' save_pretrained (GPT-2, "
+                             "Llama, Mistral, Qwen2, BERT, RoBERTa, DistilBERT; safetensors "
+                             "and tokenizer.json)"
+                             + ("; minilm = the bundled all-MiniLM-L6-v2" if minilm else ""))

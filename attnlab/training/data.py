@@ -1,0 +1,63 @@
+"""A run's data: the train/held-out split, batches drawn from a generator, the loss and
+the held-out evaluation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .settings import TrainConfig
+
+
+def split(tokens: torch.Tensor, context: int, eval_fraction: float = 0.1):
+    """Train on the first 90% of the token stream, evaluate on the rest."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
+    n_eval = max(context + 2, int(len(tokens) * eval_fraction))
+    if len(tokens) - n_eval < context + 2:
+        raise ValueError(
+            f"text is too short: {len(tokens)} tokens, need at least {2 * (context + 2)} "
+            f"for context {context} (a train and a held-out split); use a longer text or "
+            "a smaller --context"
+        )
+    return tokens[:-n_eval], tokens[-n_eval:]
+
+
+HELD_OUT_KEPT = 4096
+
+
+def held_out_record(eval_stream: torch.Tensor) -> dict:
+    """What a checkpoint keeps of its held-out text (``config.json``'s ``held_out``), so
+    experiments on it later measure on text it never trained on: the first
+    :data:`HELD_OUT_KEPT` token ids of the held-out stream (the last 10% of the
+    text), and how many tokens that stream had."""
+    return {"ids": eval_stream[:HELD_OUT_KEPT].tolist(), "tokens": len(eval_stream),
+            "part": "the last 10% of the training text (training.split)"}
+
+
+def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator):
+    """``batch`` random windows of ``context + 1`` tokens: ``(batch, context + 1)``."""
+    starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=gen)
+    return torch.stack([stream[s:s + context + 1] for s in starts.tolist()])
+
+
+def lm_loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.to(next(model.parameters()).device)  # batches are drawn on the CPU
+    logits = model(rows[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
+    """Mean loss on fixed held-out windows (their own generator: training RNG untouched)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    was_training = model.training
+    model.eval()
+    try:
+        losses = [float(lm_loss(model, sample(stream, cfg.batch_size, cfg.context, gen)))
+                  for _ in range(cfg.eval_batches)]
+    finally:
+        model.train(was_training)
+    return sum(losses) / len(losses)

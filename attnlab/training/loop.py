@@ -1,0 +1,282 @@
+"""Training: AdamW, warmup + cosine, clipping, eval, checkpoints that resume bit-exactly.
+
+A run is a function of (model init, data, TrainConfig). Everything that makes
+step n+1 depend on steps 0..n lives in the checkpoint: weights, AdamW moments,
+the step, the batch sampler's generator and torch's RNG (dropout). So a run
+killed at any moment and resumed from its last checkpoint ends with exactly
+the weights of a run never interrupted. Nothing is pickled: tensors go to
+safetensors, the rest to JSON, and the whole directory is swapped in atomically.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in
+DistributedDataParallel (gloo on CPU, nccl on GPU); every rank draws the same
+global batch and trains on its slice of rows; only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import checkpoint
+from ..checkpoint import (
+    check_out_dir,
+    has_checkpoint,
+    nothing_to_resume,
+    read_best,
+    restore_training_state,
+)
+from ..io import BEST_DIR
+from ..io.locks import output_lock
+from ..progress import Progress
+from .data import evaluate, held_out_record, lm_loss, sample, split
+from .distributed import _dist_setup, _leave_group, _mean_across
+from .settings import (
+    TrainConfig,
+    check_training_fits,
+    lr_at,
+)
+
+
+def train(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    cfg: TrainConfig,
+    *,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
+    tokenizer=None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = print,
+    meta: dict | None = None,
+) -> dict:
+    """Train ``model`` (a decoder: ids -> logits) on a 1-D token stream.
+
+    Args:
+        model: ToyAttnLM or GPT, freshly initialised (seed it yourself) or anything
+            a resume will overwrite.
+        tokens: ``(n,)`` token ids; the last 10% are held out for eval loss.
+        cfg: hyperparameters; ``cfg.steps`` is the total number of steps.
+        out: checkpoint directory (written every ``cfg.checkpoint_every`` steps and
+            at the end; see :func:`default_checkpoint_every`); None = no checkpoints.
+            An existing ``out`` must be empty or attnlab's (:func:`check_out_dir`).
+        resume: continue from the checkpoint in ``out``; with none there yet (a run
+            killed before its first checkpoint) start from step 0, with a note on
+            stderr. The saved settings must match ``cfg`` (see RESUMABLE_CHANGES).
+        tokenizer: saved beside the model as ``tokenizer.json``.
+        progress: show progress on stderr (rank 0): a tqdm bar on a terminal, with the
+            eval lines written above it; else a plain line at every tenth of the run
+            and at least every :data:`PIPE_PROGRESS_SECONDS`.
+        log: where eval lines go (rank 0); None for silence.
+        meta: extra JSON fields for ``config.json``.
+
+    Returns:
+        ``{"steps", "final_loss", "eval_loss", "seconds", "tokens_per_s", "history",
+        "resumed_from", "best_step", "best_eval_loss", "overfitting"}`` where history is
+        ``[[step, train_loss, eval_loss|None], ...]``.
+
+    With ``out``, every checkpoint also holds ``out/best/``: the checkpoint (a model
+    folder :func:`attnlab.load_checkpoint` reads) of the step with the lowest held-out
+    loss so far, its step and loss in its ``config.json`` (``"best"``). When the
+    held-out loss climbs well above its best for two evals, one warning line goes to
+    ``log``: the model is overfitting its text.
+    """
+    device = next(model.parameters()).device
+    rank, world, created = _dist_setup(device)
+    try:
+        summary = _train(model, tokens, cfg, rank, world, device, out=out, resume=resume,
+                         tokenizer=tokenizer, progress=progress, log=log, meta=meta)
+    except BaseException:
+        if created:  # no barrier: the other ranks may never come to it
+            _leave_group(wait=False)
+        raise
+    if created:
+        _leave_group(wait=True)
+    return summary
+
+
+def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, progress, log,
+           meta) -> dict:
+    if cfg.batch_size % world:
+        raise ValueError(f"batch-size {cfg.batch_size} must be divisible by the number of "
+                         f"processes ({world})")
+    if cfg.context > model.context_length:
+        raise ValueError(f"context {cfg.context} is longer than the model's context_length "
+                         f"{model.context_length}")
+    check_training_fits(model, cfg.batch_size, cfg.context, world)
+    train_stream, eval_stream = split(tokens, cfg.context)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay)
+    with contextlib.ExitStack() as stack:
+        if out is not None and rank == 0:
+            # Held for the whole run: a second run on the same --out is refused, not
+            # interleaved with this one.
+            check_out_dir(out)
+            stack.enter_context(output_lock(out))
+        return _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world,
+                    device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
+                    log=log, meta=meta)
+
+
+def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
+    kept = (f"the last good checkpoint in {str(out)!r} (step {saved}) is kept" if saved
+            else "no checkpoint was written by this run")
+    return TrainingDiverged(
+        f"training stopped at step {step}: the {what} is {value} (not finite); {kept}; "
+        "lower --lr or check the data and the resumed state")
+
+
+class TrainingDiverged(ValueError):
+    """The loss, a gradient or a weight stopped being finite: nothing more is saved."""
+
+
+class _Best:
+    """The lowest held-out loss so far and the weights that had it (kept in memory, on
+    the CPU, and written as ``out/best/`` with every checkpoint), and the one warning
+    when the held-out loss climbs away from it while training goes on: overfitting."""
+
+    # Warn once the latest eval is this many evals past the best and this much above it:
+    # one noisy eval is not a trend.
+    EVALS_PAST, RISE = 2, 0.02
+
+    def __init__(self, keep: bool, saved: dict | None = None) -> None:
+        self.keep = keep
+        self.step, self.loss, self.weights = None, math.inf, None
+        if saved is not None:
+            self.step, self.loss, self.weights = (saved["step"], saved["eval_loss"],
+                                                  saved["weights"])
+        self.evals_past = 0
+        self.warned = False
+
+    def update(self, step: int, eval_loss: float, model: nn.Module) -> None:
+        if eval_loss < self.loss:
+            self.step, self.loss, self.evals_past = step, eval_loss, 0
+            if self.keep:
+                self.weights = {k: v.detach().to("cpu", copy=True)
+                                for k, v in model.state_dict().items()}
+        else:
+            self.evals_past += 1
+
+    def record(self) -> dict | None:
+        if not self.keep or self.weights is None:
+            return None
+        return {"step": self.step, "eval_loss": self.loss, "weights": self.weights}
+
+    def overfitting(self, step: int, eval_loss: float, train_loss: float, n_tokens: int,
+                    vocab: int | None, out) -> str | None:
+        """The warning, the first time the held-out loss has risen well above its best."""
+        if (self.warned or self.evals_past < self.EVALS_PAST
+                or eval_loss < self.loss * (1 + self.RISE) + self.RISE):
+            return None
+        self.warned = True
+        uniform = ""
+        if vocab and eval_loss > math.log(vocab):
+            uniform = (f", worse than a uniform guess over its {vocab} tokens "
+                       f"(ln {vocab} = {math.log(vocab):.2f}),")
+        kept = (f"; the checkpoint of the lowest held-out loss is kept in "
+                f"{os.path.join(out, BEST_DIR)}/" if out is not None else "")
+        return (f"warning: overfitting: the held-out loss rose from {self.loss:.2f} "
+                f"(step {self.step}) to {eval_loss:.2f} (step {step}){uniform} while the "
+                f"training loss fell to {train_loss:.3f}: the model is memorising its "
+                f"{n_tokens:,}-token text. Train on more text, or use fewer --steps or a "
+                f"smaller --context{kept}")
+
+
+def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
+         out, resume, tokenizer, progress, log, meta) -> dict:
+    step, history, resumed_from = 0, [], None
+    say = log if (log is not None and rank == 0) else (lambda _msg: None)
+    best = _Best(keep=out is not None and rank == 0)
+    if resume:
+        if out is not None and has_checkpoint(out):
+            step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
+            best = _Best(keep=rank == 0, saved=read_best(Path(out)))
+            resumed_from = step
+            say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
+        elif rank == 0:
+            nothing_to_resume(out, log)
+    wrapped = model
+    if world > 1:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    per_rank = cfg.batch_size // world
+    show = Progress(cfg.steps, step) if progress and rank == 0 else None
+    if show is not None and show.bar is not None:
+        say = show.through_bar(say)  # lines above the bar, never through it
+    meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(eval_stream)}
+    start, start_step = time.perf_counter(), step
+    saved = step or None  # the step of the last checkpoint known good
+    model.train()
+    while step < cfg.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        rows = sample(train_stream, cfg.batch_size, cfg.context, gen)
+        rows = rows[rank * per_rank:(rank + 1) * per_rank]
+        loss = lm_loss(wrapped, rows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # The mean over ranks: a NaN on any rank stops every rank at the same step.
+        train_loss = _mean_across(loss, world)
+        if not math.isfinite(train_loss):
+            raise _stop(step + 1, "loss", train_loss, out, saved)
+        norm = float(nn.utils.clip_grad_norm_(model.parameters(),
+                                              cfg.grad_clip or float("inf")))
+        if not math.isfinite(norm):
+            raise _stop(step + 1, "gradient norm", norm, out, saved)
+        optimizer.step()
+        step += 1
+        eval_loss = None
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            eval_loss = evaluate(model, eval_stream, cfg)
+            if not math.isfinite(eval_loss):  # weights that overflow on held-out text
+                raise _stop(step, "eval loss", eval_loss, out, saved)
+            say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
+            best.update(step, eval_loss, model)
+            warning = best.overfitting(step, eval_loss, train_loss,
+                                       len(train_stream) + len(eval_stream),
+                                       getattr(getattr(model, "config", None), "vocab_size",
+                                               None), out)
+            if warning is not None:
+                say(warning)
+        history.append([step, train_loss, eval_loss])
+        if show is not None:
+            elapsed = time.perf_counter() - start
+            show.step(step, train_loss,
+                      (step - start_step) * cfg.batch_size * cfg.context / max(elapsed, 1e-9))
+        due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if out is not None and rank == 0 and (due or step == cfg.steps):
+            bad = next((n for n, p in model.named_parameters()
+                        if not bool(torch.isfinite(p).all())), None)
+            if bad is not None:  # a NaN moment or an absurd weight decay: never save it
+                raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
+            saved = step
+            # best goes positionally: tests wrap this function as (..., *rest)
+            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
+                                           history, tokenizer, meta, best.record())
+    if show is not None:
+        show.close()
+    seconds = time.perf_counter() - start
+    trained = step - start_step
+    evals = [h[2] for h in history if h[2] is not None]
+    return {
+        "steps": step,
+        "final_loss": history[-1][1] if history else None,
+        "eval_loss": evals[-1] if evals else None,
+        "seconds": seconds,
+        "tokens_per_s": trained * cfg.batch_size * cfg.context / seconds if trained else 0.0,
+        "history": history,
+        "resumed_from": resumed_from,
+        "world_size": world,
+        "best_step": best.step,
+        "best_eval_loss": best.loss if best.step is not None else None,
+        "overfitting": best.warned,
+    }
