@@ -166,7 +166,8 @@ def llama_config(cfg: Mapping[str, Any]) -> Config:
     _require(cfg, "hidden_act", ("silu",), "silu")
     hidden, heads = _size(cfg, "hidden_size"), _size(cfg, "num_attention_heads")
     # transformers reads head_dim 0 (or null) as hidden_size // num_attention_heads.
-    head_dim = (hidden // heads if cfg.get("head_dim") == 0 else
+    raw = cfg.get("head_dim")
+    head_dim = (hidden // heads if raw == 0 and not isinstance(raw, bool) else
                 _size(cfg, "head_dim", hidden // heads))
     if head_dim * heads != hidden:
         raise ValueError(f"config head_dim={head_dim} with {heads} heads does not make "
