@@ -34,7 +34,7 @@ def unavailable(q: torch.Tensor) -> str | None:
 
 
 # A property of the CPU and the build: under torch.compile, run (not traced) and kept.
-@torch.compiler.assume_constant_result
+@_native.constant_under_compile
 def tile_kernel() -> bool:
     """Whether the kernel multiplies float32 tiles with its AVX-512 routine (the CPU has
     it) rather than the BLAS torch links. False where the kernel is not available."""

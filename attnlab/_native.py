@@ -352,9 +352,18 @@ def available() -> bool:
     return load() is not None
 
 
+def constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``
+    (about 2 s at every start, for every CLI command): the same marker, which dynamo
+    reads when it meets ``fn`` (run, not traced; its result kept as a constant).
+    tests/test_compile.py fails if a torch release stops honouring it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Run, not traced, under torch.compile: the first call may build and load the library
 # (locks, files), which dynamo cannot trace; its answer is a constant of the process.
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
     if disabled_reason() is not None:
