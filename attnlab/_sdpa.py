@@ -50,6 +50,12 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
     # The fused kernels return 0 for a query row holding NaN; eager and tiled return
     # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
     nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
+    # They drop a NaN key the same way. Only NaN is carried from k (an infinite key entry
+    # can give a -inf score, which excludes the key and leaves the row finite); every row
+    # of the head gets it, which the rule allows for rows that may not see that key.
+    key_nan = k.isnan().any(dim=-1).any(dim=-1)  # (batch, kv_heads)
+    key_nan = key_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    nan_carry = nan_carry + torch.where(key_nan, float("nan"), 0.0).to(out.dtype)[..., None, None]
     if out.requires_grad:
         out = out + nan_carry.mul(0)
     else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
