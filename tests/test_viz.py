@@ -422,7 +422,10 @@ def png_pixels(path_or_fig):
 def run_show(capsys, *args):
     from attnlab.cli import main
 
-    code = main(["show", SHOW_TEXT, *map(str, args)])
+    try:
+        code = main(["show", SHOW_TEXT, *map(str, args)])
+    except SystemExit as exc:  # refused while parsing (a negative --layer), before any work
+        code = exc.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -470,7 +473,7 @@ def test_show_single_head_png_is_that_head(gpt_ckpt, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, option, valid", [
     (["--layer", 2], "--layer", "[0, 1]"),
-    (["--layer", -1], "--layer", "[0, 1]"),
+    (["--layer", -1], "--layer", ">= 0"),  # refused at parse time, before the model loads
     (["--head", 3], "--head", "[0, 2]"),
     (["--layer", 0, "--head", 7], "--head", "[0, 2]"),
 ])
