@@ -91,13 +91,13 @@ def _ops():
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
+    def forward(ctx, q, k, v, mask, causal, window, offset, scale, dropout_p, seed):
         ops = _ops()
         q, k, v = _rows(q), _rows(k), _rows(v)
         blocks = _blocks(q.shape[2], k.shape[2], causal, window)
-        out, lse = ops.flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed,
-                                     *blocks)
-        ctx.settings = (causal, window, scale, dropout_p, seed,
+        out, lse = ops.flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p,
+                                     seed, *blocks)
+        ctx.settings = (causal, window, offset, scale, dropout_p, seed,
                         _blocks(q.shape[2], k.shape[2], causal, window, backward=True))
         ctx.save_for_backward(q, k, v, mask, out, lse)
         return out
@@ -105,15 +105,18 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        causal, window, scale, dropout_p, seed, blocks = ctx.settings
+        causal, window, offset, scale, dropout_p, seed, blocks = ctx.settings
         dq, dk, dv = _ops().flash_backward(
-            q, k, v, mask, out, lse, _rows(grad_out), causal, window, scale, dropout_p, seed,
-            *blocks)
-        return dq, dk, dv, None, None, None, None, None, None
+            q, k, v, mask, out, lse, _rows(grad_out), causal, window, offset, scale, dropout_p,
+            seed, *blocks)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, mask, causal, window, scale, dropout_p):
+def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None):
     """Attention on 4-D CPU inputs ``q (B, Hq, Lq, D)``, ``k/v (B, Hkv, Lk, D/Dv)``.
+
+    ``offset`` is query row 0's position among the keys (``masks.KeyRule``; default
+    ``Lk - Lq``: the rules aligned to the end).
 
     ``mask`` is None, bool (True = may attend) or additive (rows already shifted by
     ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are
@@ -130,6 +133,7 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p):
         # Zero strides where the mask broadcasts: nothing is copied.
         mask = mask.detach().expand(batch, q_heads, q_len, k.shape[-2])
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    offset = k.shape[-2] - q_len if offset is None else int(offset)
     out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
-                                scale, float(dropout_p), seed)
+                                offset, scale, float(dropout_p), seed)
     return out.to(dtype)

@@ -224,13 +224,14 @@ def _with_fakes(ops):
 def _fakes(tiles: bool) -> dict:
     """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
 
-    def flash_forward(q, k, v, mask, causal, window, scale, dropout_p, seed, block_q, block_k):
+    def flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed, block_q,
+                      block_k):
         batch, heads, q_len, _ = q.shape
         out = q.new_empty(batch, heads, q_len, v.shape[-1])
         return out, q.new_empty(batch, heads, q_len)  # the log-sum-exp, one per row
 
-    def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, dropout_p,
-                       seed, block_q, block_k):
+    def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale,
+                       dropout_p, seed, block_q, block_k):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def rms_norm(x, weight, eps):

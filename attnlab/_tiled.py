@@ -50,11 +50,10 @@ def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
     b, hkv, g, bq, d = q_blk.shape
     s = torch.matmul(q_blk.reshape(b, hkv, g * bq, d), k_blk.transpose(-1, -2))
     s = s.view(b, hkv, g, bq, k_end - k_start)
-    if not _masks.fully_allowed(q_start, q_end, k_start, k_end, ctx.offset, ctx.causal, ctx.window):
-        rule = _masks.block_rule(q_start, q_end - q_start, k_start, k_end - k_start,
-                                 offset=ctx.offset, causal=ctx.causal, window=ctx.window,
-                                 device=s.device)
-        s.masked_fill_(~rule, _NEG_INF)
+    if not ctx.rule.full(q_start, q_end, k_start, k_end):
+        allowed = ctx.rule.allowed(q_start, q_end - q_start, k_start, k_end - k_start,
+                                   device=s.device)
+        s.masked_fill_(~allowed, _NEG_INF)
     if mask is not None:
         m = _masks.group_view(_slice_mask(mask, q_start, q_end, k_start, k_end), hkv)
         if m.dtype == torch.bool:
@@ -76,12 +75,13 @@ def _keep_mask(ctx, qi, ki, shape, device):
 class _Ctx:
     """Plain settings shared by the forward and backward loops."""
 
-    def __init__(self, q, k, causal, window, scale, dropout_p, seed):
+    def __init__(self, q, k, causal, window, scale, dropout_p, seed, offset=None):
         self.batch, self.q_heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.k_len = k.shape[1], k.shape[2]
         self.group = self.q_heads // self.kv_heads
-        self.offset = self.k_len - self.q_len
-        self.causal, self.window, self.scale = causal, window, scale
+        self.rule = _masks.KeyRule(self.q_len, self.k_len, causal=causal, window=window,
+                                   offset=offset)
+        self.scale = scale
         self.dropout_p, self.seed = dropout_p, seed
         low = q.dtype in (torch.float16, torch.bfloat16)
         self.compute = torch.float32 if low else q.dtype
@@ -101,7 +101,7 @@ def _forward(ctx, q, k, v, mask):
     lse = torch.full((ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len), float("inf"),
                      dtype=c, device=q.device)
     for qi, (qs, qe) in enumerate(ctx.blocks(ctx.q_len, BLOCK_Q)):
-        lo, hi = _masks.key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
+        lo, hi = ctx.rule.block(qs, qe)
         if hi <= lo:
             continue  # every query here has nothing to attend: zeros
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale
@@ -113,8 +113,7 @@ def _forward(ctx, q, k, v, mask):
             s = _tile_scores(q_blk, k[:, :, ks:ke].to(c), mask, ctx, qs, qe, ks, ke)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = m_new
-            if mask is not None or not _masks.fully_allowed(qs, qe, lo, ke, ctx.offset, ctx.causal,
-                                                      ctx.window):
+            if mask is not None or not ctx.rule.full(qs, qe, lo, ke):
                 m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows masked so far
             p = s.sub_(m_safe).exp_()
             alpha = (m - m_safe).exp_()
@@ -140,7 +139,7 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
     # D_i = sum_d dO_i * O_i (uses the dropped-out output, as FlashAttention does)
     delta = (gg.to(c) * og.to(c)).sum(dim=-1, keepdim=True)
     for qi, (qs, qe) in enumerate(ctx.blocks(ctx.q_len, BLOCK_Q)):
-        lo, hi = _masks.key_range(qs, qe, ctx.k_len, ctx.offset, ctx.causal, ctx.window)
+        lo, hi = ctx.rule.block(qs, qe)
         if hi <= lo:
             continue
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale
@@ -175,8 +174,8 @@ def _fold(t):  # (B, Hkv, G, L, X) -> (B, Hkv, G*L, X)
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed):
-        settings = _Ctx(q, k, causal, window, scale, dropout_p, seed)
+    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed, offset):
+        settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset)
         out, lse = _forward(settings, q, k, v, mask)
         out = out.view(settings.batch, settings.q_heads, settings.q_len, -1).to(q.dtype)
         ctx.settings = settings
@@ -188,13 +187,15 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, mask, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p):
-    """Flash-style attention on 4-D inputs; returns ``(out, lse)`` with lse ``(B, Hkv, G, Lq)``."""
+def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None):
+    """Flash-style attention on 4-D inputs; returns ``(out, lse)`` with lse ``(B, Hkv, G, Lq)``.
+    ``offset``: query row 0's position among the keys (``masks.KeyRule``; default
+    ``k_len - q_len``, end-aligned)."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    return _TiledAttention.apply(q, k, v, mask, causal, window, scale, dropout_p, seed)
+    return _TiledAttention.apply(q, k, v, mask, causal, window, scale, dropout_p, seed, offset)
 
 
 def tiled_weights(q, k, mask, causal, window, scale, rows):
@@ -214,8 +215,7 @@ def tiled_weights(q, k, mask, causal, window, scale, rows):
         q_blk = qg.index_select(3, idx).to(c) * scale
         s = torch.matmul(_fold(q_blk), k.to(c).transpose(-1, -2))
         s = s.view(batch, settings.kv_heads, settings.group, len(idx), settings.k_len)
-        s.masked_fill_(~_masks.rule_at(idx + settings.offset, 0, settings.k_len,
-                                       causal=causal, window=window), _NEG_INF)
+        s.masked_fill_(~settings.rule.allowed(rows=idx), _NEG_INF)
         if mask is not None:
             m = _slice_rows(mask, idx, settings.kv_heads)
             s = s.masked_fill(~m, _NEG_INF) if m.dtype == torch.bool else s + m.to(c)

@@ -13,6 +13,7 @@ query ``i`` sits at position ``p = i + (k_len - q_len)`` and sees keys
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +28,8 @@ __all__ = [
     "describe",
     "structural",
     "as_attention_mask",
-    "key_range",
-    "fully_allowed",
+    "key_bounds",
+    "KeyRule",
 ]
 
 
@@ -37,81 +38,104 @@ def structural(q_len: int, k_len: int, *, causal: bool = False, window: int | No
     """The ``(q_len, k_len)`` bool mask of the causal and window rules, or None if neither."""
     if not causal and window is None:
         return None
-    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=causal, window=window,
-                      device=device)
+    return KeyRule(q_len, k_len, causal=causal, window=window).allowed(device=device)
 
 
-def rule_at(
-    positions: torch.Tensor,
-    k_start: int,
-    k_len: int,
-    *,
-    causal: bool,
-    window: int | None,
-) -> torch.Tensor:
-    """Causal/window rule ``(len(positions), k_len)`` for queries at end-aligned ``positions``.
+def key_bounds(positions, k_len: int, *, causal: bool, window: int | None):
+    """THE key rule: the keys ``[lo, hi)`` a query at ``positions`` may see.
 
-    The single place the rules are written: query at position p may see key j when
-    ``j <= p`` (causal) and ``p - window < j`` (window; also ``j < p + window``
-    when not causal). Keys are ``k_start .. k_start + k_len - 1``.
+    The one place it is written in Python (its C++ twin is ``csrc/mask.h``, and a test
+    holds the two equal): a query at position ``p`` (in key coordinates) may see key
+    ``j`` when ``j <= p`` (``causal``) and ``p - window < j`` (``window``; also
+    ``j < p + window`` when not causal), ``0 <= j < k_len``. Every query's keys form
+    one interval, and both ends are non-decreasing in ``p``: a block of queries sees
+    the keys from its first query's ``lo`` to its last one's ``hi``, and a tile is
+    fully allowed when its last query's ``lo`` and its first query's ``hi`` cover it.
+    Everything else here (mask builders, tile ranges, the fully-allowed test) derives
+    from this function.
+
+    ``positions`` is an int or an integer tensor; ``(lo, hi)`` come back alike, with
+    ``0 <= lo <= hi <= k_len`` (``hi == lo``: no key).
     """
-    p = positions.unsqueeze(1)
-    j = torch.arange(k_start, k_start + k_len, device=positions.device).unsqueeze(0)
-    allowed = torch.ones(len(positions), k_len, dtype=torch.bool, device=positions.device)
-    if causal:
-        allowed &= j <= p
-    if window is not None:
-        allowed &= j > p - window
-        if not causal:
-            allowed &= j < p + window
-    return allowed
-
-
-def key_range(q_start: int, q_end: int, k_len: int, offset: int, causal: bool,
-              window: int | None) -> tuple[int, int]:
-    """Half-open range ``[lo, hi)`` of keys that any query of ``[q_start, q_end)`` may see
-    (:func:`rule_at` for a block of queries at positions ``q + offset``); empty when
-    ``hi == lo``. Tiled kernels visit only these keys."""
-    p_min, p_max = q_start + offset, q_end - 1 + offset
     lo, hi = 0, k_len
     if causal:
-        hi = min(hi, p_max + 1)
+        hi = positions + 1
     if window is not None:
-        lo = max(lo, p_min - window + 1)
+        lo = positions - window + 1
         if not causal:
-            hi = min(hi, p_max + window)
-    return lo, max(lo, hi)
+            hi = positions + window
+    if isinstance(positions, torch.Tensor):
+        lo = torch.as_tensor(lo, device=positions.device).clamp(0, k_len)
+        hi = torch.maximum(torch.as_tensor(hi, device=positions.device).clamp(max=k_len), lo)
+        return lo.expand_as(positions), hi.expand_as(positions)
+    lo = min(max(lo, 0), k_len)
+    return lo, max(min(hi, k_len), lo)
 
 
-def fully_allowed(q_start: int, q_end: int, k_start: int, k_end: int, offset: int,
-                  causal: bool, window: int | None) -> bool:
-    """True when :func:`rule_at` allows every (query, key) pair of the tile
-    ``[q_start, q_end) x [k_start, k_end)``, so a kernel need not mask it."""
-    p_min, p_max = q_start + offset, q_end - 1 + offset
-    if causal and k_end - 1 > p_min:
-        return False
-    if window is not None:
-        if k_start <= p_max - window:
-            return False
-        if not causal and k_end - 1 >= p_min + window:
-            return False
-    return True
+@dataclass(frozen=True)
+class KeyRule:
+    """The key rule of one attention call: query row ``i`` sits at position
+    ``i + offset`` and sees the keys :func:`key_bounds` gives it.
 
+    ``offset`` defaults to ``k_len - q_len``: causal and window rules aligned to the
+    end, what decoding with a KV cache needs (query ``i`` sees ``j <= i + k_len -
+    q_len``). A piece of a longer sequence (a query or key block of ring attention)
+    passes its own. Tiled kernels ask :meth:`block` which keys a block of queries
+    visits and :meth:`full` whether a tile needs masking at all.
+    """
 
-def block_rule(
-    q_start: int,
-    q_len: int,
-    k_start: int,
-    k_len: int,
-    *,
-    offset: int,
-    causal: bool,
-    window: int | None,
-    device=None,
-) -> torch.Tensor:
-    """:func:`rule_at` for the tile of queries ``q_start..`` with ``offset = k_total - q_total``."""
-    positions = torch.arange(q_start + offset, q_start + offset + q_len, device=device)
-    return rule_at(positions, k_start, k_len, causal=causal, window=window)
+    q_len: int
+    k_len: int
+    causal: bool = False
+    window: int | None = None
+    offset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.offset is None:
+            object.__setattr__(self, "offset", self.k_len - self.q_len)
+
+    @property
+    def structural(self) -> bool:
+        """Whether the rule rules anything out beyond the keys' range."""
+        return self.causal or self.window is not None
+
+    def bounds(self, rows):
+        """``(lo, hi)`` of query ``rows`` (an int or an integer tensor of row indices)."""
+        return key_bounds(rows + self.offset, self.k_len, causal=self.causal,
+                          window=self.window)
+
+    def block(self, q_start: int, q_end: int) -> tuple[int, int]:
+        """The keys ``[lo, hi)`` any query of ``[q_start, q_end)`` may see; ``hi == lo``
+        when none. Tiled kernels visit only these."""
+        lo, _ = self.bounds(q_start)
+        _, hi = self.bounds(q_end - 1)
+        return lo, max(lo, hi)
+
+    def full(self, q_start: int, q_end: int, k_start: int, k_end: int) -> bool:
+        """Whether every query of ``[q_start, q_end)`` may see every key of
+        ``[k_start, k_end)``, so that the tile needs no mask."""
+        last_lo, _ = self.bounds(q_end - 1)
+        _, first_hi = self.bounds(q_start)
+        return last_lo <= k_start and first_hi >= k_end
+
+    def allowed(self, q_start: int = 0, q_len: int | None = None, k_start: int = 0,
+                k_len: int | None = None, *, rows: torch.Tensor | None = None,
+                device=None) -> torch.Tensor:
+        """The bool tile ``(q_len, k_len)`` (True = may attend) of queries
+        ``q_start..`` (or of the query indices ``rows``) and keys ``k_start..``;
+        the whole ``(q_len, k_len)`` matrix by default."""
+        if rows is None:
+            q_len = self.q_len - q_start if q_len is None else q_len
+            rows = torch.arange(q_start, q_start + q_len, device=device)
+        k_len = self.k_len - k_start if k_len is None else k_len
+        lo, hi = self.bounds(rows)
+        j = torch.arange(k_start, k_start + k_len, device=rows.device)
+        return (j >= lo.unsqueeze(-1)) & (j < hi.unsqueeze(-1))
+
+    def pairs(self) -> int:
+        """How many (query, key) pairs the rule lets through."""
+        lo, hi = self.bounds(torch.arange(self.q_len))
+        return int((hi - lo).sum())
 
 
 def group_view(m: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -138,8 +162,7 @@ def causal(q_len: int, k_len: int | None = None, *, device=None) -> torch.Tensor
     """
     q_len = positive_int("q_len", q_len)
     k_len = q_len if k_len is None else positive_int("k_len", k_len)
-    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=True, window=None,
-                      device=device)
+    return KeyRule(q_len, k_len, causal=True).allowed(device=device)
 
 
 def sliding_window(q_len: int, k_len: int, window: int, *, device=None) -> torch.Tensor:
@@ -151,8 +174,7 @@ def sliding_window(q_len: int, k_len: int, window: int, *, device=None) -> torch
     q_len = positive_int("q_len", q_len)
     k_len = positive_int("k_len", k_len)
     window = positive_int("window", window)
-    return block_rule(0, q_len, 0, k_len, offset=k_len - q_len, causal=False, window=window,
-                      device=device)
+    return KeyRule(q_len, k_len, window=window).allowed(device=device)
 
 
 def padding(lengths: Sequence[int] | torch.Tensor, seq_len: int, *, device=None) -> torch.Tensor:
@@ -314,8 +336,9 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     if k_len == 0 or mask.shape[-1] == 0:
         return mask  # no keys: nothing to shift
     top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
-    if not fully_allowed(0, q_len, 0, k_len, k_len - q_len, causal, window):
-        row_top = _allowed_max(mask.detach(), q_len, k_len, causal, window)
+    rule = KeyRule(q_len, k_len, causal=causal, window=window)
+    if not rule.full(0, q_len, 0, k_len):
+        row_top = _allowed_max(mask.detach(), rule)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
         if not torch.equal(row_top, top.expand_as(row_top)):
             top = row_top
@@ -323,19 +346,17 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     return (mask - top).clamp(max=0.0)
 
 
-def _allowed_max(mask: torch.Tensor, q_len: int, k_len: int, causal: bool,
-                 window: int | None) -> torch.Tensor:
-    """Each query row's largest mask entry over the keys :func:`rule_at` allows,
+def _allowed_max(mask: torch.Tensor, rule: KeyRule) -> torch.Tensor:
+    """Each query row's largest mask entry over the keys ``rule`` allows,
     ``(..., q_len, 1)`` (``-inf`` for a row with none), a block of rows at a time."""
     batch = mask.shape[:-2].numel()
-    step = max(1, _SHIFT_SCRATCH // max(1, batch * k_len))
+    step = max(1, _SHIFT_SCRATCH // max(1, batch * rule.k_len))
     tops = []
-    for start in range(0, q_len, step):
-        n = min(step, q_len - start)
-        rule = block_rule(start, n, 0, k_len, offset=k_len - q_len, causal=causal,
-                          window=window, device=mask.device)
+    for start in range(0, rule.q_len, step):
+        n = min(step, rule.q_len - start)
+        allowed = rule.allowed(start, n, device=mask.device)
         part = mask[..., start:start + n, :] if mask.shape[-2] > 1 else mask
-        tops.append(part.masked_fill(~rule, float("-inf")).amax(dim=-1, keepdim=True))
+        tops.append(part.masked_fill(~allowed, float("-inf")).amax(dim=-1, keepdim=True))
     if not tops:  # no query rows
         return mask.new_empty((*mask.shape[:-2], 0, 1))
     return torch.cat(tops, dim=-2)

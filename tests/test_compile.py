@@ -53,7 +53,7 @@ def _flash_args(causal: bool):
     q = torch.randn(2, 4, 5, 8, generator=g)
     k = torch.randn(2, 2, 7, 8, generator=g)
     v = torch.randn(2, 2, 7, 6, generator=g)  # v_dim != head_dim: out takes v's
-    return q, k, v, None, causal, 0, 0.35, 0.0, 0, 4, 4
+    return q, k, v, None, causal, 0, 7 - 5, 0.35, 0.0, 0, 4, 4  # offset: end-aligned
 
 
 @pytest.mark.parametrize("causal", [False, True])

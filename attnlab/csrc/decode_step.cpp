@@ -12,8 +12,8 @@
 // (queries, then keys, then values, head by head); cos and sin the rotary tables
 // (P, D) in rope.py's convention (sin signed: rot(x) = x cos + roll(x, D/2) sin),
 // or undefined for no rotation; k_cache and v_cache (B, Hkv, Lmax, D), contiguous.
-// The new token sits at position `pos` of the cache; it sees keys
-// max(0, pos - window + 1) .. pos (window 0: all of them). Returns (B, 1, Hq * D).
+// The new token sits at position `pos` of the cache and sees the keys mask.h's causal
+// rule leaves it (the last `window` ones; window 0: all of them). Returns (B, 1, Hq * D).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "decode.h"
+#include "mask.h"
 #include "tile_math.h"
 
 namespace attnlab {
@@ -154,7 +155,9 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
     sin = sin_table->data_ptr<float>() + pos * D;
   }
   const int64_t G = Hq / Hkv, row = qkv.stride(0);
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - lo;
+  int64_t lo, hi;  // the keys the new token sees (mask.h): it sits last, at pos
+  Rule{pos + 1, pos, true, window}.bounds(0, lo, hi);
+  const int64_t n = hi - lo;
   const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();

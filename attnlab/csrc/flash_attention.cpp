@@ -50,11 +50,11 @@ void forward_block(const Problem& P, const T* q, const Rows& qr, const T* k, con
   T* L = lse + (b * P.Hq + h) * P.Lq + qs;
   std::fill(o, o + nr * P.Dv, T(0));
   int64_t lo, hi;
-  P.keys_of_block(qs, qe, lo, hi);
+  P.rule.block(qs, qe, lo, hi);
   for (int64_t r = 0; r < nr; ++r) {
     w.m[r] = NEG;
     w.l[r] = T(0);
-    P.keys_of_row(qs + r, w.lo[r], w.hi[r]);
+    P.rule.bounds(qs + r, w.lo[r], w.hi[r]);
   }
   const T* qb = q + qr.at(b, h, qs);
   const int64_t panels = (P.Lk + PANEL - 1) / PANEL;
@@ -131,7 +131,7 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   for (size_t item = 0; item < cost.size(); ++item) {
     const int64_t qs = static_cast<int64_t>(item % nqb) * P.bq;
     int64_t lo, hi;
-    P.keys_of_block(qs, std::min(qs + P.bq, P.Lq), lo, hi);
+    P.rule.block(qs, std::min(qs + P.bq, P.Lq), lo, hi);
     cost[item] = hi - lo;
   }
   const Rows qr(q), kr(k), vr(v);
@@ -187,7 +187,7 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
     for (int64_t qs = 0; qs < P.Lq; qs += P.bq) {
       const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs;
       int64_t lo, hi;
-      P.keys_of_block(qs, qe, lo, hi);
+      P.rule.block(qs, qe, lo, hi);
       if (hi <= ks || lo >= ks + nc) continue;  // this query block never sees these keys
       const T* qb = static_cast<const T*>(A.q) + A.qr.at(b, h, qs);
       const T* dob = static_cast<const T*>(A.dout) + A.dr.at(b, h, qs);
@@ -197,7 +197,7 @@ void backward_block(const Problem& P, const BackwardArgs& A, int64_t b, int64_t 
       for (int64_t r = 0; r < nr; ++r) {
         T* row = S + r * nc;
         int64_t rlo, rhi;
-        P.keys_of_row(qs + r, rlo, rhi);
+        P.rule.bounds(qs + r, rlo, rhi);
         const int64_t a = std::clamp<int64_t>(rlo - ks, 0, nc);
         const int64_t e = std::clamp<int64_t>(rhi - ks, a, nc);
         if (e == a || std::isinf(lse[qs + r])) {  // no key here, or an empty row
@@ -236,7 +236,7 @@ void backward_impl(const Problem& P, const BackwardArgs& A, Tensor& dq_parts) {
   for (int64_t qi = 0; qi < nqb; ++qi) {
     const int64_t qs = qi * P.bq, qe = std::min(qs + P.bq, P.Lq);
     int64_t lo, hi;
-    P.keys_of_block(qs, qe, lo, hi);
+    P.rule.block(qs, qe, lo, hi);
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t ks = kb * P.bk, ke = std::min(ks + P.bk, P.Lk);
       per_block[kb] += std::max<int64_t>(0, std::min(hi, ke) - std::max(lo, ks)) * (qe - qs);
@@ -261,8 +261,8 @@ void backward_impl(const Problem& P, const BackwardArgs& A, Tensor& dq_parts) {
 
 Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
                      const std::optional<Tensor>& mask, bool causal, int64_t window,
-                     double scale, double dropout_p, int64_t seed, int64_t block_q,
-                     int64_t block_k) {
+                     int64_t offset, double scale, double dropout_p, int64_t seed,
+                     int64_t block_q, int64_t block_k) {
   for (const Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu(), "attnlab flash: CPU tensors only");
     TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "attnlab flash: 4-D rows of unit stride");
@@ -275,8 +275,8 @@ Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
   P.Hkv = k.size(1), P.Lk = k.size(2), P.Dv = v.size(3);
   TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0 && P.D > 0, "attnlab flash: bad head layout");
   P.G = P.Hq / P.Hkv;
-  P.offset = P.Lk - P.Lq;
-  P.causal = causal, P.window = window, P.scale = scale, P.dropout_p = dropout_p;
+  P.rule = Rule{P.Lk, offset, causal, window};
+  P.scale = scale, P.dropout_p = dropout_p;
   P.seed = static_cast<uint64_t>(seed);
   P.bq = std::max<int64_t>(1, block_q), P.bk = std::max<int64_t>(1, block_k);
   if (mask.has_value()) {
@@ -295,10 +295,11 @@ Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
 
 std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const std::optional<Tensor>& mask, bool causal,
-                                         int64_t window, double scale, double dropout_p,
-                                         int64_t seed, int64_t block_q, int64_t block_k) {
-  const Problem P = make_problem(q, k, v, mask, causal, window, scale, dropout_p, seed,
-                                 block_q, block_k);
+                                         int64_t window, int64_t offset, double scale,
+                                         double dropout_p, int64_t seed, int64_t block_q,
+                                         int64_t block_k) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p,
+                                 seed, block_q, block_k);
   Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
   Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnlab_flash_forward",
@@ -309,9 +310,10 @@ std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const
 std::tuple<Tensor, Tensor, Tensor> flash_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
     const Tensor& out, const Tensor& lse, const Tensor& grad_out, bool causal, int64_t window,
-    double scale, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k) {
-  const Problem P = make_problem(q, k, v, mask, causal, window, scale, dropout_p, seed,
-                                 block_q, block_k);
+    int64_t offset, double scale, double dropout_p, int64_t seed, int64_t block_q,
+    int64_t block_k) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p,
+                                 seed, block_q, block_k);
   TORCH_CHECK(grad_out.stride(3) == 1 && lse.is_contiguous(), "attnlab flash: layout");
   // D_i = rowsum(dO * O), with the dropped-out output as FlashAttention does.
   const Tensor delta = (grad_out * out).sum(-1).contiguous();
@@ -340,6 +342,29 @@ std::string set_gemm_path(const std::string& path) {
   return before;
 }
 
+// mask.h's rule over a whole problem, for tests/test_rule.py: each query row's keys
+// [lo, hi) (Lq,), each block of bq rows' keys (nqb,), and whether each bq x bk tile
+// needs no mask (nqb, nkb).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rule_tiles(int64_t q_len, int64_t k_len,
+                                                              int64_t offset, bool causal,
+                                                              int64_t window, int64_t bq,
+                                                              int64_t bk) {
+  TORCH_CHECK(q_len >= 0 && k_len >= 0 && bq > 0 && bk > 0 && window >= 0, "rule_tiles: sizes");
+  const Rule rule{k_len, offset, causal, window};
+  const int64_t nqb = (q_len + bq - 1) / bq, nkb = (k_len + bk - 1) / bk;
+  Tensor lo = at::empty({q_len}, at::kLong), hi = at::empty({q_len}, at::kLong);
+  Tensor blo = at::empty({nqb}, at::kLong), bhi = at::empty({nqb}, at::kLong);
+  Tensor full = at::empty({nqb, nkb}, at::kBool);
+  for (int64_t i = 0; i < q_len; ++i) rule.bounds(i, lo.data_ptr<int64_t>()[i], hi.data_ptr<int64_t>()[i]);
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    const int64_t qs = qb * bq, qe = std::min(qs + bq, q_len);
+    rule.block(qs, qe, blo.data_ptr<int64_t>()[qb], bhi.data_ptr<int64_t>()[qb]);
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      full.data_ptr<bool>()[qb * nkb + kb] = rule.full(qs, qe, kb * bk, std::min(kb * bk + bk, k_len));
+  }
+  return {lo, hi, blo, bhi, full};
+}
+
 // Whether float tiles go through the AVX-512 tile kernel (tile_gemm.h) now.
 bool tile_kernel_active() { return use_tile_kernel<float>(); }
 
@@ -349,12 +374,17 @@ bool tile_kernel_active() { return use_tile_kernel<float>(); }
 TORCH_LIBRARY(attnlab_native, m) {
   m.def(
       "flash_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, int window, "
-      "float scale, float dropout_p, int seed, int block_q, int block_k) -> (Tensor, Tensor)");
+      "int offset, float scale, float dropout_p, int seed, int block_q, int block_k) -> "
+      "(Tensor, Tensor)");
   m.def(
       "flash_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
-      "Tensor grad_out, bool causal, int window, float scale, float dropout_p, int seed, "
-      "int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
+      "Tensor grad_out, bool causal, int window, int offset, float scale, float dropout_p, "
+      "int seed, int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
   m.def("set_gemm_path(str path) -> str", &attnlab::set_gemm_path);
+  m.def(
+      "rule_tiles(int q_len, int k_len, int offset, bool causal, int window, int bq, int bk) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &attnlab::rule_tiles);
   m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
 }
 

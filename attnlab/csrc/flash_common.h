@@ -1,6 +1,6 @@
-// The problem description and the helpers the forward and backward share: the
-// causal/window rule per query row, mask and dropout on a tile row, and the
-// scheduling of work items over threads. Included by flash_attention.cpp only.
+// The problem description and the helpers the forward and backward share: mask and
+// dropout on a tile row, and the scheduling of work items over threads (the key rule
+// itself is mask.h's). Included by flash_attention.cpp only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "mask.h"
 #include "tile_gemm.h"
 #include "tile_math.h"
 
@@ -30,9 +31,7 @@ struct Rows {
 
 struct Problem {
   int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv;
-  int64_t offset;  // Lk - Lq: causal and window rules are aligned to the end
-  bool causal;
-  int64_t window;  // 0: none
+  Rule rule;  // which keys each query row sees (mask.h)
   double scale, dropout_p;
   uint64_t seed;
   int64_t bq, bk;
@@ -40,25 +39,6 @@ struct Problem {
   bool mask_is_bool = false;
   int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;
 
-  // Keys [lo, hi) that query row i may see under the causal and window rules.
-  void keys_of_row(int64_t i, int64_t& lo, int64_t& hi) const {
-    const int64_t p = i + offset;
-    lo = 0;
-    hi = Lk;
-    if (causal) hi = std::min(hi, p + 1);
-    if (window > 0) {
-      lo = std::max(lo, p - window + 1);
-      if (!causal) hi = std::min(hi, p + window);
-    }
-    hi = std::max(hi, lo);
-  }
-  // Both bounds grow with i, so a block's keys run from its first row's lo to its last row's hi.
-  void keys_of_block(int64_t qs, int64_t qe, int64_t& lo, int64_t& hi) const {
-    int64_t unused;
-    keys_of_row(qs, lo, unused);
-    keys_of_row(qe - 1, unused, hi);
-    hi = std::max(hi, lo);
-  }
   int64_t query_blocks() const { return (Lq + bq - 1) / bq; }
   int64_t key_blocks() const { return (Lk + bk - 1) / bk; }
 };
