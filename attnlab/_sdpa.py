@@ -11,10 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from . import masks as _masks
+from ._eager import eager_attention
 
 
 def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
     """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
+    if (q.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))):
+        # The fused kernel gives 0 for a row whose scores hold NaN (NaN in q or k, or
+        # inf - inf from an infinite key entry) and a gradient of 0 to what such a row
+        # weighs; the README's rule is IEEE's. On the CPU the check is free of a device
+        # sync, and such rare inputs take the textbook path, which keeps the rule.
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, None)[0]
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
     struct = None
@@ -47,8 +55,9 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    # The fused kernels return 0 for a query row holding NaN; eager and tiled return
-    # NaN (what the math gives). Adding the row's sum times 0 carries it through here too.
+    # Elsewhere (CUDA: a check would sync the device), the NaN is carried instead. The
+    # fused kernels return 0 for a query row holding NaN; eager and tiled return NaN
+    # (what the math gives). Adding the row's sum times 0 carries it through here too.
     nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
     # They drop a NaN key the same way. Only NaN is carried from k (an infinite key entry
     # can give a -inf score, which excludes the key and leaves the row finite); every row
@@ -57,7 +66,14 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
     key_nan = key_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     nan_carry = nan_carry + torch.where(key_nan, float("nan"), 0.0).to(out.dtype)[..., None, None]
     if out.requires_grad:
-        out = out + nan_carry.mul(0)
+        # torch's backward gives the values a NaN row weighs a gradient of 0. Tie every
+        # value to the carry, so theirs is NaN too (0 * NaN) and stays exactly 0 for a
+        # finite row; the mean's non-finite entries are zeroed so that the forward adds
+        # nothing a finite row would not otherwise get.
+        group = q.shape[1] // v.shape[1]
+        v_mean = torch.nan_to_num(v.mean(dim=-2, keepdim=True), nan=0.0, posinf=0.0,
+                                  neginf=0.0).repeat_interleave(group, dim=1)
+        out = out + nan_carry.mul(0) * v_mean.to(out.dtype)
     else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
         out.add_(nan_carry, alpha=0)
     if empty is not None:
