@@ -8,10 +8,10 @@ changed) where it cannot take the inputs, so that the modules run instead:
 - :func:`step`, the attention of one layer: RoPE, cache append and attention over the
   cache in one call, between :class:`~attnlab.modules.MultiHeadAttention`'s q|k|v
   product and its output projection (about fifteen PyTorch ops otherwise);
-- :func:`layers`, a run of whole pre-norm decoder layers for one row: norms,
-  streamed products (the residuals folded into them), the step above and the MLP,
-  layer after layer, in one call (about forty Python-level calls a layer through
-  the modules).
+- :class:`Run`, a run of whole pre-norm decoder layers (each a named
+  :class:`DecoderLayer`, checked once when added) for one row: norms, streamed products
+  (the residuals folded into them), the step above and the MLP, layer after layer, in
+  one call (about forty Python-level calls a layer through the modules).
 
 The math is that of ``rope.RotaryEmbedding.rotate``, ``KVCache.update``,
 :func:`attnlab.attention` (causal, end-aligned, sliding window) and the modules,
@@ -21,9 +21,10 @@ hooks, weights, other dtypes and devices).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -31,29 +32,41 @@ from . import _native
 from .cache import KVCache
 from .rope import RotaryEmbedding
 
-NORMS = ("rmsnorm", "layernorm")
-MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One pre-norm decoder layer, ``y = x + out(attend(qkv(norm1(x))))`` then
+    ``y + down(act(up(norm2(y))))``, by name, as :class:`Run` hands it to the kernel.
 
-class Layer(NamedTuple):
-    """One pre-norm decoder layer as :func:`layers` takes it.
-
-    ``params``: the layer's 18 tensors in the order of ``decode_layers`` in
-    ``csrc/decode_layers.cpp``, weight then bias of: norm1, norm2, W_query, W_key, W_value,
-    out_proj, the MLP's gate (SwiGLU only), fc and proj; None where the layer has
-    none. Q/K/V and gate/fc must be packed groups (``modules.fused.pack``): the kernel
-    checks that they still lie side by side and multiplies each group at once.
-    ``norm`` is one of :data:`NORMS`, ``mlp`` one of :data:`MLPS`.
+    Weights are ``(out, in)`` and biases ``(out,)`` (None where a layer has none):
+    ``qkv_weight`` the queries', keys' and values' products side by side
+    (``(num_heads + 2 * num_kv_heads) * head_dim`` rows), ``up_weight`` the MLP's first
+    product (SwiGLU: gate and up side by side), ``down_weight`` its second. ``norm`` and
+    ``mlp`` are the names ``modules.layers`` gives the kinds ("rmsnorm", "layernorm";
+    "gelu", "gelu_tanh", "relu", "swiglu"); ``rotary`` the layer's RoPE or None;
+    ``window`` its sliding window or None.
     """
 
-    params: Sequence[torch.Tensor | None]
-    rotary: RotaryEmbedding | None
-    window: int | None
-    num_heads: int
-    num_kv_heads: int
     norm: str
     eps: float
+    norm1_weight: torch.Tensor | None
+    norm1_bias: torch.Tensor | None
+    norm2_weight: torch.Tensor | None
+    norm2_bias: torch.Tensor | None
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor | None
     mlp: str
+    up_weight: torch.Tensor
+    up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    rotary: RotaryEmbedding | None
 
 
 def _reserved(caches: Sequence[KVCache], call):
@@ -110,74 +123,71 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
 
 
 class Run:
-    """A run of consecutive layers as :func:`layers` passes them to the kernel: their
-    parameters in one flat list and each setting in one list, built once for as long
-    as the layers stay what they were (``models.decoding`` holds one for a whole
-    ``generate`` call where nothing can change them), and each layer's RoPE tables,
-    fetched again only when a position goes past them."""
+    """A run of consecutive decoder layers that the native step takes one decoded row
+    through in one call (``csrc/decode_layers.cpp``'s ``DecoderRun``).
 
-    __slots__ = ("layers", "params", "heads", "kv_heads", "norms", "eps", "mlps", "tables")
+    :meth:`add` checks a layer once and keeps it; :meth:`__call__` then runs a token
+    through every layer kept, the kernel checking only what changes per token (caches,
+    positions, RoPE tables). A run holds the layers' tensors as they were added: one is
+    built for as long as they stay so (``models.decoding.Decoder``)."""
 
-    def __init__(self, layers: Sequence[Layer]) -> None:
-        self.layers = tuple(layers)
-        self.params = [p for layer in self.layers for p in layer.params]
-        self.heads = [layer.num_heads for layer in self.layers]
-        self.kv_heads = [layer.num_kv_heads for layer in self.layers]
-        self.norms = [NORMS.index(layer.norm) for layer in self.layers]
-        self.eps = [layer.eps for layer in self.layers]
-        self.mlps = [MLPS.index(layer.mlp) for layer in self.layers]
-        self.tables: list[tuple | None] = [None] * len(self.layers)
+    def __init__(self) -> None:
+        ops = _native.load()
+        if ops is None:
+            raise RuntimeError(f"the native kernel is not available: "
+                               f"{_native.unavailable_reason()}")
+        self._native = getattr(torch.classes, _native.LIBRARY).DecoderRun()
+        self.rotaries: list[RotaryEmbedding | None] = []
+        self._tables: list[tuple | None] = []
+        self._cap = 0  # the caches' length, which caps every window (see add)
 
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self.rotaries)
 
-    def rope_tables(self, caches: Sequence[KVCache], device) -> tuple[list, list] | None:
+    def add(self, layer: DecoderLayer) -> str | None:
+        """Keep ``layer`` at the end of the run; or say why the kernel cannot take it
+        (its dtype, device, shapes), keeping nothing."""
+        fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+        rotary, window = fields.pop("rotary"), fields.pop("window")
+        # A window wider than every cache rules nothing out; 2**62 keeps it a C long.
+        why = self._native.add(**fields, window=0 if window is None else min(window, 2**62),
+                               rope=rotary is not None, scale=1.0 / math.sqrt(layer.head_dim))
+        if why:
+            return why
+        self.rotaries.append(rotary)
+        self._tables.append(None)
+        return None
+
+    def _rope_tables(self, caches: Sequence[KVCache], device) -> tuple[list, list] | None:
         """Per layer (cos, sin) covering each cache's next position ((None, None) without
-        RoPE), or None where a position is beyond what RoPE keeps."""
+        RoPE), fetched again only when a position goes past them; None where a position
+        is beyond what RoPE keeps."""
         cos, sin = [], []
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            held = self.tables[i]
+        for i, (rotary, cache) in enumerate(zip(self.rotaries, caches)):
+            held = self._tables[i]
             if held is None or (held[0] is not None and held[0].shape[0] <= cache.seq_len):
-                held = self.tables[i] = _tables(layer.rotary, cache, device)
+                held = self._tables[i] = _tables(rotary, cache, device)
                 if held is None:
                     return None
             cos.append(held[0])
             sin.append(held[1])
         return cos, sin
 
-
-def layers(x: torch.Tensor, run: Run | Sequence[Layer],
-           caches: Sequence[KVCache]) -> torch.Tensor | None:
-    """One new token through a run of pre-norm decoder layers,
-    ``y = x + attn(norm1(x))``, then ``y + mlp(norm2(y))``, layer after layer, each
-    appending to its cache.
-
-    Args:
-        x: ``(1, 1, d_model)`` the token's hidden state, float32 on the CPU.
-        run: the layers, in order (a :class:`Run` of them is reused as it is);
-            caches: one per layer (batch size 1).
-
-    Returns:
-        ``(1, 1, d_model)``, or None (every cache unchanged) where the kernel cannot
-        take these inputs; the caller then runs the modules.
-    """
-    ops = _native.for_inference(x)
-    if ops is None:
-        return None
-    run = run if isinstance(run, Run) else Run(run)
-    if any(cache.remaining < 1 for cache in caches):
-        return None
-    tables = run.rope_tables(caches, x.device)
-    if tables is None:
-        return None
-    return _reserved(caches, lambda positions: ops.decode_layers(
-        x, run.params, tables[0], tables[1], [c.k for c in caches], [c.v for c in caches],
-        positions, [_window(layer.window, pos) for layer, pos in zip(run.layers, positions)],
-        run.heads, run.kv_heads, [1.0 / math.sqrt(c.head_dim) for c in caches], run.norms,
-        run.eps, run.mlps))
+    def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor | None:
+        """One new token ``x (1, 1, d_model)`` (float32, CPU) through the run, each layer
+        appending to its cache (batch size 1). Returns ``(1, 1, d_model)``, or None (every
+        cache unchanged) where the kernel cannot take these inputs; the caller then runs
+        the modules."""
+        if len(caches) != len(self) or any(cache.remaining < 1 for cache in caches):
+            return None
+        tables = self._rope_tables(caches, x.device)
+        if tables is None:
+            return None
+        return _reserved(caches, lambda positions: self._native.step(
+            x, [c.k for c in caches], [c.v for c in caches], positions, tables[0], tables[1]))
 
 
 def _window(window: int | None, pos: int) -> int:
-    """The kernels' window for a token at ``pos``: 0 for none; one wider than the cache
-    rules nothing out, so it is capped and stays a C long."""
+    """The kernels' window for a token at ``pos``: 0 for none; one wider than the keys
+    rules nothing out (``csrc/mask.h``), so it is capped and stays a C long."""
     return 0 if window is None else min(window, pos + 1)

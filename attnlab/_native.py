@@ -204,7 +204,7 @@ def _with_fakes(ops):
 
     A fake computes only what the real op returns, shapes, dtypes and strides, from the
     inputs' metadata, so torch.compile (FakeTensorMode) can trace through the ops. Where
-    the real op returns None for inputs it does not read (``linear``, ``decode_layers``),
+    the real op returns None for inputs it does not read (``linear``),
     the fake repeats the decision from the same metadata: dynamo specialises on it.
     """
     if not _state["faked"]:
@@ -279,22 +279,9 @@ def _fakes(tiles: bool) -> dict:
                     scale):
         return qkv.new_empty(k_cache.shape[0], 1, num_heads * k_cache.shape[3])
 
-    def decode_layers(x, params, cos, sin, k_caches, v_caches, pos, window, num_heads,
-                      num_kv_heads, scale, norm, eps, mlp):
-        # The lists' lengths and x as the kernel checks them first. Its per-layer checks
-        # (decode_layers.cpp, layer_ok: packed groups lying side by side in memory) need
-        # data pointers a fake tensor lacks; _decode.layers runs only in eager inference.
-        n = len(k_caches)
-        lengths = (len(cos), len(sin), len(v_caches), len(pos), len(window), len(num_heads),
-                   len(num_kv_heads), len(scale), len(norm), len(eps), len(mlp))
-        if (x.numel() != x.shape[-1] or not usable(x) or len(params) != 18 * n
-                or any(length != n for length in lengths)):
-            return None
-        return x.new_empty(x.shape)
-
     return {"flash_forward": flash_forward, "flash_backward": flash_backward,
             "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear,
-            "decode_step": decode_step, "decode_layers": decode_layers}
+            "decode_step": decode_step}
 
 
 def load(verbose: bool = False):

@@ -18,9 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import attnlab
-from attnlab import _decode, _flash, _native
-from attnlab.models import GPT, GPTConfig, decoding
-from attnlab.models.gpt import Block
+from attnlab import _flash, _native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,23 +105,6 @@ def test_decode_step_fake_gives_the_real_output():
     args = (qkv, cos, sin, *cache, 3, 0, heads, kv_heads, 0.35)
     torch.library.opcheck(ops.decode_step.default, args)
     _fake_equals_real(ops.decode_step.default, args)
-
-
-def test_decode_layers_fake_gives_the_real_output():
-    torch.manual_seed(3)
-    model = GPT(GPTConfig(vocab_size=30, d_model=16, num_heads=2, num_layers=2,
-                          positions="rope", norm="rmsnorm", mlp="swiglu")).eval()
-    caches = model.new_cache(1, 4)
-    with torch.no_grad():
-        run = _decode.Run([decoding._layer(block, Block) for block in model.blocks])
-        cos, sin = run.rope_tables(caches, "cpu")
-    x = torch.randn(1, 1, 16)
-    n = len(run)
-    args = (x, run.params, cos, sin, [c.k for c in caches], [c.v for c in caches], [0] * n,
-            [0] * n, run.heads, run.kv_heads, [0.35] * n, run.norms, run.eps, run.mlps)
-    _fake_equals_real(_ops().decode_layers.default, args)
-    short = (x, run.params[:-1], *args[2:])  # a list one short: the op declines
-    _fake_equals_real(_ops().decode_layers.default, short)
 
 
 def _flash_graph_ops(fn, *args) -> list[str]:

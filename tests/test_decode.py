@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from attnlab import _decode, _native
 from attnlab.cache import KVCache
 from attnlab.models import GPT, GPTConfig, decoding
-from attnlab.models.gpt import Block
+from attnlab.models.gpt import _CHOICES, Block
 from attnlab.modules import MultiHeadAttention
 from attnlab.modules.layers import RMSNorm
 
@@ -43,30 +43,32 @@ def native_off():
 @contextmanager
 def counting_fused_steps(name="step"):
     """Count what the fused kernel answered: attention steps (``_decode.step``) or, for
-    ``"layers"``, decoder layers (``_decode.layers`` takes a run of them per call)."""
-    count, original = [0], getattr(_decode, name)
+    ``"layers"``, decoder layers (a ``_decode.Run`` takes a run of them per call)."""
+    count = [0]
+    owner, attr = (_decode.Run, "__call__") if name == "layers" else (_decode, name)
+    original = getattr(owner, attr)
 
     def fused(*args, **kwargs):
         out = original(*args, **kwargs)
         if out is not None:
-            count[0] += len(args[1]) if name == "layers" else 1
+            count[0] += len(args[0]) if name == "layers" else 1
         return out
-    setattr(_decode, name, fused)
+    setattr(owner, attr, fused)
     try:
         yield count
     finally:
-        setattr(_decode, name, original)
+        setattr(owner, attr, original)
 
 
 @contextmanager
 def fused_layers_off():
     """The GPT blocks run their modules (the fused attention step still runs)."""
-    original = _decode.layers
-    _decode.layers = lambda *args, **kwargs: None
+    original = _decode.Run.__call__
+    _decode.Run.__call__ = lambda self, x, caches: None
     try:
         yield
     finally:
-        _decode.layers = original
+        _decode.Run.__call__ = original
 
 
 def _one_by_one(run, x, prompt_len):
@@ -141,7 +143,7 @@ def _decode_logits(model, ids, prompt_len):
 @settings(max_examples=30, deadline=None)
 @given(positions=st.sampled_from(["learned", "rope"]),
        norm=st.sampled_from(["layernorm", "rmsnorm"]),
-       mlp=st.sampled_from(["gelu", "gelu_tanh", "swiglu"]), kv_heads=st.sampled_from([1, 2, 4]),
+       mlp=st.sampled_from(_CHOICES["mlp"]), kv_heads=st.sampled_from([1, 2, 4]),
        biases=st.booleans(), window=st.one_of(st.none(), st.integers(1, 5)),
        tie=st.booleans(), prompt_len=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_fused_layers_give_the_logits_and_caches_of_the_modules(
@@ -235,18 +237,23 @@ def test_fused_layers_stand_aside_where_the_modules_must_run():
 
 @needs_native
 def test_a_declined_fused_layer_leaves_the_cache_as_it_was():
-    """Parameters the kernel does not take (here a float64 one) give None and the
-    cache position back, so the modules can run the token instead."""
+    """A layer the kernel does not take (a float64 parameter) is refused when added,
+    naming what; caches it cannot write (float64) give None and the cache position
+    back, so the modules can run the token instead."""
     torch.manual_seed(3)
     model = GPT(GPTConfig(vocab_size=30, d_model=16, num_heads=2, num_layers=1,
                           positions="rope", norm="rmsnorm", mlp="swiglu")).eval()
-    block, cache = model.blocks[0], model.new_cache(1, 4)[0]
+    block = model.blocks[0]
     x = torch.randn(1, 1, 16)
     with torch.no_grad():
+        run = _decode.Run()
+        assert run.add(decoding._layer(block, Block)) is None and len(run) == 1
+        cache = KVCache(1, 4, 2, 8, dtype=torch.float64)
+        assert run(x, [cache]) is None
+        assert cache.seq_len == 0 and not cache.k.any()
         block.norm2.weight.data = block.norm2.weight.data.double()
-        layer = decoding._layer(block, Block)
-        assert layer is not None and _decode.layers(x, [layer], [cache]) is None
-    assert cache.seq_len == 0 and not cache.k.any()
+        refused = _decode.Run()
+        assert "norm2" in refused.add(decoding._layer(block, Block)) and len(refused) == 0
 
 
 def test_the_fused_step_stands_aside_where_the_pytorch_path_must_run():

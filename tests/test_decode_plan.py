@@ -1,4 +1,4 @@
-"""When the fused decoding plan is made (``models.decoding.held``), and the attention
+"""When the fused decoding plan is made (``models.decoding.Decoder``), and the attention
 step over long caches, whose keys are split between threads and merged.
 
 The plan says which blocks the native kernel may stand in for. It is made for every
@@ -123,7 +123,7 @@ class _UsersNorm(torch.nn.LayerNorm):
                                     "qkv_hook", "tensor subclass"])
 def test_library_only_sees_where_user_code_could_run(change):
     model = _model()
-    assert decoding._library_only(model)
+    assert decoding.library_only(model)
     if change == "instance forward":
         model.norm.forward = model.norm.forward
     elif change == "class of the user's":
@@ -137,19 +137,19 @@ def test_library_only_sees_where_user_code_could_run(change):
             pass
         model.register_buffer("tag", torch.zeros(1).as_subclass(Tagged))
     try:
-        assert not decoding._library_only(model)
+        assert not decoding.library_only(model)
     finally:
         if change == "global hook":
             handle.remove()
 
 
 def _decode_tokens() -> list[torch.Tensor]:
-    """Logits of three single-token steps inside held(), the second and third after
-    W_key of block 1 was given new storage in place (same Parameter, no longer packed,
-    new values), as a held plan cannot foresee."""
+    """Logits of three single-token steps, each planned afresh (no decoder given), the
+    second and third after W_key of block 1 was given new storage in place (same
+    Parameter, no longer packed, new values)."""
     model = _model()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    with torch.no_grad(), decoding.held(model):
+    with torch.no_grad():
         caches = model.new_cache(1, 8)
         model(ids[:, :3], caches=caches)
         out = [model(ids[:, 3:4], caches=caches)]  # the plan is made here
@@ -159,10 +159,10 @@ def _decode_tokens() -> list[torch.Tensor]:
 
 
 @needs_native
-def test_a_held_plan_still_declines_what_the_kernel_does_not_take():
-    """Held or not, the kernel checks every tensor at every call: the unpacked W_key is
-    declined (its block runs its modules, which pack it again) and the logits are
-    those of the modules."""
+def test_a_plan_made_per_token_sees_a_replaced_weight():
+    """Without a decoder each token is planned afresh: the unpacked W_key is seen (its
+    block runs its modules, which pack it again) and the logits are those of the
+    modules."""
     with counting_fused_steps("layers") as fused:
         got = _decode_tokens()
     with fused_layers_off():
@@ -242,7 +242,7 @@ def test_the_attention_step_over_a_long_cache_split_between_threads(
 
 
 def test_a_change_between_two_generate_calls_is_seen_by_the_second():
-    """The held plan lasts one generate call: a block changed after it is planned anew."""
+    """A decoder lasts one generate call: a block changed after it is planned anew."""
     model = _model()
     model.generate(PROMPT, NEW, temperature=0)
     torch.manual_seed(1)
@@ -256,8 +256,7 @@ def test_a_change_between_two_generate_calls_is_seen_by_the_second():
         caches = model.new_cache(1, 8)
         ids = torch.tensor([PROMPT[0] + [4]])
         model(ids[:, :3], caches=caches)
-        with decoding.held(model):
-            fused = model(ids[:, 3:], caches=caches)
+        fused = model(ids[:, 3:], caches=caches, decoder=model.decoder())
         for cache in caches:
             cache.crop(3)
         with fused_layers_off():

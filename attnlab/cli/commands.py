@@ -102,7 +102,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from ..interop.auto import load_for_cli
-    from ..models import decoding
     from ..models.generation import check_sampling
 
     # Before the model is loaded (minutes for a large folder): a bad option is one line.
@@ -125,13 +124,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Text pieces, not one decode per token: a character split over several byte-level
     # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
     # between the tokens here, so the fused decoding plan is made once (as generate).
-    with decoding.held(model, [ids]):
-        for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, generator=gen,
-                                  use_cache=len(ids) + args.max_new_tokens
-                                  <= model.context_length, tokenizer=tokenizer):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    decoder = model.decoder([ids]) if hasattr(model, "decoder") else None
+    for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, generator=gen,
+                              use_cache=len(ids) + args.max_new_tokens <= model.context_length,
+                              tokenizer=tokenizer, decoder=decoder):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 

@@ -1,10 +1,21 @@
-// decode_layers: one decoded row through a run of pre-norm decoder layers in one
-// call, from the kernels of decode.cpp and decode_step.cpp (decode.h). The Python
-// side is _decode.layers; models/decoding.py decides which blocks it may stand in for.
+// DecoderRun: one decoded row through a run of pre-norm decoder layers in one call,
+//   y = x + out(attend(qkv(norm1(x)))),  then  y + down(act(up(norm2(y)))),
+// from the kernels of decode.cpp and decode_step.cpp (decode.h). Through the modules a
+// layer is about forty Python-level calls, and decoding one token at a time pays each
+// of them per layer per token, cold, between products that stream the weights through
+// the caches.
+//
+// A run is built once for as long as its layers stay what they are (models/decoding.py
+// builds one per `generate` call): `add` takes one layer's tensors and settings by name
+// and checks them once, returning why it cannot take the layer ("" when it can); `step`
+// then runs the row through every layer, checking only what changes per token (the
+// caches, the positions, the rotary tables). The Python side is _decode.py.
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "decode.h"
@@ -12,166 +23,184 @@
 namespace attnlab {
 namespace {
 
-// decode_layers: one decoded row through a run of pre-norm decoder layers, each
-//   y = x + out(attend(qkv(norm1(x)))),  y + down(act(up(norm2(y)))),
-// in one call: the products by one_row, the rest by the kernels above. Through
-// the modules a layer is about forty Python-level calls, and decoding one token at a
-// time pays each of them per layer per token, cold, between products that stream
-// the weights through the caches. Per layer l, `params[18 l ...]` are weight then bias
-// of: norm1, norm2, W_query, W_key, W_value, out_proj, gate (SwiGLU only), fc, proj
-// (null where a layer has none). Q/K/V and gate/fc must be packed groups
-// (modules/fused.py: (out, in) views with strides (1, width) of one (in, width)
-// block, side by side): checked here, each group then multiplied as its block.
-// norm: 0 RMSNorm, 1 LayerNorm; mlp: 0 GELU, 1 GELU (tanh), 2 ReLU, 3 SwiGLU. The new
-// token takes position pos[l] of layer l's cache (k_caches[l], v_caches[l],
-// (1, Hkv, Lmax, D)). x is (1, 1, d). Returns y (1, 1, d), or None, nothing written,
-// where a tensor is not what this reads (checked for every layer before the first
-// one runs). Should a layer still raise, the layers before it have written their
-// new key and value at pos, which the caller's crop puts back beyond seq_len.
-constexpr size_t LAYER_PARAMS = 18;
+using at::Tensor;
+using std::optional;
+
+// The kinds the fused layer runs, by the names attnlab/modules/layers.py gives them.
+enum class Norm { RMS, Layer };
+enum class Mlp { Gelu, GeluTanh, Relu, SwiGLU };
+
+optional<Norm> norm_kind(const std::string& name) {
+  if (name == "rmsnorm") return Norm::RMS;
+  if (name == "layernorm") return Norm::Layer;
+  return std::nullopt;
+}
+
+optional<Mlp> mlp_kind(const std::string& name) {
+  if (name == "gelu") return Mlp::Gelu;
+  if (name == "gelu_tanh") return Mlp::GeluTanh;
+  if (name == "relu") return Mlp::Relu;
+  if (name == "swiglu") return Mlp::SwiGLU;
+  return std::nullopt;
+}
 
 struct Layer {
-  // norm1 w, b, norm2 w, b; then the products' weights and biases, the groups joined:
-  // qkv w, b, out w, b, up w, b, down w, b (p[4..11]).
-  std::vector<at::Tensor> p;
-  std::optional<at::Tensor> cos, sin;
-  at::Tensor k, v;
-  int64_t pos, window, heads, kv_heads, norm, mlp;
-  double scale, eps;
+  Norm norm;
+  Mlp mlp;
+  double eps, scale;
+  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // undefined where none
+  // The products' weights (out, in) and biases (out,) or undefined: q|k|v joined, the
+  // output projection, the MLP's up ([gate | up] joined for SwiGLU) and down.
+  Tensor qkv_weight, qkv_bias, out_weight, out_bias, up_weight, up_bias, down_weight, down_bias;
+  int64_t heads, kv_heads, head_dim, window;
+  bool rope;
 };
 
-// The packed block of a group of linears (weights w[i], biases b[i], all or none):
-// (width, in) and (width,) views, or false if they no longer lie side by side.
-bool join(const std::vector<at::Tensor>& w, const std::vector<at::Tensor>& b, at::Tensor& wj,
-          at::Tensor& bj) {
-  if (!w[0].defined() || w[0].dim() != 2 || w[0].stride(0) != 1) return false;
-  const int64_t width = w[0].stride(1), n_in = w[0].size(1);
-  int64_t at = 0;
-  for (size_t i = 0; i < w.size(); ++i) {
-    if (!w[i].defined() || w[i].dim() != 2 || w[i].size(1) != n_in || w[i].stride(0) != 1 ||
-        w[i].stride(1) != width || b[i].defined() != b[0].defined() ||
-        w[i].data_ptr<float>() != w[0].data_ptr<float>() + at)
-      return false;
-    if (b[i].defined() && (b[i].dim() != 1 || b[i].stride(0) != 1 || b[i].size(0) != w[i].size(0) ||
-                           b[i].data_ptr<float>() != b[0].data_ptr<float>() + at))
-      return false;
-    at += w[i].size(0);
+Tensor value(const optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+// Why a product's weight (out, in) and bias cannot be read by linear_row, or "".
+std::string product_problem(const char* name, const Tensor& w, const Tensor& b, int64_t out,
+                            int64_t in) {
+  if (!w.defined() || !usable(w) || w.dim() != 2 || w.size(0) != out || w.size(1) != in)
+    return std::string(name) + " weight is not a (" + std::to_string(out) + ", " +
+           std::to_string(in) + ") float32 CPU tensor";
+  if (b.defined() && (!usable(b) || b.dim() != 1 || b.size(0) != out || !b.is_contiguous()))
+    return std::string(name) + " bias is not a contiguous (" + std::to_string(out) +
+           ",) float32 CPU tensor";
+  return "";
+}
+
+std::string norm_problem(const char* name, const Tensor& w, const Tensor& b, Norm norm,
+                         int64_t d) {
+  for (const Tensor* t : {&w, &b})
+    if (t->defined() && (!usable(*t) || t->dim() != 1 || t->size(0) != d || !t->is_contiguous()))
+      return std::string(name) + " parameters are not contiguous (d_model,) float32 CPU tensors";
+  if (norm == Norm::RMS && b.defined()) return std::string(name) + ": RMSNorm has no bias";
+  return "";
+}
+
+struct DecoderRun : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  int64_t d_model = -1;
+
+  // Check one layer and append it; returns why it cannot be taken ("" when it was).
+  std::string add(const std::string& norm, double eps, const optional<Tensor>& norm1_weight,
+                  const optional<Tensor>& norm1_bias, const optional<Tensor>& norm2_weight,
+                  const optional<Tensor>& norm2_bias, const Tensor& qkv_weight,
+                  const optional<Tensor>& qkv_bias, const Tensor& out_weight,
+                  const optional<Tensor>& out_bias, const std::string& mlp,
+                  const Tensor& up_weight, const optional<Tensor>& up_bias,
+                  const Tensor& down_weight, const optional<Tensor>& down_bias,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                  bool rope, double scale) {
+    const optional<Norm> n = norm_kind(norm);
+    const optional<Mlp> m = mlp_kind(mlp);
+    if (!n) return "norm " + norm + " is not one the fused layer runs";
+    if (!m) return "mlp " + mlp + " is not one the fused layer runs";
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || window < 0 ||
+        (rope && head_dim % 2))
+      return "bad head layout";
+    Layer L{*n, *m, eps, scale, value(norm1_weight), value(norm1_bias), value(norm2_weight),
+            value(norm2_bias), qkv_weight, value(qkv_bias), out_weight, value(out_bias),
+            up_weight, value(up_bias), down_weight, value(down_bias), num_heads, num_kv_heads,
+            head_dim, window, rope};
+    const int64_t d = qkv_weight.dim() == 2 ? qkv_weight.size(1) : -1;
+    if (d <= 0 || (d_model >= 0 && d != d_model)) return "d_model differs between layers";
+    const int64_t up_out = up_weight.dim() == 2 ? up_weight.size(0) : 0;
+    const int64_t ff = L.mlp == Mlp::SwiGLU ? up_out / 2 : up_out;
+    for (const std::string& why :
+         {norm_problem("norm1", L.norm1_weight, L.norm1_bias, L.norm, d),
+          norm_problem("norm2", L.norm2_weight, L.norm2_bias, L.norm, d),
+          product_problem("qkv", L.qkv_weight, L.qkv_bias, (num_heads + 2 * num_kv_heads) * head_dim, d),
+          product_problem("out", L.out_weight, L.out_bias, d, num_heads * head_dim),
+          product_problem("up", L.up_weight, L.up_bias, up_out, d),
+          product_problem("down", L.down_weight, L.down_bias, d, ff)})
+      if (!why.empty()) return why;
+    if (ff <= 0 || (L.mlp == Mlp::SwiGLU && up_out % 2)) return "bad MLP width";
+    d_model = d;
+    layers.push_back(std::move(L));
+    return "";
   }
-  if (at != width) return false;
-  wj = w[0].as_strided({width, n_in}, {1, width});
-  bj = b[0].defined() ? b[0].as_strided({width}, {1}) : at::Tensor();
-  return true;
-}
 
-// Fill L.p from one layer's 18 parameters (raw, in decode_layers' order) and check
-// them and the layer's cache; false where they are not what this reads.
-bool layer_ok(int64_t d, const std::vector<at::Tensor>& raw, Layer& L) {
-  for (const at::Tensor& t : raw)
-    if (t.defined() && !usable(t)) return false;
-  const bool swiglu = L.mlp == 3;
-  if (L.norm < 0 || L.norm > 1 || L.mlp < 0 || L.mlp > 3 || raw[12].defined() != swiglu ||
-      !raw[10].defined() || !raw[16].defined())
-    return false;
-  for (int i = 0; i < 4; ++i)  // the norms' weights and biases: (d,) contiguous or none
-    if (raw[i].defined() && (raw[i].dim() != 1 || raw[i].size(0) != d || !raw[i].is_contiguous()))
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  // Whether this token's caches, positions and rotary tables are what step() reads.
+  bool step_ok(const Tensor& x, const std::vector<Tensor>& k_caches,
+               const std::vector<Tensor>& v_caches, const std::vector<int64_t>& pos,
+               const c10::List<optional<Tensor>>& cos, const c10::List<optional<Tensor>>& sin) const {
+    const size_t n = layers.size();
+    if (x.numel() != d_model || !usable(x) || k_caches.size() != n || v_caches.size() != n ||
+        pos.size() != n || cos.size() != n || sin.size() != n)
       return false;
-  if (L.norm == 0 && (raw[1].defined() || raw[3].defined())) return false;  // RMSNorm: no bias
-  std::vector<at::Tensor>& p = L.p;
-  p.assign(12, at::Tensor());
-  for (int i = 0; i < 4; ++i) p[i] = raw[i];  // the norms
-  p[6] = raw[10], p[7] = raw[11], p[10] = raw[16], p[11] = raw[17];
-  const std::vector<at::Tensor> up_w = swiglu ? std::vector<at::Tensor>{raw[12], raw[14]}
-                                              : std::vector<at::Tensor>{raw[14]};
-  const std::vector<at::Tensor> up_b = swiglu ? std::vector<at::Tensor>{raw[13], raw[15]}
-                                              : std::vector<at::Tensor>{raw[15]};
-  if (!join({raw[4], raw[6], raw[8]}, {raw[5], raw[7], raw[9]}, p[4], p[5]) ||
-      !join(up_w, up_b, p[8], p[9]))
-    return false;
-  const int64_t D = L.k.dim() == 4 ? L.k.size(3) : 0;
-  const int64_t f = p[8].size(0) / (swiglu ? 2 : 1);
-  if (p[4].size(1) != d || p[4].size(0) != (L.heads + 2 * L.kv_heads) * D || p[6].dim() != 2 ||
-      p[6].size(0) != d || p[6].size(1) != L.heads * D || p[8].size(1) != d ||
-      p[10].dim() != 2 || p[10].size(0) != d || p[10].size(1) != f ||
-      (swiglu && raw[12].size(0) != raw[14].size(0)))
-    return false;
-  const bool cache_ok = L.k.dim() == 4 && L.k.sizes() == L.v.sizes() && L.k.size(0) == 1 &&
-                        L.k.size(1) == L.kv_heads && L.kv_heads > 0 &&
-                        L.heads % L.kv_heads == 0 && L.k.is_contiguous() &&
-                        L.v.is_contiguous() && usable(L.k) && usable(L.v) &&
-                        L.pos >= 0 && L.pos < L.k.size(2);
-  if (!cache_ok || L.cos.has_value() != L.sin.has_value()) return false;
-  for (const auto* t : {&L.cos, &L.sin})
-    if (t->has_value() && ((*t)->dim() != 2 || (*t)->size(0) <= L.pos || (*t)->size(1) != D ||
-                           !(*t)->is_contiguous() || !usable(**t) || D % 2))
-      return false;
-  return true;
-}
-
-// One layer on the row h (1, d): L.p as layer_ok leaves it.
-at::Tensor layer_run(const at::Tensor& h, const Layer& L) {
-  const std::vector<at::Tensor>& p = L.p;
-  const int64_t d = h.size(1);
-  auto normed = [&](const at::Tensor& t, int i) {
-    if (L.norm == 0)
-      return rms_norm(t, p[i].defined() ? std::optional<at::Tensor>(p[i]) : std::nullopt, L.eps);
-    return at::layer_norm(t, {d}, p[i], p[i + 1], L.eps);
-  };
-  const at::Tensor none;
-  const at::Tensor qkv = linear_row(normed(h, 0), p[4], p[5], none);
-  at::Tensor k = L.k, v = L.v;
-  const at::Tensor heads = decode_step(qkv.view({1, 1, qkv.size(1)}), L.cos, L.sin, k, v, L.pos,
-                                       L.window, L.heads, L.kv_heads, L.scale);
-  // The residuals ride in the products: y = x + heads W_out^T + b, no temporary.
-  const at::Tensor y = linear_row(heads.view({1, -1}), p[6], p[7], h);
-  const at::Tensor up = linear_row(normed(y, 2), p[8], p[9], none);
-  const at::Tensor act = L.mlp == 3   ? silu_mul(up)
-                         : L.mlp == 2 ? at::relu(up)
-                                      : at::gelu(up, L.mlp == 1 ? "tanh" : "none");
-  return linear_row(act, p[10], p[11], y);
-}
-
-std::optional<at::Tensor> decode_layers(
-    const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& params,
-    const c10::List<std::optional<at::Tensor>>& cos, const c10::List<std::optional<at::Tensor>>& sin,
-    at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef pos, at::IntArrayRef window,
-    at::IntArrayRef heads, at::IntArrayRef kv_heads, at::ArrayRef<double> scale,
-    at::IntArrayRef norm, at::ArrayRef<double> eps, at::IntArrayRef mlp) {
-  const size_t n = k_caches.size();
-  const int64_t d = x.size(-1);
-  if (x.numel() != d || !usable(x) ||
-      params.size() != LAYER_PARAMS * n || cos.size() != n || sin.size() != n || v_caches.size() != n ||
-      pos.size() != n || window.size() != n || heads.size() != n || kv_heads.size() != n ||
-      scale.size() != n || norm.size() != n || eps.size() != n || mlp.size() != n)
-    return std::nullopt;
-  std::vector<Layer> layers(n);
-  std::vector<at::Tensor> raw(LAYER_PARAMS);
-  for (size_t l = 0; l < n; ++l) {
-    Layer& L = layers[l];
-    for (size_t i = 0; i < LAYER_PARAMS; ++i) {
-      const std::optional<at::Tensor> t = params.get(LAYER_PARAMS * l + i);
-      raw[i] = t.has_value() ? *t : at::Tensor();
+    for (size_t l = 0; l < n; ++l) {
+      const Layer& L = layers[l];
+      const Tensor &k = k_caches[l], &v = v_caches[l];
+      if (k.dim() != 4 || k.sizes() != v.sizes() || k.size(0) != 1 || k.size(1) != L.kv_heads ||
+          k.size(3) != L.head_dim || !k.is_contiguous() || !v.is_contiguous() || !usable(k) ||
+          !usable(v) || pos[l] < 0 || pos[l] >= k.size(2))
+        return false;
+      const optional<Tensor> c = cos.get(l), s = sin.get(l);
+      if (c.has_value() != L.rope || s.has_value() != L.rope) return false;
+      for (const optional<Tensor>* t : {&c, &s})
+        if (t->has_value() && ((**t).dim() != 2 || (**t).size(0) <= pos[l] ||
+                               (**t).size(1) != L.head_dim || !(**t).is_contiguous() ||
+                               !usable(**t)))
+          return false;
     }
-    L.cos = cos.get(l), L.sin = sin.get(l);
-    L.k = k_caches[l], L.v = v_caches[l];
-    L.pos = pos[l], L.window = window[l], L.heads = heads[l], L.kv_heads = kv_heads[l];
-    L.scale = scale[l], L.norm = norm[l], L.eps = eps[l], L.mlp = mlp[l];
-    if (!layer_ok(d, raw, L)) return std::nullopt;
+    return true;
   }
-  at::Tensor h = x.reshape({1, d}).contiguous();
-  for (const Layer& L : layers) h = layer_run(h, L);
-  return h.view_as(x);
-}
+
+  // x (1, 1, d) through every layer, each appending its key and value at pos[l] of its
+  // cache ((1, Hkv, Lmax, D)); cos/sin the layer's rotary tables (or none). None, nothing
+  // written, where the inputs are not what this reads.
+  optional<Tensor> step(const Tensor& x, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
+                        const std::vector<int64_t>& pos, const c10::List<optional<Tensor>>& cos,
+                        const c10::List<optional<Tensor>>& sin) const {
+    if (!step_ok(x, k_caches, v_caches, pos, cos, sin)) return std::nullopt;
+    Tensor h = x.reshape({1, d_model}).contiguous();
+    for (size_t l = 0; l < layers.size(); ++l)
+      h = run_layer(h, layers[l], k_caches[l], v_caches[l], pos[l], cos.get(l), sin.get(l));
+    return h.view_as(x);
+  }
+
+ private:
+  static Tensor normed(const Tensor& t, const Layer& L, const Tensor& w, const Tensor& b) {
+    if (L.norm == Norm::RMS) return rms_norm(t, w.defined() ? optional<Tensor>(w) : std::nullopt, L.eps);
+    return at::layer_norm(t, {t.size(1)}, w, b, L.eps);
+  }
+
+  static Tensor run_layer(const Tensor& h, const Layer& L, Tensor& k, Tensor& v, int64_t pos,
+                          const optional<Tensor>& cos, const optional<Tensor>& sin) {
+    const Tensor none;
+    const Tensor qkv = linear_row(normed(h, L, L.norm1_weight, L.norm1_bias), L.qkv_weight,
+                                  L.qkv_bias, none);
+    const Tensor heads = decode_step(qkv.view({1, 1, qkv.size(1)}), cos, sin, k, v, pos,
+                                     L.window, L.heads, L.kv_heads, L.scale);
+    // The residuals ride in the products: y = x + heads W_out^T + b, no temporary.
+    const Tensor y = linear_row(heads.view({1, -1}), L.out_weight, L.out_bias, h);
+    const Tensor up = linear_row(normed(y, L, L.norm2_weight, L.norm2_bias), L.up_weight,
+                                 L.up_bias, none);
+    const Tensor act = L.mlp == Mlp::SwiGLU ? silu_mul(up)
+                       : L.mlp == Mlp::Relu ? at::relu(up)
+                                            : at::gelu(up, L.mlp == Mlp::GeluTanh ? "tanh" : "none");
+    return linear_row(act, L.down_weight, L.down_bias, y);
+  }
+};
 
 }  // namespace
 }  // namespace attnlab
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def(
-      "decode_layers(Tensor x, Tensor?[] params, Tensor?[] cos, Tensor?[] sin, "
-      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] pos, int[] window, int[] num_heads, "
-      "int[] num_kv_heads, float[] scale, int[] norm, float[] eps, int[] mlp) -> Tensor?");
-}
-
-TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
-  m.impl("decode_layers", &attnlab::decode_layers);
+  m.class_<attnlab::DecoderRun>("DecoderRun")
+      .def(torch::init<>())
+      .def("add", &attnlab::DecoderRun::add, "",
+           {torch::arg("norm"), torch::arg("eps"), torch::arg("norm1_weight"),
+            torch::arg("norm1_bias"), torch::arg("norm2_weight"), torch::arg("norm2_bias"),
+            torch::arg("qkv_weight"), torch::arg("qkv_bias"), torch::arg("out_weight"),
+            torch::arg("out_bias"), torch::arg("mlp"), torch::arg("up_weight"),
+            torch::arg("up_bias"), torch::arg("down_weight"), torch::arg("down_bias"),
+            torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
+            torch::arg("window"), torch::arg("rope"), torch::arg("scale")})
+      .def("size", &attnlab::DecoderRun::size)
+      .def("step", &attnlab::DecoderRun::step);
 }

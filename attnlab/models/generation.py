@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import bounded_int, is_int, optional_positive_int
 from ..text.stream import TextStream
-from . import decoding
 
 # The most tokens one call adds. Each is a forward pass of the model (without the
 # cache, over the whole window): a million are days of CPU time already, and more
@@ -141,6 +139,7 @@ class GenerationMixin:
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
         tokenizer=None,
+        decoder=None,
     ) -> Iterator[torch.Tensor] | Iterator[str]:
         """Yield the next token of every sequence ``(batch,)``, one step at a time.
 
@@ -152,9 +151,13 @@ class GenerationMixin:
         (:class:`attnlab.text.stream.TextStream`), so the pieces joined are the
         decode of prompt and continuation minus the prompt's text, with no
         ``U+FFFD`` that the whole decode does not have.
+
+        ``decoder`` (GPT: ``model.decoder(ids)``) keeps the fused decoding plan from token
+        to token; give one only where nothing changes the model while the stream runs.
+        Without it the plan is made at every token (the caller's code runs in between).
         """
         tokens = self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                  eos_id, generator)
+                                  eos_id, generator, decoder)
         if tokenizer is None:
             return tokens
         prompt, _ = _as_batch(ids, self.pad_id)
@@ -165,7 +168,7 @@ class GenerationMixin:
 
     @torch.inference_mode()
     def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
-                    generator) -> Iterator[torch.Tensor]:
+                    generator, decoder) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         eos_id = check_eos_id(eos_id, self.config.vocab_size)
         device = next(self.parameters()).device
@@ -190,11 +193,12 @@ class GenerationMixin:
         # left-padded prompts carry each row's own positions.
         step_ids = ids
         step_pos = None if mask is None else _positions(mask, 0, prompt_len, device, batch)
+        kept = {} if decoder is None else {"decoder": decoder}
         for _ in range(max_new_tokens):
             # Only the last position's logits are sampled from.
             if use_cache:
                 logits = self(step_ids, attention_mask=seq_mask, caches=caches,
-                              positions=step_pos, logits_to_keep=1)
+                              positions=step_pos, logits_to_keep=1, **kept)
             else:
                 window = seq[:, -limit:]
                 win_mask = None if seq_mask is None else seq_mask[:, -limit:]
@@ -251,12 +255,12 @@ class GenerationMixin:
         new = []
         # With no callback nothing of the user's runs until the last token (where the
         # model runs only library code): the fused decoding plan is made once.
-        with decoding.held(self, ids) if on_token is None else nullcontext():
-            for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p,
-                                   use_cache, eos_id, generator):
-                new.append(tok)
-                if on_token is not None:
-                    on_token(tok)
+        decoder = self.decoder(ids) if on_token is None and hasattr(self, "decoder") else None
+        for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
+                               eos_id, generator, decoder=decoder):
+            new.append(tok)
+            if on_token is not None:
+                on_token(tok)
         prompt = prompt.to(next(self.parameters()).device)
         # Built outside inference mode (stream runs in it, for speed): the result is an
         # ordinary tensor that may feed a later forward with autograd.

@@ -30,7 +30,7 @@ from ..config import Config
 from ..functional import may_decode
 from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, dropout, embedding, make_norm
+from ..modules.layers import MLP, MLP_KINDS, NORM_KINDS, dropout, embedding, make_norm
 from . import decoding
 from .generation import GenerationMixin
 from .ids import check_ids
@@ -39,8 +39,8 @@ from .outputs import with_extras
 
 _CHOICES = {
     "positions": ("learned", "rope"),
-    "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "gelu_tanh", "swiglu"),
+    "norm": NORM_KINDS,
+    "mlp": tuple(kind for kind in MLP_KINDS if kind != "relu"),  # relu: encoders only
 }
 
 
@@ -192,6 +192,7 @@ class GPT(GenerationMixin, nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
+        decoder: decoding.Decoder | None = None,
     ):
         """Logits for every position (or the last ``logits_to_keep``).
 
@@ -213,6 +214,9 @@ class GPT(GenerationMixin, nn.Module):
             logits_to_keep: 0 for the logits of every position, else of the last
                 ``logits_to_keep`` positions only (as transformers; generation needs
                 the last one, and the output layer is the largest product).
+            decoder: a :meth:`decoder` made for the tokens of one generation, which keeps
+                the plan of the fused decoding step from token to token; None (the
+                default) makes it anew for this call.
 
         Returns:
             logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given);
@@ -245,7 +249,7 @@ class GPT(GenerationMixin, nn.Module):
                       and hidden is None and not fused.global_forward_hooks()
                       and may_decode(mask=mask, weights=output_attentions))
         if fused_rows:
-            x = decoding.run(self.blocks, x, caches, Block)
+            x = (decoder or decoding.Decoder(self.blocks, Block))(x, caches)
         for i, block in enumerate(() if fused_rows else self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
                          output_attentions)
@@ -264,6 +268,13 @@ class GPT(GenerationMixin, nn.Module):
         if logits is None:
             logits = self.lm_head(x)
         return with_extras(logits, attentions if output_attentions else None, hidden)
+
+    def decoder(self, ids=None) -> decoding.Decoder | None:
+        """A :class:`~attnlab.models.decoding.Decoder` for the tokens of one generation
+        from ``ids``, to pass to every :meth:`forward` of it; None where user code could
+        change the model between tokens (hooks, classes of the user's, tensor subclasses,
+        torch function modes: see ``decoding.library_only``)."""
+        return decoding.Decoder(self.blocks, Block) if decoding.library_only(self, ids) else None
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:

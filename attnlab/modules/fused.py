@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 
 from .. import _native
 
-__all__ = ["pack", "is_packed", "joint", "apply", "split", "global_forward_hooks"]
+__all__ = ["pack", "is_packed", "block", "joint", "apply", "split", "global_forward_hooks"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -110,7 +110,7 @@ def global_forward_hooks() -> bool:
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
-def _block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
     (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
     w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
@@ -141,7 +141,7 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
                 m._parameters["bias"] is not None for m in linears):
             return None
         pack(linears)  # the layout was lost (a dtype change, an assigned parameter)
-    weight, bias = _block(linears)
+    weight, bias = block(linears)
     if ops is not None and weight.dtype == torch.float32:
         # One row streamed as fast as memory allows, a few by the tile kernel.
         out = ops.linear(x.contiguous(), weight, bias, None)

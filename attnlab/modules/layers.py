@@ -14,9 +14,13 @@ from torch import nn
 from .. import _native
 from . import fused
 
-__all__ = ["MLP", "MLP_KINDS", "RMSNorm", "make_norm", "dropout", "embedding"]
+__all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "RMSNorm", "make_norm", "norm_kind", "dropout",
+           "embedding"]
 
+# The names of the kinds, used by the configs, the modules and the fused decoding step
+# (csrc/decode_layers.cpp implements each under the same name).
 MLP_KINDS = ("gelu", "gelu_tanh", "relu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -52,8 +56,16 @@ class RMSNorm(nn.RMSNorm):
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """``"layernorm"`` or ``"rmsnorm"`` over the last ``dim`` features."""
+    """``"layernorm"`` or ``"rmsnorm"`` (:data:`NORM_KINDS`) over the last ``dim`` features."""
+    if kind not in NORM_KINDS:
+        raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
     return RMSNorm(dim, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
+
+
+def norm_kind(module: nn.Module) -> str | None:
+    """The :data:`NORM_KINDS` name of a norm :func:`make_norm` builds (exactly its class),
+    or None for any other module."""
+    return {RMSNorm: "rmsnorm", nn.LayerNorm: "layernorm"}.get(type(module))
 
 
 class MLP(nn.Module):
