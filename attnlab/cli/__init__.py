@@ -22,6 +22,7 @@ from .commands import (
     cmd_show,
     cmd_train,
 )
+from .heads import add_heads_parser
 from .options import (
     _index,
     _model_options,
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the demo model is trained when no --ckpt is given")
     ablate.add_argument("--seed", type=_seed, default=0, help="random seed")
     ablate.set_defaults(func=cmd_ablate)
+
+    add_heads_parser(sub)
 
     learn = sub.add_parser("learn", help="lesson N of the learner's path (--lang zh|en); "
                            "no N: the list")

@@ -7,7 +7,8 @@
 - :func:`show_attention` runs a model on a text and writes both (``rollout=True`` adds
   the attention rollout as an extra layer);
 - :func:`rollout` follows attention through the layers (Abnar and Zuidema 2020);
-- :func:`save_head_importance` draws the layers x heads table of ``ablate --heads``.
+- :func:`save_head_importance` draws the layers x heads table of ``ablate --heads``;
+- :func:`save_head_kinds` draws what each head does (``attnlab heads``).
 
 Labels in any script are drawn with the installed fonts (:mod:`.fonts`).
 
@@ -17,11 +18,12 @@ torch tensors or NumPy arrays; neither torch nor matplotlib is imported until us
 
 from .explorer import Explorer, explorer, render_html, write_html
 from .fonts import font_context, label_fonts
-from .heads import head_importance_figure, save_head_importance
+from .heads import head_importance_figure, head_kinds_figure, save_head_importance, save_head_kinds
 from .heatmap import heatmap, heatmap_grid, save_heatmaps
 from .rollout import rollout
 from .show import capture, show_attention
 
 __all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "write_html", "render_html", "capture",
            "show_attention", "rollout", "head_importance_figure", "save_head_importance",
+           "head_kinds_figure", "save_head_kinds",
            "explorer", "Explorer", "font_context", "label_fonts"]
