@@ -256,3 +256,14 @@ def test_heads_command_prints_the_table_and_writes_json_and_a_picture(built_ckpt
     assert main(["heads", "--ckpt", str(built_ckpt), "--out", str(out), "--length", "9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--length" in err[0] and "got 9" in err[0]
+
+
+def test_show_classify_labels_the_heads_in_the_picture_and_the_page(built_ckpt, tmp_path):
+    out = tmp_path / "s"
+    assert main(["show", "abcdefgh", "--ckpt", str(built_ckpt), "--classify", "--out",
+                 str(out)]) == 0
+    html = (out / "attention.html").read_text()
+    payload = json.loads(html.split('id="attnlab-data">')[1].split("</script>")[0])
+    assert payload["labels"][1][2] == "previous-token 1.00"
+    assert payload["labels"][0][1] == "sink 1.00"
+    assert (out / "attention.png").read_bytes()[:4] == b"\x89PNG"
