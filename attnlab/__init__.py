@@ -42,8 +42,8 @@ _LAZY_NAMES = {
     "ToyAttnLM": "models", "ToyConfig": "models", "HFTokenizer": "text",
 }
 # ``check`` is a module that can be called: ``attnlab.check(fn_or_module)``.
-_LAZY_MODULES = ("masks", "reference", "models", "text", "viz", "experiments", "interop",
-                 "training", "checkpoint", "check")
+_LAZY_MODULES = ("masks", "reference", "models", "text", "viz", "experiments", "heads",
+                 "interop", "training", "checkpoint", "check")
 
 __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING block used
     "attention", "BACKENDS", "masks", "reference",
@@ -51,7 +51,8 @@ __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING 
     "MultiHeadAttentionWrapper", "MultiHeadAttention", "KVCache", "RotaryEmbedding",
     "save_checkpoint", "load_checkpoint", "__version__",
     "GPT", "GPTConfig", "Encoder", "EncoderConfig", "ToyAttnLM", "ToyConfig", "HFTokenizer",
-    "models", "text", "viz", "experiments", "interop", "training", "checkpoint", "check",
+    "models", "text", "viz", "experiments", "heads", "interop", "training", "checkpoint",
+    "check",
 ]
 
 

@@ -297,7 +297,8 @@ def decode(text):
     return payload, raw.reshape(shape).astype(np.float64) / payload["scale"]
 
 
-NETWORK = [r"https?:", r"//cdn", r"<link\b", r"\bsrc\s*=", r"\bhref\s*=", r"url\(", r"@import",
+# CSS's url(...) (not the canvas's toDataURL, which the page's exports use: data: URLs only)
+NETWORK = [r"https?:", r"//cdn", r"<link\b", r"\bsrc\s*=", r"\bhref\s*=", r"\burl\(", r"@import",
            r"\bfetch\(", r"XMLHttpRequest", r"WebSocket", r"EventSource", r"sendBeacon",
            r"\bimport\(", r"<iframe", r"<object", r"<embed", r"<img", r"<base\b"]
 

@@ -12,7 +12,7 @@ from test_explorer_browser import browser, model  # noqa: F401  (a fixture)
 from attnlab import viz
 
 TOKENS = ["注意", "力", "让", "模型", "␣cat", "😀"]
-SRCDOC = re.compile(r'<iframe srcdoc="([^"]*)" sandbox="allow-scripts"')
+SRCDOC = re.compile(r'<iframe srcdoc="([^"]*)" sandbox="allow-scripts allow-downloads"')
 
 
 def test_explorer_object_displays_as_an_isolated_offline_frame():

@@ -22,6 +22,7 @@ from .commands import (
     cmd_show,
     cmd_train,
 )
+from .heads import add_heads_parser
 from .options import (
     _index,
     _model_options,
@@ -98,9 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--rollout", action="store_true",
                       help="add the attention rollout (Abnar & Zuidema 2020) as a last layer")
     show.add_argument("--layer", type=_index, default=None,
-                      help="only this layer in the PNG (default: every layer)")
+                      help="only this layer in the picture (default: every layer; with "
+                           "--compare: the layer of the head that differs most)")
     show.add_argument("--head", type=_index, default=None,
-                      help="only this head in the PNG (default: every head)")
+                      help="only this head in the picture (default: every head; with "
+                           "--compare: the head that differs most)")
+    show.add_argument("--compare", metavar="TEXT", default=None,
+                      help="a second text: one head on both and their difference where the "
+                           "tokens align; the explorer gets a diff mode")
+    show.add_argument("--classify", action="store_true",
+                      help="label each head with what it does (attnlab heads' probes: one "
+                           "more forward pass over a short random sequence)")
+    show.add_argument("--format", choices=["png", "svg"], default="png",
+                      help="format of the picture (attention.png or attention.svg)")
     show.add_argument("--out", default="attnlab-show", help="output directory")
     show.set_defaults(func=cmd_show)
 
@@ -124,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the demo model is trained when no --ckpt is given")
     ablate.add_argument("--seed", type=_seed, default=0, help="random seed")
     ablate.set_defaults(func=cmd_ablate)
+
+    add_heads_parser(sub)
 
     learn = sub.add_parser("learn", help="lesson N of the learner's path (--lang zh|en); "
                            "no N: the list")

@@ -141,11 +141,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     from ..viz import show_attention
 
     check_own_dir(args.out)  # before the model is loaded (show_attention checks it again)
+    if args.compare is not None and args.rollout:
+        raise ValueError("--rollout and --compare: one at a time")
     model, tokenizer, meta = load_for_cli(args.ckpt, args.model, demo_fallback=True)
+    labels = None
+    if args.classify:
+        from ..heads import classify, head_labels
+
+        labels = head_labels(classify(model, tokenizer))
     paths = show_attention(model, tokenizer, args.text, args.out, layer=args.layer,
                            head=args.head, rollout=args.rollout,
-                           example=known_text(meta, tokenizer))
-    print(f"wrote {paths['png']}")
+                           example=known_text(meta, tokenizer), compare=args.compare,
+                           head_labels=labels, fmt=args.format)
+    if paths.picked is not None:
+        layer, head = paths.picked
+        chosen = args.layer is not None and args.head is not None
+        print(f"the picture shows layer {layer}, head {head}"
+              f"{'' if chosen else ' (of the heads asked, the one whose weights differ most)'}")
+    print(f"wrote {paths[args.format]}")
     print(f"wrote {paths['html']}")
     return 0
 

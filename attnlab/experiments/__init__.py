@@ -4,6 +4,7 @@
   pooling (``uniform_attention``), where dropout goes (``dropout_placement``),
   ``saliency`` and ``explain``, and the report of all of them (``run_all``);
 - :mod:`.heads`: which heads matter (knock one out, measure the damage);
+- :mod:`.head_kinds`: what each head does (previous-token, induction, sink, ...: ``classify``);
 - :mod:`.layers`: finding a model's attention modules, written once for all of them.
 
 They sit above the models, training and interop and import nothing of the command

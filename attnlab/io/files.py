@@ -30,11 +30,16 @@ STATE_TENSORS = "training_state.safetensors"  # written by training, for --resum
 STATE_JSON = "training_state.json"
 SUMMARY_FILE = "summary.json"
 HEATMAP_FILE = "attention.png"
+HEATMAP_SVG = "attention.svg"  # ``attnlab show --format svg``
 EXPLORER_FILE = "attention.html"
+HEADS_JSON = "heads.json"  # ``attnlab heads``: the table, and its picture
+HEADS_PNG = "heads.png"
+HEADS_SVG = "heads.svg"
 # Inside the folders attnlab.io.atomic_dir builds: proves a leftover is attnlab's.
 ATOMIC_MARKER = ".attnlab-atomic"
 OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
-                       SUMMARY_FILE, HEATMAP_FILE, EXPLORER_FILE})
+                       SUMMARY_FILE, HEATMAP_FILE, HEATMAP_SVG, EXPLORER_FILE, HEADS_JSON,
+                       HEADS_PNG, HEADS_SVG})
 # The checkpoint of a run's lowest held-out loss, a folder inside its checkpoint folder.
 BEST_DIR = "best"
 

@@ -16,7 +16,7 @@ from ..cache import KVCache
 from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
 from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
-from . import fused
+from . import fused, rows
 from .layers import dropout
 
 __all__ = ["MultiHeadAttention"]
@@ -48,7 +48,7 @@ def _book_call(third: Any, rest: tuple, context_length: Any, dropout: Any, qkv_b
     return rest[1], third, rest[0], qkv_bias, True if causal is None else causal
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(rows.AttentionRows, nn.Module):
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_numpy", "as_tokens", "as_matrix", "as_layers", "as_mask"]
+__all__ = ["to_numpy", "as_tokens", "as_matrix", "as_layers", "as_mask", "as_labels"]
 
 # Attention weights may overshoot [0, 1] a little in low precision; more is a caller error.
 _WEIGHT_TOLERANCE = 1e-2
@@ -179,3 +179,19 @@ def as_mask(mask: Any, n_layers: int, q_len: int, k_len: int) -> np.ndarray | No
         raise ValueError(f"mask: expected shape ({q_len}, {k_len}) or ({n_layers}, {q_len}, "
                          f"{k_len}) (True = may attend), got {tuple(np.shape(mask))}")
     return np.broadcast_to(m, (n_layers, q_len, k_len))
+
+
+def as_labels(labels: Any, n_layers: int, n_heads: int) -> list[list[str]] | None:
+    """``labels`` (one string per head, ``layers x heads`` nested sequences: what
+    :func:`attnlab.heads.head_labels` returns) checked against the weights' shape; None
+    stays None."""
+    if labels is None:
+        return None
+    try:
+        rows = [[str(x) for x in row] for row in labels if not isinstance(row, str)]
+    except TypeError:
+        rows = []
+    if len(rows) != n_layers or any(len(r) != n_heads for r in rows):
+        raise ValueError(f"labels: expected {n_layers} rows (layers) of {n_heads} strings "
+                         f"(heads), got {labels!r:.120}")
+    return rows

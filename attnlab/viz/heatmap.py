@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io import atomic_write_bytes
-from .data import as_layers, as_mask, as_matrix, as_rollout
+from .data import as_labels, as_layers, as_mask, as_matrix, as_rollout
 from .fonts import font_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["heatmap", "heatmap_grid", "save_heatmaps"]
+__all__ = ["heatmap", "heatmap_grid", "save_heatmaps", "figure_bytes", "FORMATS"]
 
 _CMAP = "viridis"
 
@@ -175,7 +175,7 @@ def _heatmap(w: np.ndarray, tokens: list[str], ax: Axes | None,
 def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
                  layer_ids: Sequence[int] | None = None,
                  head_ids: Sequence[int] | None = None,
-                 mask: Any = None, rollout: Any = None) -> Figure:
+                 mask: Any = None, rollout: Any = None, labels: Any = None) -> Figure:
     """A Figure with one heatmap per layer (rows) and head (columns), sharing one colour bar.
 
     ``attentions`` is a sequence, one per layer, of ``(heads, q_len, k_len)``
@@ -191,6 +191,8 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
     cells it forbids grey. ``rollout``, a ``(q_len, k_len)`` matrix
     (:func:`attnlab.viz.rollout`), is drawn once, as one more row labelled
     "rollout" (with a mask, its cells that no token reaches, exactly 0, are grey).
+    ``labels``, ``layers x heads`` strings (what :func:`attnlab.heads.head_labels` says
+    each head does: "previous-token 0.81"), are written in a corner of each panel.
     The figure holds ``layers * heads`` heatmap Axes (plus one for the rollout)
     and the colour bar.
     """
@@ -200,8 +202,15 @@ def heatmap_grid(tokens: Sequence[str], attentions: Any, *,
     head_ids = _ids("head_ids", head_ids, n_heads)
     allowed = as_mask(mask, n_layers, q_len, k_len)
     flow = as_rollout(rollout, tokens, q_len, k_len)
+    names = as_labels(labels, n_layers, n_heads)
     with font_context(tokens):  # CJK and emoji labels need fonts beyond DejaVu Sans
-        return _grid(data, tokens, layer_ids, head_ids, allowed, flow)
+        fig = _grid(data, tokens, layer_ids, head_ids, allowed, flow)
+    if names is not None:
+        for ax, name in zip(fig.axes, (n for row in names for n in row)):
+            ax.text(0.03, 0.97, name, transform=ax.transAxes, ha="left", va="top", fontsize=6,
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
+                          "alpha": 0.8})
+    return fig
 
 
 def _ids(name: str, ids: Sequence[int] | None, n: int) -> list[int]:
@@ -314,23 +323,36 @@ def _fit(fig: Figure, axes, cax: Axes, margins: dict, width: float, height: floa
                height + grow["bottom"] + grow["top"])
 
 
-def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
-    """``fig`` rendered as PNG bytes, in memory, so the file is then written in one
-    atomic step (:func:`attnlab.io.atomic_write_bytes`)."""
+#: The picture formats every writer of a figure takes (``--format``).
+FORMATS = ("png", "svg")
+
+
+def figure_bytes(fig: Figure, fmt: str = "png", **savefig_kw: Any) -> bytes:
+    """``fig`` rendered as PNG or SVG (``fmt``, one of :data:`FORMATS`) bytes, in memory,
+    so the file is then written in one atomic step (:func:`attnlab.io.atomic_write_bytes`).
+    An SVG draws its text as paths: it shows the same glyphs wherever it is opened."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt (--format) must be one of {', '.join(FORMATS)}, got {fmt!r}")
     buf = io.BytesIO()
     from matplotlib.text import Text
 
     texts = [t.get_text() for t in fig.findobj(Text)]
     with font_context(texts):  # glyph warnings for what the hint already named stay quiet
-        fig.savefig(buf, format="png", **savefig_kw)
+        fig.savefig(buf, format=fmt, **savefig_kw)
     return buf.getvalue()
+
+
+def png_bytes(fig: Figure, **savefig_kw: Any) -> bytes:
+    """``fig`` rendered as PNG bytes (:func:`figure_bytes`)."""
+    return figure_bytes(fig, "png", **savefig_kw)
 
 
 def save_heatmaps(path: str | os.PathLike[str], tokens: Sequence[str],
                   attentions: Any, *, layer_ids: Sequence[int] | None = None,
                   head_ids: Sequence[int] | None = None, mask: Any = None,
-                  rollout: Any = None) -> pathlib.Path:
-    """Write a layers x heads grid of heatmaps (see :func:`heatmap_grid`) as one PNG.
+                  rollout: Any = None, labels: Any = None, fmt: str = "png") -> pathlib.Path:
+    """Write a layers x heads grid of heatmaps (see :func:`heatmap_grid`) as one PNG (or
+    SVG: ``fmt="svg"``).
 
     The file is written atomically (:func:`attnlab.io.atomic_write_bytes`: temp
     file, fsync, rename, directory fsync). Parent directories are created.
@@ -339,7 +361,7 @@ def save_heatmaps(path: str | os.PathLike[str], tokens: Sequence[str],
     """
     path = pathlib.Path(path)
     fig = heatmap_grid(tokens, attentions, layer_ids=layer_ids, head_ids=head_ids, mask=mask,
-                       rollout=rollout)
+                       rollout=rollout, labels=labels)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, png_bytes(fig, dpi=fig.dpi))
+    atomic_write_bytes(path, figure_bytes(fig, fmt, dpi=fig.dpi))
     return path
