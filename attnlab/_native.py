@@ -225,7 +225,8 @@ def _fakes(tiles: bool) -> dict:
     """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
 
     def flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed, block_q,
-                      block_k):
+                      block_k, softcap, alibi, sinks, documents, block_kinds, block_index,
+                      block_partial):
         batch, heads, q_len, _ = q.shape
         out = q.new_empty(batch, heads, q_len, v.shape[-1])
         # The log-sum-exp, one per row, in the accumulation dtype (float32 for bf16/fp16).
@@ -233,7 +234,8 @@ def _fakes(tiles: bool) -> dict:
         return out, q.new_empty(batch, heads, q_len, dtype=acc)
 
     def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale,
-                       dropout_p, seed, block_q, block_k):
+                       dropout_p, seed, block_q, block_k, softcap, alibi, sinks, documents,
+                       block_kinds, block_index, block_partial):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def rms_norm(x, weight, eps):

@@ -156,7 +156,7 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
   }
   const int64_t G = Hq / Hkv, row = qkv.stride(0);
   int64_t lo, hi;  // the keys the new token sees (mask.h): it sits last, at pos
-  Rule{pos + 1, pos, true, window}.bounds(0, lo, hi);
+  Rule{pos + 1, pos, true, window}.bounds(0, 0, lo, hi);
   const int64_t n = hi - lo;
   const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
