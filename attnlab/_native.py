@@ -247,6 +247,8 @@ def _fakes(tiles: bool) -> dict:
     def silu_mul(gate_up):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
+    gelu_mul = silu_mul  # the same shapes
+
     def usable(t) -> bool:
         return t.dtype == torch.float32 and t.device.type == "cpu"
 
@@ -280,11 +282,11 @@ def _fakes(tiles: bool) -> dict:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     def decode_step(qkv, cos, sin, k_cache, v_cache, pos, window, num_heads, num_kv_heads,
-                    scale):
+                    scale, softcap=0.0, alibi=None, sinks=None):
         return qkv.new_empty(k_cache.shape[0], 1, num_heads * k_cache.shape[3])
 
     return {"flash_forward": flash_forward, "flash_backward": flash_backward,
-            "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear,
+            "rms_norm": rms_norm, "silu_mul": silu_mul, "gelu_mul": gelu_mul, "linear": linear,
             "decode_step": decode_step}
 
 
