@@ -197,7 +197,7 @@ def _score_mod(fn, s, rows, k_start, k_end):
     return out.to(s.dtype)
 
 
-def _alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
+def alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
     """``-slope * |p - j|``, ``(1 or B, Hkv, G, n, kn)``."""
     p = rule.positions(rows)  # (n,) or (B, n)
     p = p.reshape(-1, 1, 1, p.shape[-1], 1)
@@ -223,7 +223,7 @@ def score_tile(s, variants: Variants | None, rule: _masks.KeyRule, mask, rows, k
     if variants is not None and variants.score_mod is not None:
         s, fresh = _score_mod(variants.score_mod, s, rows, k_start, k_end), False
     if variants is not None and variants.alibi_slopes is not None:
-        bias = _alibi(variants.alibi_slopes, rule, rows, k_start, k_end, kv_heads, s.dtype)
+        bias = alibi(variants.alibi_slopes, rule, rows, k_start, k_end, kv_heads, s.dtype)
         s, fresh = (s.add_(bias) if fresh else s + bias), True
     if mask is not None and mask.dtype != torch.bool:
         m = mask.to(s.dtype)
