@@ -50,8 +50,8 @@ def _block(ctx, q_start, q_end, lo, hi, mask, block_k, q, k, v, sinks):
                                     q_range=(q_start, q_end))
         scores.append(s)
         values.append(v[:, :, ks:ke])
-    if not scores:
-        s = q_blk.new_zeros(b, hkv, g, n, 0)
+    if not scores:  # no key: empty products, so that q, k, v still get (zero) gradients
+        s = torch.matmul(q_blk, k[:, :, :0].to(c).unsqueeze(2).transpose(-1, -2))
         vv = v[:, :, :0]
     else:
         s, vv = torch.cat(scores, dim=-1), torch.cat(values, dim=-2)

@@ -262,8 +262,8 @@ def softmax(s: torch.Tensor, sinks: torch.Tensor | None, *, may_be_empty: bool =
     ``exp(sink)``, so its weights sum to less than 1. A row with no allowed key gives
     zeros (``may_be_empty``: it may happen), never NaN."""
     if sinks is not None:
-        if s.shape[-1] == 0:
-            return s.clone()
+        if s.shape[-1] == 0:  # no keys: no weights (still tied to the sinks: zero gradients)
+            return s + sinks * 0
         top = torch.maximum(s.amax(dim=-1, keepdim=True), sinks).detach()
         e = torch.exp(s - top)
         return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sinks - top))

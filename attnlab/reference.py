@@ -118,9 +118,11 @@ def attention(
         else:
             bias = bias + np.broadcast_to(mask.astype(np.float64), scores.shape)
     # Add the bias exactly: softmax ignores a per-row constant, so take each row's
-    # largest allowed bias out first, or a bias of -1e9 would swallow the scores.
+    # largest allowed bias out first, or a bias of -1e9 would swallow the scores. Not
+    # with sinks: a sink's share depends on the scores' level, so the bias stays as is.
     bias = np.where(allowed, bias, -np.inf)
-    top = np.max(bias, axis=-1, keepdims=True) if k_len else np.zeros((*bias.shape[:-1], 1))
+    top = (np.max(bias, axis=-1, keepdims=True) if k_len and sinks is None
+           else np.zeros((*bias.shape[:-1], 1)))
     scores = scores + (bias - np.where(np.isfinite(top), top, 0.0))  # -inf: not allowed
     if sinks is None:
         weights = softmax(scores, axis=-1)
