@@ -50,7 +50,7 @@ def _slice_rows(mask, idx, kv_heads):
     return _masks.group_view(mask, kv_heads)
 
 
-def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
+def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end, want_tanh=False):
     """Masked scores of one tile ``(B, Hkv, G, bq, bk)``, and the softcap's
     ``tanh(raw / softcap)`` (None without one) for its derivative.
 
@@ -64,7 +64,7 @@ def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
             _slice_mask(mask, q_start, q_end, k_start, k_end), hkv)
         rows = torch.arange(q_start, q_end, device=s.device)
         return _variants.score_tile(s, ctx.variants, ctx.rule, m, rows, k_start, k_end,
-                                    q_range=(q_start, q_end))
+                                    q_range=(q_start, q_end), want_tanh=want_tanh)
     if not ctx.rule.full(q_start, q_end, k_start, k_end):
         allowed = ctx.rule.allowed(q_start, q_end - q_start, k_start, k_end - k_start,
                                    device=s.device)
@@ -197,7 +197,7 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out, sinks=None):
                 continue
             k_blk = k[:, :, ks:ke].to(c)  # (B, Hkv, bk, D)
             v_blk = v[:, :, ks:ke].to(c)  # (B, Hkv, bk, Dv)
-            s, tanh = _tile_scores(q_blk, k_blk, mask, ctx, qs, qe, ks, ke)
+            s, tanh = _tile_scores(q_blk, k_blk, mask, ctx, qs, qe, ks, ke, want_tanh=True)
             p = s.sub_(lse_blk).exp_()
             # Folded (B, Hkv, G*bq, .) products, as in the forward: no copies of K/V per head.
             dp = (do_blk @ v_blk.transpose(-1, -2)).view_as(p)  # (B, Hkv, G, bq, bk)

@@ -207,19 +207,26 @@ def alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
 
 
 def score_tile(s, variants: Variants | None, rule: _masks.KeyRule, mask, rows, k_start: int,
-               k_end: int, *, q_range: tuple[int, int] | None = None, fresh: bool = True):
+               k_end: int, *, q_range: tuple[int, int] | None = None, fresh: bool = True,
+               want_tanh: bool = False):
     """Steps 1-5 of the pipeline on the scaled scores ``s`` ``(B, Hkv, G, n, kn)`` of query
     ``rows`` (LongTensor ``(n,)``; ``q_range`` when they are ``[start, end)``) and keys
     ``[k_start, k_end)``. ``mask`` is the user's mask for this tile, grouped
     (``masks.group_view``), or None. ``fresh``: ``s`` may be written in place.
 
-    Returns ``(s, t)``: ``t = tanh(raw / softcap)`` for the softcap's derivative (None
-    without a softcap)."""
+    Returns ``(s, t)``: with ``want_tanh``, ``t = tanh(raw / softcap)`` for the softcap's
+    derivative (None without a softcap; maybe None without ``want_tanh``)."""
     kv_heads = s.shape[1]
     t = None
     if variants is not None and variants.softcap is not None:
-        t = torch.tanh(s / variants.softcap)
-        s, fresh = t * variants.softcap, True
+        cap = variants.softcap
+        if fresh and not s.requires_grad:  # no autograd to keep tanh's output for
+            t = s.div_(cap).tanh_()
+            s = t * cap if want_tanh else t.mul_(cap)
+        else:
+            t = torch.tanh(s / cap)
+            s, fresh = t * cap, True
+        t = t if want_tanh else None
     if variants is not None and variants.score_mod is not None:
         s, fresh = _score_mod(variants.score_mod, s, rows, k_start, k_end), False
     if variants is not None and variants.alibi_slopes is not None:
