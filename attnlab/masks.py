@@ -126,12 +126,6 @@ class Documents:
     def batch(self) -> int:
         return self.starts.shape[0]
 
-    def count(self) -> int:
-        """How many documents the widest batch element holds (queries' or keys')."""
-        per_row = [(torch.diff(ids, dim=-1) != 0).sum(dim=-1) + (ids.shape[-1] > 0)
-                   for ids in (self.q_ids, self.k_ids)]
-        return int(max(int(n.max()) if n.numel() else 0 for n in per_row))
-
 
 @dataclass(frozen=True)
 class KeyRule:
