@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format) load as GPTs: Llama, Mistral and Qwen2 files written in
-the test with gguf's writer, in F32, F16, BF16 and Q8_0, give the logits and greedy tokens
+the test with gguf's writer, in F32, F16, BF16, Q8_0, Q4_1 and Q5_0 (K-quants: gguf has
+no quantiser for them), give the logits and greedy tokens
 of transformers' own GGUF loading, and an F32 file gives back the logits of the model it
 was written from. Damaged and unsupported files are one line naming the file."""
 
@@ -48,7 +49,8 @@ MODELS = {
 }
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # llama.cpp writes Mistral as llama
 CASES = [("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"),
-         ("mistral", "F32"), ("qwen2", "F32"), ("qwen2", "Q8_0")]
+         ("llama", "Q4_1"), ("llama", "Q5_0"), ("mistral", "F32"), ("qwen2", "F32"),
+         ("qwen2", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
