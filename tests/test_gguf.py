@@ -106,6 +106,30 @@ def test_quantised_weights_differ_from_the_original_as_their_type_says(originals
     assert types.type_name("blk.0.attn_norm.weight") == "F32"
 
 
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["Q8_0", "Q4_0", "Q4_1"]), rows=st.integers(1, 5),
+       blocks=st.integers(1, 4), seed=st.integers(0, 2 ** 32 - 1))
+def test_block_types_expand_bit_for_bit_as_gguf_does(kind, rows, blocks, seed):
+    """attnlab's torch expansion of the commonest block types equals gguf's NumPy code,
+    on any bytes (scales of every float16 value, NaN and infinities included)."""
+    import gguf
+
+    from attnlab.io.gguf import dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+    want = gguf.quants.dequantize(raw, qtype)
+
+    class Tensor:  # what gguf's reader hands over
+        name, tensor_type, data = "t", qtype, raw
+        shape = np.array([blocks * 32, rows], dtype=np.uint64)
+
+    got = dequantize(Tensor()).numpy()
+    assert got.shape == want.shape == (rows, blocks * 32)
+    np.testing.assert_array_equal(got, want)  # NaN where gguf has NaN
+
+
 @settings(max_examples=30, deadline=None)
 @given(heads=st.integers(1, 4), half=st.integers(1, 4), cols=st.integers(0, 3))
 def test_unpermute_undoes_llamacpp_permute(heads, half, cols):

@@ -167,6 +167,10 @@ def dequantize(tensor: Any, where: str = "the GGUF file") -> torch.Tensor:
                         f"does not read (expected one of {', '.join(SUPPORTED_TYPES)})")
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     try:
+        if kind in _BLOCKS:
+            size, expand = _BLOCKS[kind]
+            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).view(-1, size)
+            return expand(blocks).reshape(shape)
         values = _dequantize(tensor.data, tensor.tensor_type)
     except Exception as exc:  # a block layout that does not fit its shape
         raise GGUFError(f"{where}: tensor {tensor.name!r} ({kind}) cannot be read: "
@@ -175,3 +179,25 @@ def dequantize(tensor: Any, where: str = "the GGUF file") -> torch.Tensor:
     if np.may_share_memory(values, tensor.data):
         values = values.copy()  # never a view of the file's mapping
     return torch.from_numpy(values.reshape(shape))
+
+
+# The commonest block types expanded with torch: gguf's NumPy code makes ten temporary
+# arrays a tensor (1.3 s for SmolLM2's Q4_1 and Q8_0 tensors; these take 0.2 s). The
+# same operations in the same order as gguf's (tested equal to it bit for bit). A block
+# is ``(n_blocks, bytes)``: a float16 scale d (Q4_1: and a float16 minimum m), then 32
+# values: int8 for Q8_0, 4-bit for Q4_0/Q4_1 (the low nibbles of 16 bytes are values
+# 0..15, the high nibbles 16..31).
+def _scale(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()  # (n_blocks, 1)
+
+
+def _nibbles(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    qs = blocks[:, at:]
+    return torch.cat([qs & 15, qs >> 4], dim=1)  # (n_blocks, 32) uint8
+
+
+_BLOCKS = {
+    "Q8_0": (34, lambda b: b[:, 2:].contiguous().view(torch.int8).float() * _scale(b, 0)),
+    "Q4_0": (18, lambda b: _scale(b, 0) * (_nibbles(b, 2).to(torch.int8) - 8).float()),
+    "Q4_1": (20, lambda b: _scale(b, 0) * _nibbles(b, 4).float() + _scale(b, 2)),
+}
