@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the checkpoint in --out (--steps is the total)")
     train.set_defaults(func=cmd_train)
 
-    generate = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face "
-                              "folder (--model DIR)")
+    generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "
+                              "folder, a GGUF file or smollm2 (--model); --chat")
     _model_options(generate, minilm=False)
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text to continue")
