@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from . import masks as _masks
 
 # Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
 BLOCK_Q: int | None = None
 BLOCK_K: int | None = None
-# The kernel runs in float32 (float64 kept for the tests' exactness checks).
-_NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
 def unavailable(q: torch.Tensor) -> str | None:
@@ -119,21 +118,18 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     ``Lk - Lq``: the rules aligned to the end).
 
     ``mask`` is None, bool (True = may attend) or additive (rows already shifted by
-    ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are
-    computed in float32 and the output cast back. Returns ``(B, Hq, Lq, Dv)``.
+    ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are read as
+    they are stored and computed in float32, tile by tile (no float32 copy of them);
+    the output and gradients come back in their dtype. Returns ``(B, Hq, Lq, Dv)``.
     """
-    dtype = q.dtype
-    compute = dtype if dtype in _NATIVE_DTYPES else torch.float32
-    if dtype != compute:  # autograd casts the gradients back
-        q, k, v = q.to(compute), k.to(compute), v.to(compute)
     batch, q_heads, q_len, _ = q.shape
     if mask is not None:
-        if mask.dtype != torch.bool:
-            mask = mask.to(compute)
+        if mask.dtype != torch.bool:  # added in the kernel's accumulation type
+            mask = mask.to(_masks.additive_dtype(q.dtype))
         # Zero strides where the mask broadcasts: nothing is copied.
         mask = mask.detach().expand(batch, q_heads, q_len, k.shape[-2])
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
     offset = k.shape[-2] - q_len if offset is None else int(offset)
     out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
                                 offset, scale, float(dropout_p), seed)
-    return out.to(dtype)
+    return out

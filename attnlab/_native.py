@@ -51,7 +51,7 @@ WAIT_S = 600.0  # a fresh build takes ~3 min on two cores
 LIBRARY = "attnlab_native"  # the TORCH_LIBRARY namespace: torch.ops.attnlab_native
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layers.cpp")
-# Portable flags only: the row loops pick AVX-512/AVX2 at load time (target_clones),
+# Portable flags only: the vector loops pick AVX-512/AVX2 at load time (csrc/vec.h),
 # so the cached build is safe on any x86-64 machine; -fopenmp compiles at::parallel_for
 # (the runtime is torch's own libgomp, already loaded).
 CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
@@ -228,7 +228,9 @@ def _fakes(tiles: bool) -> dict:
                       block_k):
         batch, heads, q_len, _ = q.shape
         out = q.new_empty(batch, heads, q_len, v.shape[-1])
-        return out, q.new_empty(batch, heads, q_len)  # the log-sum-exp, one per row
+        # The log-sum-exp, one per row, in the accumulation dtype (float32 for bf16/fp16).
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return out, q.new_empty(batch, heads, q_len, dtype=acc)
 
     def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale,
                        dropout_p, seed, block_q, block_k):

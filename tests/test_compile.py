@@ -46,18 +46,19 @@ def _fake_equals_real(op, args) -> None:
     assert [_meta(t) for t in fake] == [_meta(t) for t in real]
 
 
-def _flash_args(causal: bool):
+def _flash_args(causal: bool, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 5, 8, generator=g)
-    k = torch.randn(2, 2, 7, 8, generator=g)
-    v = torch.randn(2, 2, 7, 6, generator=g)  # v_dim != head_dim: out takes v's
+    q = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
+    k = torch.randn(2, 2, 7, 8, generator=g).to(dtype)
+    v = torch.randn(2, 2, 7, 6, generator=g).to(dtype)  # v_dim != head_dim: out takes v's
     return q, k, v, None, causal, 0, 7 - 5, 0.35, 0.0, 0, 4, 4  # offset: end-aligned
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_fakes_give_the_real_outputs_and_log_sum_exp(causal):
+def test_flash_fakes_give_the_real_outputs_and_log_sum_exp(causal, dtype):
     ops = _ops()
-    args = _flash_args(causal)
+    args = _flash_args(causal, dtype)
     torch.library.opcheck(ops.flash_forward.default, args)
     _fake_equals_real(ops.flash_forward.default, args)
     q, k, v, mask, *settings = args

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnlab
 from attnlab import _flash, _native
@@ -125,6 +126,52 @@ def test_backward_is_bitwise_reproducible():
         grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+class _OpDtypes(TorchDispatchMode):
+    """The dtypes of the tensors each aten/attnlab op is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kinds = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((str(func.overloadpacket), kinds))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["auto", "blas"])
+def test_low_precision_runs_in_the_kernel_without_a_float32_copy(dtype, path):
+    """bf16/fp16 q, k, v go to the kernel as they are (tiles are converted as they are
+    read: no float32 copy of an input is made) and come back in their dtype; values and
+    gradients equal float64 eager on the same rounded inputs to the dtype's rounding."""
+    q, k, v = (t.to(dtype) for t in _qkv(2, 4, 200, 64, kv_heads=2))
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn(2, 4, 200, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ops = _native.load()
+    before = ops.set_gemm_path(path)
+    try:
+        with _OpDtypes() as seen:
+            out = attnlab.attention(*ins, causal=True, window=150, backend="flash")
+            got = torch.autograd.grad(out, ins, grad)
+    finally:
+        ops.set_gemm_path(before)
+    kernel = [kinds for name, kinds in seen.calls if name.startswith("attnlab_native.flash")]
+    assert len(kernel) == 2 and all(kinds[:3] == [dtype] * 3 for kinds in kernel)
+    copies = [name for name, kinds in seen.calls if "copy" in name or name.endswith("to")]
+    assert not copies, f"inputs copied: {copies}"
+    assert out.dtype == dtype and all(g.dtype == dtype for g in got)
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    want = attnlab.attention(*wide, causal=True, window=150, backend="eager")
+    want_grads = torch.autograd.grad(want, wide, grad.double())
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), want, atol=2 * eps, rtol=2 * eps)
+    for a, b in zip(got, want_grads):  # the products accumulate in float32: a few eps
+        torch.testing.assert_close(a.double(), b, atol=8 * eps * float(b.abs().max()),
+                                   rtol=4 * eps)
 
 
 @needs_native

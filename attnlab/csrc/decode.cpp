@@ -12,7 +12,7 @@
 #include "decode.h"
 #include "row_product.h"
 #include "tile_gemm.h"
-#include "tile_math.h"
+#include "rows.h"
 
 namespace attnlab {
 namespace {
@@ -20,7 +20,7 @@ namespace {
 // rms_norm: x * rsqrt(mean(x^2) + eps) * weight over the last dimension, one pass per
 // row. torch's CPU rms_norm is six dispatched operations (square, mean, add,
 // rsqrt, two products); at one row per call that is most of its cost.
-ATTNLAB_CLONES static void rms_norm_row(float* out, const float* x, const float* w, int64_t n,
+ATTNLAB_PER_ISA static void rms_norm_row(float* out, const float* x, const float* w, int64_t n,
                                         float eps) {
   f8 acc{};
   int64_t j = 0;
@@ -66,9 +66,9 @@ namespace {
 
 // silu_mul: SwiGLU's silu(gate) * up from the joint (..., 2F) product [gate | up] to
 // (..., F): one pass instead of a split, a silu and a product.
-ATTNLAB_CLONES static void silu_mul_row(float* out, const float* gate, const float* up,
+ATTNLAB_PER_ISA static void silu_mul_row(float* out, const float* gate, const float* up,
                                         int64_t n) {
-  int64_t i = 0;  // the vectorised exp of tile_math.h: a scalar std::exp per value cost 13 us
+  int64_t i = 0;  // the vectorised exp of vec.h: a scalar std::exp per value cost 13 us
   for (; i + 8 <= n; i += 8) {
     const f8 g = load8(gate + i);
     store8(out + i, g / (1.0f + exp8(-g)) * load8(up + i));

@@ -25,7 +25,7 @@
 
 #include "decode.h"
 #include "mask.h"
-#include "tile_math.h"
+#include "rows.h"
 
 namespace attnlab {
 namespace {
@@ -57,7 +57,7 @@ ATTNLAB_INLINE f8 lane_sums(const f8* a) {
 
 // s[j] = q . keys[j] for the n rows of keys (row stride D): eight keys at a time,
 // eight independent accumulators (one dot product alone is a chain of dependent adds).
-ATTNLAB_CLONES static void scores(float* s, const float* q, const float* keys, int64_t n,
+ATTNLAB_PER_ISA static void scores(float* s, const float* q, const float* keys, int64_t n,
                                   int64_t D) {
   const int64_t Dv = D - D % 8;
   float tail[8 * 64];  // the last block's keys, zero-padded to eight rows of up to 64
@@ -92,13 +92,13 @@ ATTNLAB_CLONES static void scores(float* s, const float* q, const float* keys, i
 }
 
 // y += a * x
-ATTNLAB_CLONES static void axpy(float* y, const float* x, float a, int64_t n) {
+ATTNLAB_PER_ISA static void axpy(float* y, const float* x, float a, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
 }
 
 // o = sum over j of p[j] * vals[j] (n rows, stride D), o overwritten: 64 columns at a
 // time held in registers across the rows.
-ATTNLAB_CLONES static void weighted_rows(float* o, const float* p, const float* vals, int64_t n,
+ATTNLAB_PER_ISA static void weighted_rows(float* o, const float* p, const float* vals, int64_t n,
                                          int64_t D) {
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {

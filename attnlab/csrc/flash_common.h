@@ -1,6 +1,7 @@
-// The problem description and the helpers the forward and backward share: mask and
-// dropout on a tile row, and the scheduling of work items over threads (the key rule
-// itself is mask.h's). Included by flash_attention.cpp only.
+// The problem description and the helpers the flash forward and backward share: operand
+// access in the accumulation type, mask and dropout on a tile row, the tile products and
+// the scheduling of work items over threads (the key rule itself is mask.h's).
+// Included by flash_attention.cpp only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,9 +12,12 @@
 #include <numeric>
 #include <vector>
 
+#include "blas.h"
+#include "convert.h"
+#include "dropout.h"
 #include "mask.h"
+#include "rows.h"
 #include "tile_gemm.h"
-#include "tile_math.h"
 
 namespace attnlab {
 
@@ -35,7 +39,7 @@ struct Problem {
   double scale, dropout_p;
   uint64_t seed;
   int64_t bq, bk;
-  const void* mask = nullptr;
+  const void* mask = nullptr;  // bool, or additive in the accumulation type
   bool mask_is_bool = false;
   int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;
 
@@ -43,11 +47,11 @@ struct Problem {
   int64_t key_blocks() const { return (Lk + bk - 1) / bk; }
 };
 
-template <typename T>
-void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
-                int64_t n) {
+// The mask of row (b, h, i) on keys j0..j0+n, applied to the scores s (type A).
+template <typename A>
+void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, A* s, int64_t n) {
   const int64_t base = b * P.m_sb + h * P.m_sh + i * P.m_sq + j0 * P.m_sk;
-  constexpr T NEG = -std::numeric_limits<T>::infinity();
+  constexpr A NEG = -std::numeric_limits<A>::infinity();
   if (P.mask_is_bool) {
     const bool* m = static_cast<const bool*>(P.mask) + base;
     if (P.m_sk == 1) {  // the common layout: branch-free, so the loop vectorises
@@ -56,7 +60,7 @@ void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T
       for (int64_t c = 0; c < n; ++c) s[c] = m[c * P.m_sk] ? s[c] : NEG;
     }
   } else {
-    const T* m = static_cast<const T*>(P.mask) + base;
+    const A* m = static_cast<const A*>(P.mask) + base;
     if (P.m_sk == 1) {
       for (int64_t c = 0; c < n; ++c) s[c] += m[c];
     } else {
@@ -66,72 +70,88 @@ void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T
 }
 
 // Multiply the weights of keys j0..j0+n of row (b, h, i) by keep / (1 - p).
-template <typename T>
-void apply_dropout(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, T* s,
+template <typename A>
+void apply_dropout(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, A* s,
                    int64_t n) {
-  const T kept = P.dropout_p >= 1.0 ? T(0) : T(1.0 / (1.0 - P.dropout_p));
+  const A kept = P.dropout_p >= 1.0 ? A(0) : A(1.0 / (1.0 - P.dropout_p));
   const uint64_t base = static_cast<uint64_t>(((b * P.Hq + h) * P.Lq + i) * P.Lk + j0);
   for (int64_t c = 0; c < n; ++c)
-    s[c] *= dropout_keeps(P.seed, base + c, P.dropout_p) ? kept : T(0);
+    s[c] *= dropout_keeps(P.seed, base + c, P.dropout_p) ? kept : A(0);
 }
 
 // Columns of a tile row outside the allowed [a, e) get weight 0 (no exp taken there).
-template <typename T>
-void zero_outside(T* row, int64_t a, int64_t e, int64_t n) {
-  std::fill(row, row + a, T(0));
-  std::fill(row + e, row + n, T(0));
+template <typename A>
+void zero_outside(A* row, int64_t a, int64_t e, int64_t n) {
+  std::fill(row, row + a, A(0));
+  std::fill(row + e, row + n, A(0));
 }
 
-// Whether float tiles go through tile_gemm (else gemm_rm: BLAS or ATen).
-template <typename T>
+// Whether the tiles of accumulation type A go through tile_gemm (else BLAS or ATen).
+template <typename A>
 bool use_tile_kernel() {
-  return std::is_same_v<T, float> && gemm_path() == GemmPath::Auto && tile_gemm_supported();
+  return std::is_same_v<A, float> && gemm_path() == GemmPath::Auto && tile_gemm_supported();
 }
 
 // C (m x n) = alpha op(A) B (+ C when add); op(A) = A^T when ta (A then stored k x m),
 // B's rows contiguous with leading dimension ldb.
-template <typename T>
-void product(bool tiles, bool ta, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-             int64_t lda, const T* b, int64_t ldb, bool add, T* c, int64_t ldc) {
-  if constexpr (std::is_same_v<T, float>) {
+template <typename A>
+void product(bool tiles, bool ta, int64_t m, int64_t n, int64_t k, A alpha, const A* a,
+             int64_t lda, const A* b, int64_t ldb, bool add, A* c, int64_t ldc) {
+  if constexpr (std::is_same_v<A, float>) {
     if (tiles) {
       tile_gemm(m, n, k, alpha, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, add, c, ldc);
       return;
     }
   }
-  gemm_rm<T>(ta, false, m, n, k, alpha, a, lda, b, ldb, add ? T(1) : T(0), c, ldc);
+  gemm_rm<A>(ta, false, m, n, k, alpha, a, lda, b, ldb, add ? A(1) : A(0), c, ldc);
 }
 
-// X^T as the right operand of a product, X a row-major (rows x cols) operand (keys or
-// values) with row stride ld: `packed` holds it as pack_transposed leaves it for the
-// tile kernel, or is null and BLAS reads X in place.
-template <typename T>
+// A block of n rows X[0..n) (keys or values, `cols` wide) as the right operand X^T of a
+// product: packed into panels for the tile kernel (pack_transposed), or the rows
+// themselves in the accumulation type for BLAS (converted when stored otherwise).
+template <typename A>
 struct RightT {
-  const T* x;
-  int64_t ld, cols;
-  const T* packed;
+  const A* rows = nullptr;    // BLAS: the rows, leading dimension ld
+  int64_t ld = 0, cols = 0;
+  const A* packed = nullptr;  // the tile kernel: cols x PANEL panels
+
+  template <typename S, typename Scratch>
+  void load(const S* x, int64_t x_ld, int64_t n, int64_t width, bool tiles, Scratch& pack,
+            Scratch& convert) {
+    cols = width;
+    if (tiles) {
+      const int64_t need = (n + PANEL - 1) / PANEL * PANEL * width;
+      if (static_cast<int64_t>(pack.size()) < need) pack.resize(need);
+      pack_transposed(x, x_ld, n, width, pack.data());
+      packed = pack.data();
+      rows = nullptr;
+    } else {
+      rows = rows_as_acc(x, x_ld, n, width, convert, ld);
+      packed = nullptr;
+    }
+  }
 };
 
-// C (m x n) = alpha * A X[j0 : j0 + n]^T, A (m x cols) row-major with leading dim lda.
-template <typename T>
-void times_transposed(int64_t m, int64_t j0, int64_t n, T alpha, const T* a, int64_t lda,
-                      const RightT<T>& x, T* c, int64_t ldc) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (x.packed != nullptr) {  // one call per panel the columns touch
-      for (int64_t j = j0; j < j0 + n;) {
-        const int64_t off = j % PANEL, w = std::min(PANEL - off, j0 + n - j);
-        tile_gemm(m, w, x.cols, alpha, a, lda, 1, x.packed + (j / PANEL) * x.cols * PANEL + off,
-                  PANEL, false, c + (j - j0), ldc);
-        j += w;
-      }
+// C (m x n) = alpha * A X^T for the loaded block X (n rows), A (m x cols) row-major with
+// leading dimension lda.
+template <typename A>
+void times_transposed(int64_t m, int64_t n, A alpha, const A* a, int64_t lda, const RightT<A>& x,
+                      A* c, int64_t ldc) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (x.packed != nullptr) {  // one call per panel
+      for (int64_t j = 0; j < n; j += PANEL)
+        tile_gemm(m, std::min(PANEL, n - j), x.cols, alpha, a, lda, 1, x.packed + j * x.cols,
+                  PANEL, false, c + j, ldc);
       return;
     }
   }
-  gemm_rm<T>(false, true, m, n, x.cols, alpha, a, lda, x.x + j0 * x.ld, x.ld, T(0), c, ldc);
+  gemm_rm<A>(false, true, m, n, x.cols, alpha, a, lda, x.rows, x.ld, A(0), c, ldc);
 }
 
 // Run `work(worker, item)` over items in the given order, pulled by workers from a
-// shared counter so that uneven items (causal) still keep every thread busy.
+// shared counter so that uneven items (causal) still keep every thread busy. One
+// parallel region per call: a region is one more wait for a thread the OS may have
+// given to another process.
 template <typename F>
 void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work) {
   std::atomic<int64_t> next{0};

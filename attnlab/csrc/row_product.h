@@ -13,8 +13,8 @@
 //   - columns: W[o][i] at w[i * ld + o] (modules/fused.py's packed (in, out) blocks):
 //              a thread takes a band of inputs and sums x[i] * W[i, :] over it, four
 //              rows at a time, into its own partial output; the partials are added.
-// Float32 only. The loops are compiled for AVX-512, AVX2 and baseline x86-64
-// (ATTNLAB_CLONES) and picked at load time.
+// Float32 only. The loops are compiled per instruction set (vec.h's ATTNLAB_PER_ISA)
+// and picked at load time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,24 +26,9 @@
 #include <cstring>
 #include <vector>
 
-#include "tile_math.h"
+#include "rows.h"
 
 namespace attnlab {
-
-// Sixteen floats as one value: one zmm in the AVX-512 clone, two ymm or four xmm below.
-typedef float f16v __attribute__((vector_size(64)));
-
-ATTNLAB_INLINE f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-ATTNLAB_INLINE void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
-ATTNLAB_INLINE float sum16(f16v v) {
-  float t = 0.0f;
-  for (int j = 0; j < 16; ++j) t += v[j];
-  return t;
-}
 
 // Bias and residual added to a finished output element (either may be null).
 ATTNLAB_INLINE float plus(float s, const float* bias, const float* residual, int64_t o) {
@@ -51,7 +36,7 @@ ATTNLAB_INLINE float plus(float s, const float* bias, const float* residual, int
 }
 
 // y[o] = W[o, :] . x (+ bias, residual) for o in [o0, o1), W stored by rows.
-ATTNLAB_CLONES static void dots(const float* w, int64_t ld, const float* x, int64_t n_in,
+ATTNLAB_PER_ISA static void dots(const float* w, int64_t ld, const float* x, int64_t n_in,
                                 int64_t o0, int64_t o1, const float* bias,
                                 const float* residual, float* y) {
   int64_t o = o0;
@@ -88,7 +73,7 @@ ATTNLAB_CLONES static void dots(const float* w, int64_t ld, const float* x, int6
 
 // acc[0, n_out) += sum over i in [i0, i1) of x[i] * W[i, :], W stored by columns (rows of
 // the (in, out) block).
-ATTNLAB_CLONES static void axpys(const float* w, int64_t ld, const float* x, int64_t n_out,
+ATTNLAB_PER_ISA static void axpys(const float* w, int64_t ld, const float* x, int64_t n_out,
                                  int64_t i0, int64_t i1, float* acc) {
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
@@ -113,7 +98,7 @@ ATTNLAB_CLONES static void axpys(const float* w, int64_t ld, const float* x, int
 
 // y = residual + the sum of the count partial outputs + bias (residual, bias may be
 // null; y may alias residual): vector loops, one pass per term.
-ATTNLAB_CLONES static void add_parts(float* y, const float* const* parts, int64_t count,
+ATTNLAB_PER_ISA static void add_parts(float* y, const float* const* parts, int64_t count,
                                      int64_t n, const float* bias, const float* residual) {
   if (count == 0) {
     for (int64_t j = 0; j < n; ++j) y[j] = residual ? residual[j] : 0.0f;

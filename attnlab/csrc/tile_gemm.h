@@ -15,35 +15,35 @@
 // The block of MR rows x NV vectors of 16 columns stays in registers over the whole
 // k loop; the last vector of a row is masked, so any n works.
 //
-// Compiled only for GCC on x86-64 (the target pragma below); callers check
-// tile_gemm_supported() at run time and otherwise use BLAS.
+// Compiled for x86-64 (GCC or Clang) with its functions' AVX-512 target (vec.h's level
+// Avx512); callers check tile_gemm_supported() at run time and otherwise use BLAS.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ATTNLAB_TILE_GEMM 1
-#include <immintrin.h>
+#include "vec.h"
 
 namespace attnlab {
-
-inline bool tile_gemm_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
-  return ok;
-}
 
 // Width of a packed panel: keys per row of a packed K^T (or V^T) panel.
 constexpr int64_t PANEL = 64;
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,fma")
+inline bool tile_gemm_supported() { return cpu_level() == Level::Avx512; }
+
+}  // namespace attnlab
+
+#if defined(ATTNLAB_X86)
+#include <immintrin.h>
+
+#define ATTNLAB_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma")))
+
+namespace attnlab {
 
 namespace tile {
 
 template <int MR, int NV>
-__attribute__((always_inline)) inline void block(int64_t k, const float* a, int64_t a_rs,
+ATTNLAB_AVX512 __attribute__((always_inline)) inline void block(int64_t k, const float* a, int64_t a_rs,
                                                  int64_t a_cs, const float* b, int64_t ldb,
                                                  __mmask16 last, float alpha, bool add,
                                                  float* c, int64_t ldc, const float* pf,
@@ -88,7 +88,7 @@ __attribute__((always_inline)) inline void block(int64_t k, const float* a, int6
 
 // Rows rows (< MR) at the bottom of a panel: the same block, fewer registers.
 template <int MR, int NV>
-inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+ATTNLAB_AVX512 inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                  const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
                  float* c, int64_t ldc, const float* pf, int pf_nv, int64_t pf_row,
                  int64_t pf_step) {
@@ -109,7 +109,7 @@ inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs
 // prefetch of its rows, block i taking rows i, i + blocks, ..., so the next panel
 // streams in from memory while this one is multiplied.
 template <int NV>
-inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+ATTNLAB_AVX512 inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                   const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
                   float* c, int64_t ldc, const float* pf, int pf_nv) {
   constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : 12;
@@ -129,7 +129,7 @@ inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_
 // prefetch: B is read from memory (a weight, not a packed tile): each panel of 64
 // columns fetches the next one's rows ahead (B's rows are ldb apart, too far for the
 // hardware's prefetchers to follow).
-__attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha,
+ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha,
                                                 const float* a, int64_t a_rs, int64_t a_cs,
                                                 const float* b, int64_t ldb, bool add, float* c,
                                                 int64_t ldc, bool prefetch = false) {
@@ -166,14 +166,10 @@ __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k,
   }
 }
 
-#pragma GCC pop_options
-
 }  // namespace attnlab
 
 #else
 namespace attnlab {
-inline bool tile_gemm_supported() { return false; }
-constexpr int64_t PANEL = 64;
 inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t,
                       const float*, int64_t, bool, float*, int64_t, bool = false) {}
 }  // namespace attnlab
@@ -182,16 +178,17 @@ inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, i
 namespace attnlab {
 
 // dst (cols x PANEL panels) = src^T for rows [0, n) of a row-major (n x cols) block
-// with row stride ld: panel c holds rows 64c..64c+63 as a (cols x PANEL) row-major
-// matrix, so B = src^T restricted to those rows is read with ldb = PANEL.
-template <typename T>
-void pack_transposed(const T* src, int64_t ld, int64_t n, int64_t cols, T* dst) {
+// with row stride ld, converted to the accumulation type: panel c holds rows
+// 64c..64c+63 as a (cols x PANEL) row-major matrix, so B = src^T restricted to those
+// rows is read with ldb = PANEL.
+template <typename S, typename A>
+void pack_transposed(const S* src, int64_t ld, int64_t n, int64_t cols, A* dst) {
   for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
     const int64_t w = n - j0 < PANEL ? n - j0 : PANEL;
-    T* panel = dst + (j0 / PANEL) * cols * PANEL;
+    A* panel = dst + (j0 / PANEL) * cols * PANEL;
     for (int64_t jj = 0; jj < w; ++jj) {
-      const T* row = src + (j0 + jj) * ld;
-      for (int64_t d = 0; d < cols; ++d) panel[d * PANEL + jj] = row[d];
+      const S* row = src + (j0 + jj) * ld;
+      for (int64_t d = 0; d < cols; ++d) panel[d * PANEL + jj] = static_cast<A>(row[d]);
     }
   }
 }

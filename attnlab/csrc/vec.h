@@ -1,0 +1,111 @@
+// The vector layer: one generic vector type, the maths every kernel does on it, and the
+// one way code is compiled for each instruction set and chosen at load.
+//
+// ATTNLAB_PER_ISA marks a function compiled once per level below and picked when the
+// library loads (the compiler's target_clones: an ifunc resolved at load from the CPU's
+// features), so one cached build is safe on any machine and still uses the widest
+// vectors of the one it runs on (-march=native would not be):
+//   x86-64:  arch=x86-64-v4 (AVX-512), arch=x86-64-v3 (AVX2 + FMA + F16C), default (SSE2);
+//   aarch64: NEON is the baseline there, so "default" is already vectorised; a level
+//            with SVE would be one more name in the list (target_clones("sve", "default")).
+// Code written with the f8 type below and the helpers (all always_inline, so they are
+// compiled into each clone) becomes AVX-512, AVX2 or SSE code in the matching clone.
+// Hand-written intrinsics (tile_gemm.h's AVX-512 kernel) carry their level's target and
+// run only where cpu_level() says the CPU has it: the same levels, one detection.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTNLAB_X86 1
+#define ATTNLAB_PER_ISA \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ATTNLAB_PER_ISA
+#endif
+
+// Helpers taking or returning vectors must inline into each clone: called out of line,
+// the baseline copy would pass them in memory while an AVX clone passes them in registers.
+#define ATTNLAB_INLINE static inline __attribute__((always_inline))
+
+namespace attnlab {
+
+// The instruction-set levels, as ATTNLAB_PER_ISA names them.
+enum class Level : int { Base = 0, Avx2 = 1, Avx512 = 2 };
+
+// The level of this CPU, detected once.
+inline Level cpu_level() {
+#if defined(ATTNLAB_X86)
+  static const Level level = __builtin_cpu_supports("x86-64-v4")   ? Level::Avx512
+                             : __builtin_cpu_supports("x86-64-v3") ? Level::Avx2
+                                                                   : Level::Base;
+  return level;
+#else
+  return Level::Base;
+#endif
+}
+
+// Eight floats as one value (GCC/Clang vector extensions): one ymm in the AVX clones,
+// two xmm in the baseline one. Sixteen, for streaming loops: one zmm with AVX-512.
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef float f16v __attribute__((vector_size(64)));
+
+ATTNLAB_INLINE f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+ATTNLAB_INLINE void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+ATTNLAB_INLINE f8 splat8(float x) { return f8{} + x; }
+// The last n < 8 values of a row padded with `fill`.
+ATTNLAB_INLINE f8 load_tail(const float* p, int64_t n, float fill) {
+  float buf[8];
+  for (int j = 0; j < 8; ++j) buf[j] = j < n ? p[j] : fill;
+  return load8(buf);
+}
+ATTNLAB_INLINE float sum8(f8 v) {
+  float t = 0.0f;
+  for (int j = 0; j < 8; ++j) t += v[j];
+  return t;
+}
+
+ATTNLAB_INLINE f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+ATTNLAB_INLINE void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+ATTNLAB_INLINE float sum16(f16v v) {
+  float t = 0.0f;
+  for (int j = 0; j < 16; ++j) t += v[j];
+  return t;
+}
+
+// e^x to about 1 ulp (Cephes expf): e^x = 2^n e^r with |r| <= ln2/2, branch-free so the
+// loops vectorise without -ffast-math. Exactly 0 below -87.33 and for -inf, so masked
+// scores give weights of exactly zero.
+ATTNLAB_INLINE f8 exp8(f8 x) {
+  const f8 lo = splat8(-87.33654f), hi = splat8(88.0f);
+  f8 xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const f8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const f8 n = (xc * 1.44269504088896341f + magic) - magic;
+  f8 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f8 y = splat8(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  const f8 e = y * (f8)bits;  // a vector cast reinterprets the bits: 2^n
+  return x < lo ? f8{} : e;
+}
+
+}  // namespace attnlab
