@@ -12,6 +12,8 @@ The peers, each as its users write it:
 - ``torch-sdpa``: ``F.scaled_dot_product_attention`` with the equivalent materialised
   float bias (ALiBi) or bool mask (documents, prefix-LM), where it can express the
   variant (not softcap or sinks);
+- ``attnlab-per-document`` (documents only): one ``attention`` call per document, the
+  time a document mask should stay near (issue 22: within 1.3x on the native kernel);
 - ``torch-eager``: the textbook path in torch ops (transformers' ``eager`` attention:
   scores, softcap, mask, softmax in float32, sinks as an extra column as gpt-oss does),
   the PyTorch path that trains for softcap and sinks.
@@ -35,8 +37,11 @@ COMPILE_S: dict[str, float] = {}
 
 
 def peers(variant: str, backward: bool) -> list[str]:
-    """The peers a variant's case runs against (SDPA where a dense mask states it)."""
+    """The peers a variant's case runs against (SDPA where a dense mask states it; for
+    documents also attnlab's own call per document, the time a document mask aims at)."""
     out = ["torch-sdpa"] if variant in ("alibi", "documents", "prefix-lm") else []
+    if variant == "documents":
+        out.insert(0, "attnlab-per-document")
     if variant in ("softcap", "sinks"):
         out.append("torch-eager")
     if not backward:
@@ -163,7 +168,14 @@ def make_step(impl: str, variant: str, batch: int = 1, heads: int = 12, seq: int
     q, k, v = (torch.randn(batch, heads, seq, dim, generator=g).requires_grad_(backward)
                for _ in range(3))
     setting = _setting(variant, heads, seq)
-    if impl.startswith("attnlab-"):
+    if impl == "attnlab-per-document":  # the yardstick of document masks: one call each
+        cuts = torch.nonzero(torch.diff(setting["document_ids"])).flatten().add(1).tolist()
+        bounds = list(zip([0, *cuts], [*cuts, seq]))
+
+        def fwd():
+            return torch.cat([attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True)
+                              for a, b in bounds], dim=2)
+    elif impl.startswith("attnlab-"):
         backend = impl.removeprefix("attnlab-")
 
         def fwd():
