@@ -103,10 +103,11 @@ class _FlashAttention(torch.autograd.Function):
                                      kinds, index, partial)
         ctx.settings = (causal, window, offset, scale, dropout_p, seed, blocks[1], extras)
         ctx.save_for_backward(q, k, v, sinks, mask, out, lse)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_lse):
         q, k, v, sinks, mask, out, lse = ctx.saved_tensors
         causal, window, offset, scale, dropout_p, seed, blocks, extras = ctx.settings
         softcap, alibi, documents, kinds, index, partial = extras
@@ -137,7 +138,7 @@ def _block_mask_tensors(block_mask, device):
 
 def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None, *,
                     softcap=None, alibi_slopes=None, sinks=None, documents=None,
-                    block_mask=None):
+                    block_mask=None, with_lse=False):
     """Attention on 4-D CPU inputs ``q (B, Hq, Lq, D)``, ``k/v (B, Hkv, Lk, D/Dv)``.
 
     ``offset`` is query row 0's position among the keys (``masks.KeyRule``; default
@@ -153,6 +154,8 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     ``documents`` (a ``masks.Documents``; the rule then places each row at its
     document's end, and ``offset`` must be None), ``block_mask`` (a ``blockmask.BlockMask``:
     the kernel tiles by its blocks, skips the empty ones and masks the partial ones).
+    ``with_lse``: return ``(out, lse)``, each row's log-sum-exp ``(B, Hq, Lq)`` in the
+    accumulation dtype (no gradient; ``+inf`` for a row with nothing to attend).
     """
     batch, q_heads, q_len, _ = q.shape
     k_len = k.shape[-2]
@@ -178,5 +181,6 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
                                  documents.offsets]).to(device=q.device, dtype=torch.int64)
     extras = (0.0 if softcap is None else float(softcap), alibi_slopes, documents, kinds,
               index, partial)
-    return _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
-                                 float(dropout_p), seed, blocks, extras)
+    out, lse = _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
+                                     float(dropout_p), seed, blocks, extras)
+    return (out, lse) if with_lse else out

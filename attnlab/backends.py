@@ -184,10 +184,25 @@ def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
     return out, lse.reshape(q.shape[:3])
 
 
+def _flash_variants(variants: Variants | None) -> dict:
+    """The variants as the kernel's wrapper takes them (it has every one but score_mod)."""
+    if variants is None:
+        return {}
+    return dict(softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
+                sinks=variants.sinks, documents=variants.documents,
+                block_mask=variants.block_mask)
+
+
 def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
-    # The kernel declares no variant yet (its capability flags below): variants is None.
-    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                                 **_flash_variants(variants))
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
+
+
+def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
+    return _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                                  with_lse=True, **_flash_variants(variants))
 
 
 def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads):
@@ -284,8 +299,7 @@ TABLE: dict[str, Backend] = {b.name: b for b in (
     Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, lse=_tiled_lse),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
-            softcap=False, alibi=False, sinks=False, documents=False, mask_mod=False,
-            score_mod=False,
+            lse=_flash_lse, score_mod=False,
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}

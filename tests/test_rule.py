@@ -173,6 +173,29 @@ def test_document_blocks_and_full_tiles_follow_from_the_rows(r, bq, bk):
             assert rule.full(qs, qe, ks, ke) == bool(rows[:, :, ks:ke].all())
 
 
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(document_rules(), st.integers(1, 9), st.integers(1, 9))
+def test_cpp_document_rule_equals_the_python_rule(r, bq, bk):
+    """mask.h's rule with documents, per batch element: each row's keys, each block's
+    keys (its first row's lo to its last row's hi) and each tile's "needs no mask"."""
+    rule = _document_rule(r)
+    docs = rule.documents
+    planes = torch.stack([docs.starts, docs.ends, docs.offsets]).contiguous()
+    lo, hi, block_lo, block_hi, full = _native.load().rule_tiles(
+        r["q_len"], r["k_len"], 0, r["causal"], r["window"] or 0, bq, bk, planes)
+    want_lo, want_hi = rule.bounds(torch.arange(r["q_len"]))
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+    allowed = rule.allowed()[:, 0]
+    for c, qs in enumerate(range(0, r["q_len"], bq)):
+        qe = min(qs + bq, r["q_len"])
+        assert torch.equal(block_lo[:, c], want_lo[:, qs])
+        assert torch.equal(block_hi[:, c], torch.maximum(want_hi[:, qe - 1], want_lo[:, qs]))
+        for d, ks in enumerate(range(0, r["k_len"], bk)):
+            ke = min(ks + bk, r["k_len"])
+            assert full[:, c, d].tolist() == allowed[:, qs:qe, ks:ke].flatten(1).all(1).tolist()
+
+
 def test_documents_with_as_many_queries_as_keys_are_the_global_rule_within_each():
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     rule = KeyRule(8, 8, causal=True, window=2, documents=Documents(ids, ids))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
-from attnlab import _tiled, backends
+from attnlab import _native, _tiled, backends
 from attnlab.functional import _choose, _variants
 
 BACKENDS = ["eager", "sdpa", "tiled", "auto"]
@@ -226,10 +226,26 @@ def test_softcap_is_gemma2s_tanh_on_the_scaled_score():
     (4096, dict(document_ids=torch.arange(4096) // 2048), "sdpa"),  # half of them
     (4096, dict(mask_mod=lambda b, h, q, kv: (kv <= q) & (q - kv < 256)), "tiled"),
 ])
-def test_auto_takes_the_tiled_path_where_it_pays(seq, variant, want):
+def test_auto_takes_the_tiled_path_where_it_pays(seq, variant, want, monkeypatch):
     """backends.choose's one rule, fed by the tiled path's ``pays``: without the
-    native kernel's variants, the tiled path where it is faster or the others need
-    O(T^2) buffers (the shapes only: nothing runs)."""
+    native kernel (switched off here), the tiled path where it is faster or the others
+    need O(T^2) buffers (the shapes only: nothing runs)."""
+    monkeypatch.setenv(_native.ENV_SWITCH, "0")
     q = torch.empty(1, 12, seq, 64)
     variants = _variants.check(q, q, **variant)
     assert _choose(q, q, None, None, None, causal=True, variants=variants) == want
+
+
+@pytest.mark.skipif(not _native.available(), reason="the native kernel is not built")
+@pytest.mark.parametrize("variant", [
+    dict(softcap=30.0), dict(sinks=torch.zeros(12)), dict(alibi_slopes=torch.full((12,), 0.1)),
+    dict(document_ids=torch.arange(1024) // 128),
+    dict(mask_mod=lambda b, h, q, kv: (kv <= q) & (q - kv < 256)),
+])
+def test_auto_takes_the_kernel_for_every_variant_it_runs(variant):
+    """With the kernel built, its variants go where plain attention goes: the kernel."""
+    q = torch.empty(1, 12, 1024, 64)
+    variants = _variants.check(q, q, **variant)
+    assert _choose(q, q, None, None, None, causal=True, variants=variants) == "flash"
+    score_mod = _variants.check(q, q, score_mod=lambda s, b, h, i, j: s)
+    assert _choose(q, q, None, None, None, causal=True, variants=score_mod) != "flash"

@@ -46,7 +46,7 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   RightT<A> keys;
   // With a block mask the tiles are its blocks: they start on a block boundary (the
   // columns before lo are left out by every row's [a, e) below).
-  const int64_t start = P.blocks.present() ? lo - lo % P.bk : lo;
+  const int64_t start = hi <= lo ? hi : P.blocks.present() ? lo - lo % P.bk : lo;
   for (int64_t ks = start; ks < hi; ks += P.bk) {
     const int64_t nc = std::min(ks + P.bk, hi) - ks;
     const BlockMask::Kind kind = block_kind(P, b, h, qs, ks);
