@@ -19,6 +19,7 @@ from . import _decode, _flash
 from ._eager import eager_attention
 from ._sdpa import sdpa_attention
 from ._tiled import tiled_attention, tiled_weights
+from ._variants import Variants
 
 __all__ = ["Backend", "Request", "TABLE", "choose"]
 
@@ -35,6 +36,7 @@ class Request:
     window: int | None
     dropout_p: float
     rows: torch.Tensor | None
+    variants: Variants | None = None
 
     @property
     def learned_mask(self) -> bool:
@@ -50,11 +52,14 @@ def _always(request: Request) -> bool:
 class Backend:
     """One backend and its capabilities.
 
-    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows) -> (out, weights)``
-    takes 4-D inputs after ``attention``'s checks (``weights`` None unless ``rows``).
+    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants) -> (out,
+    weights)`` takes 4-D inputs after ``attention``'s checks (``weights`` None unless
+    ``rows``; ``variants`` a ``_variants.Variants`` or None).
     Capabilities: ``masks`` (bool and additive), ``mask_gradients`` (differentiates an
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
-    (``return_weights``), ``gradients`` (of q, k, v), ``devices`` and ``dtypes``
+    (``return_weights``), ``gradients`` (of q, k, v), the variants of ``attention``
+    (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
+    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
     cache, as :func:`attnlab._decode.step` takes it; None where there is none).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
@@ -69,6 +74,12 @@ class Backend:
     dropout: bool = True
     weights: bool = True
     gradients: bool = True
+    softcap: bool = True
+    alibi: bool = True
+    sinks: bool = True
+    documents: bool = True
+    mask_mod: bool = True
+    score_mod: bool = True
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
@@ -111,6 +122,12 @@ class Backend:
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
+        if request.variants is not None:
+            for cap in request.variants.present():
+                if not getattr(self, cap):
+                    arg = Variants.CAPABILITIES[cap].replace("block_mask", "mask_mod")
+                    return (f"backend={name!r}{self.label} does not take {arg}; "
+                            f"{self.instead or 'use backend=' + repr('auto')}")
         if not self.mask_gradients and request.learned_mask and torch.is_grad_enabled():
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
@@ -135,18 +152,20 @@ def choose(request: Request) -> Backend:
 # --------------------------------------------------------------------------- runs
 
 
-def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows):
+def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p), None
 
 
-def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows):
+def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     if min(q.numel(), k.numel(), v.numel()) == 0:  # nothing to tile: an empty batch,
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows)  # head, seq
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows,  # head,
+                               variants)  # seq
     out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p)
     return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
 
 
-def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows):
+def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
+    # The kernel declares no variant yet (its capability flags below): variants is None.
     out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p)
     return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
 
@@ -201,12 +220,16 @@ def _flash_pays(r: Request) -> bool:
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
     Backend("eager", eager_attention),
-    Backend("sdpa", _sdpa, weights=False,
+    Backend("sdpa", _sdpa, weights=False, softcap=False, alibi=False, sinks=False,
+            documents=False, mask_mod=False, score_mod=False,
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, softcap=False,
+            alibi=False, sinks=False, documents=False, mask_mod=False, score_mod=False),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
+            softcap=False, alibi=False, sinks=False, documents=False, mask_mod=False,
+            score_mod=False,
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}
