@@ -117,7 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
-                         "Mistral or Qwen2 folder)")
+                         "Mistral, Qwen2, Gemma 2 or BLOOM folder)")
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

@@ -87,6 +87,6 @@ def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
     source.add_argument("--ckpt", metavar="DIR", help=ckpt_help)
     source.add_argument("--model", metavar="minilm|DIR" if minilm else "DIR",
                         help="a folder written by transformers' save_pretrained (GPT-2, "
-                             "Llama, Mistral, Qwen2, BERT, RoBERTa, DistilBERT; safetensors "
-                             "and tokenizer.json)"
+                             "Llama, Mistral, Qwen2, Gemma 2, BLOOM, BERT, RoBERTa, "
+                             "DistilBERT; safetensors and tokenizer.json)"
                              + ("; minilm = the bundled all-MiniLM-L6-v2" if minilm else ""))

@@ -141,7 +141,9 @@ class GPT(GenerationMixin, nn.Module):
                 are appended and attention covers everything cached.
             positions: ``(batch, seq)`` or ``(seq,)`` position of each token (default:
                 ``past + arange(seq)``, or each token's place in its document with
-                ``document_ids``); left-padded batches pass their own.
+                ``document_ids``); left-padded batches pass their own. ALiBi models
+                (``positions="alibi"``) take distances from the order of the tokens and
+                use no positions.
             output_attentions: also return one ``(batch, heads, seq, past + seq)``
                 weight tensor per layer.
             output_hidden_states: also return what flows between layers, as
@@ -186,8 +188,11 @@ class GPT(GenerationMixin, nn.Module):
                              f"got {len(caches)}")
         x = dropout(self.embed(ids, positions=positions, past=past), self.config.dropout,
                     self.training)  # (B, T, d_model)
-        if self.pos_emb is not None:
-            positions = None  # learned positions were added by embed, not rotated
+        if self.config.positions != "rope":
+            # Learned positions were added by embed, not rotated; ALiBi reads distances
+            # from the order of the keys (the same as the positions' for the real tokens
+            # of a padded row, and per document with document_ids).
+            positions = None
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
         attentions, hidden = [], ([x] if output_hidden_states else None)
