@@ -26,11 +26,11 @@ from ..modules.layers import MLP, dropout, embedding, make_norm
 from . import decoding
 from .generation import GenerationMixin
 from .gpt_config import GPTConfig
-from .ids import check_ids
+from .ids import check_ids, packed_positions
 from .loading import build_loaded
 from .outputs import with_extras
 
-__all__ = ["GPT", "GPTConfig", "Block", "document_positions"]
+__all__ = ["GPT", "GPTConfig", "Block"]
 
 
 class Block(nn.Module):
@@ -171,12 +171,7 @@ class GPT(GenerationMixin, nn.Module):
         check_ids(ids, self.config.vocab_size)
         non_negative_int("logits_to_keep", logits_to_keep)
         batch, seq = ids.shape
-        if document_ids is not None:
-            if caches is not None:
-                raise ValueError("document_ids is for packed rows scored whole; got caches "
-                                 "too (decode each document with a cache of its own)")
-            if positions is None:
-                positions = document_positions(document_ids, ids.shape)
+        positions = packed_positions(document_ids, ids.shape, caches, positions)
         past = caches[0].seq_len if caches else 0
         if past + seq > self.context_length:
             raise ValueError(
@@ -282,23 +277,6 @@ class GPT(GenerationMixin, nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def document_positions(document_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Each token's place in its document, ``(batch, seq)``: 0 where ``document_ids``
-    changes (a document starts), counting up to its end. ``document_ids`` must be an
-    integer tensor of ``shape`` (the ids')."""
-    if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point \
-            or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
-        raise TypeError(f"document_ids must be an integer tensor, got "
-                        f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}")
-    if tuple(document_ids.shape) != tuple(shape):
-        raise ValueError(f"document_ids must have the ids' shape {tuple(shape)} (batch, seq), "
-                         f"got {tuple(document_ids.shape)}")
-    index = torch.arange(shape[1], device=document_ids.device).expand(shape)
-    starts = torch.ones(shape, dtype=torch.bool, device=document_ids.device)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def _source(model) -> str:
