@@ -30,9 +30,12 @@ IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=0)
 def _sharpen(hf, *, norms=0.0, biases=0.0, qk=1.0, seed=0):
     """Weights away from their initialisation, so each variant moves the numbers: norm
     weights and biases random, queries and keys larger (scores of several units: the
-    softcap bites, ALiBi's slopes and the window matter against them)."""
+    softcap bites, ALiBi's slopes and the window matter against them), the output layer
+    8 times larger (logits of several units: the final softcap bites, greedy steps are
+    not near-ties)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        hf.lm_head.weight.mul_(8)  # tied: the embedding too (the models norm it first)
         for name, p in hf.named_parameters():
             if norms and "norm" in name and name.endswith("weight"):
                 p.add_(torch.randn(p.shape, generator=g) * norms)
@@ -142,24 +145,25 @@ def test_the_options_map_and_each_one_matters(loaded):
         assert (cfg.head_dim, cfg.attn_softcap, cfg.logit_softcap) == (16, 1.5, 2.0)
         assert cfg.attn_scale == 24 ** -0.5 and cfg.window == 4 and cfg.window_layers == (0, 2)
         assert cfg.norm == "rmsnorm_plus_one" and cfg.mlp == "geglu" and cfg.post_norms
-        undo = ["softcap", "scale", "window"]
+        undo = ["softcap", "scale", "window", "logit_softcap"]
     elif name == "bloom":
         assert cfg.positions == "alibi" and cfg.embed_norm and cfg.num_heads == 6
         undo = ["_alibi_slopes"]
     else:
         assert cfg.window == 4 and cfg.window_layers == (1, 2)
         undo = ["window"]
-    for attr in undo:  # each attention's option set to None (its default), one at a time
-        blocks = [b for b in ours.blocks if getattr(b.attn, attr) is not None]
-        kept = [getattr(b.attn, attr) for b in blocks]
-        for b in blocks:
-            setattr(b.attn, attr, None)
+    for attr in undo:  # each option set to None (its default), one at a time
+        owners = ([ours.config] if attr == "logit_softcap" else
+                  [b.attn for b in ours.blocks if getattr(b.attn, attr) is not None])
+        kept = [getattr(o, attr) for o in owners]
+        for o in owners:
+            setattr(o, attr, None)
         try:
             with torch.no_grad():
                 assert _diff(ours(ids), base) > 1e-3, (name, attr)
         finally:
-            for b, v in zip(blocks, kept):
-                setattr(b.attn, attr, v)
+            for o, v in zip(owners, kept):
+                setattr(o, attr, v)
 
 
 def test_the_fused_decoding_step_stands_aside_for_what_it_does_not_implement(loaded):
