@@ -197,7 +197,7 @@ def _score_mod(fn, s, rows, k_start, k_end):
     return out.to(s.dtype)
 
 
-def _alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
+def alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
     """``-slope * |p - j|``, ``(1 or B, Hkv, G, n, kn)``."""
     p = rule.positions(rows)  # (n,) or (B, n)
     p = p.reshape(-1, 1, 1, p.shape[-1], 1)
@@ -223,7 +223,7 @@ def score_tile(s, variants: Variants | None, rule: _masks.KeyRule, mask, rows, k
     if variants is not None and variants.score_mod is not None:
         s, fresh = _score_mod(variants.score_mod, s, rows, k_start, k_end), False
     if variants is not None and variants.alibi_slopes is not None:
-        bias = _alibi(variants.alibi_slopes, rule, rows, k_start, k_end, kv_heads, s.dtype)
+        bias = alibi(variants.alibi_slopes, rule, rows, k_start, k_end, kv_heads, s.dtype)
         s, fresh = (s.add_(bias) if fresh else s + bias), True
     if mask is not None and mask.dtype != torch.bool:
         m = mask.to(s.dtype)
@@ -262,8 +262,8 @@ def softmax(s: torch.Tensor, sinks: torch.Tensor | None, *, may_be_empty: bool =
     ``exp(sink)``, so its weights sum to less than 1. A row with no allowed key gives
     zeros (``may_be_empty``: it may happen), never NaN."""
     if sinks is not None:
-        if s.shape[-1] == 0:
-            return s.clone()
+        if s.shape[-1] == 0:  # no keys: no weights (still tied to the sinks: zero gradients)
+            return s + sinks * 0
         top = torch.maximum(s.amax(dim=-1, keepdim=True), sinks).detach()
         e = torch.exp(s - top)
         return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sinks - top))

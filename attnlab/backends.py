@@ -153,15 +153,17 @@ def choose(request: Request) -> Backend:
 
 
 def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
-    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p), None
+    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants), None
 
 
 def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     if min(q.numel(), k.numel(), v.numel()) == 0:  # nothing to tile: an empty batch,
         return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows,  # head,
                                variants)  # seq
-    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                             variants=variants)
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
 
 
 def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
@@ -220,12 +222,10 @@ def _flash_pays(r: Request) -> bool:
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
     Backend("eager", eager_attention),
-    Backend("sdpa", _sdpa, weights=False, softcap=False, alibi=False, sinks=False,
-            documents=False, mask_mod=False, score_mod=False,
+    Backend("sdpa", _sdpa, weights=False, softcap=False, sinks=False, score_mod=False,
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, softcap=False,
-            alibi=False, sinks=False, documents=False, mask_mod=False, score_mod=False),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
             softcap=False, alibi=False, sinks=False, documents=False, mask_mod=False,

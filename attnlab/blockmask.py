@@ -67,6 +67,7 @@ class BlockMask:
         # Over every (b, h): whether a tile has anything allowed / everything allowed.
         self._live = (kinds != EMPTY).flatten(0, 1).any(dim=0).cpu().numpy()
         self._full = (kinds == FULL).flatten(0, 1).all(dim=0).cpu().numpy()
+        self._kinds, self._index = kinds.cpu().numpy(), index.cpu().numpy()
 
     @property
     def batch(self) -> int:
@@ -105,15 +106,19 @@ class BlockMask:
         return FULL if self._full[rows, cols].all() else PARTIAL
 
     def _block(self, bi: int, bj: int) -> torch.Tensor:
-        """Block ``(bi, bj)`` as a bool ``(batch, heads, block_q, block_k)`` tile."""
-        kinds = self.kinds[:, :, bi, bj]
-        tile = (kinds == FULL)[..., None, None].expand(
-            *kinds.shape, self.block_q, self.block_k).clone()
+        """Block ``(bi, bj)`` as a bool ``(batch, heads, block_q, block_k)`` tile (a view
+        of the stored tile where one (b, h) stands for all)."""
+        shape = (self.batch, self.heads, self.block_q, self.block_k)
+        if self.batch * self.heads == 1:
+            kind, idx = int(self._kinds[0, 0, bi, bj]), int(self._index[0, 0, bi, bj])
+            if kind == PARTIAL:
+                return self.partial[idx].view(shape)
+            return torch.full((1, 1, 1, 1), kind == FULL, device=self.device).expand(shape)
         idx = self.index[:, :, bi, bj]
-        some = idx >= 0
-        if bool(some.any()):
-            tile[some] = self.partial[idx[some]]
-        return tile
+        full = (self.kinds[:, :, bi, bj] == FULL)[..., None, None]
+        if not len(self.partial):
+            return full.expand(shape)
+        return torch.where((idx >= 0)[..., None, None], self.partial[idx.clamp(min=0)], full)
 
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """The bool mask ``(batch, heads, q1 - q0, k1 - k0)`` of queries ``[q0, q1)`` and

@@ -102,7 +102,9 @@ def attention(
             (FlashAttention's ALiBi). Under a causal rule this equals BLOOM's
             ``+ slope * j`` (the two differ by ``slope * p``, a constant per row, which
             softmax ignores). Fixed: the slopes get no gradient.
-        mask: the additive float mask is added here; then every forbidden key gets
+        mask: the additive float mask is added here (with sinks, as it is: elsewhere
+            each row is shifted by a constant first, which softmax ignores but a sink's
+            share would not); then every forbidden key gets
             ``-inf``: the causal/window rule, ``document_ids``, a bool mask and
             ``mask_mod``.
         document_ids: packed sequences: a long tensor ``(..., seq)`` or ``(seq,)`` of
@@ -145,7 +147,10 @@ def attention(
         chosen = choose(request)
     elif (why := (chosen := TABLE[backend]).supports(request)) is not None:
         raise ValueError(why)
-    if mask4 is not None and mask4.dtype != torch.bool:
+    if mask4 is not None and mask4.dtype != torch.bool and variants and variants.sinks is not None:
+        # A sink's share depends on the level of the scores: the mask is added as it is.
+        mask4 = mask4.to(torch.promote_types(mask4.dtype, _masks.additive_dtype(q4.dtype)))
+    elif mask4 is not None and mask4.dtype != torch.bool:
         # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
         # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
         mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
