@@ -156,8 +156,8 @@ def test_packing_needs_documents_not_a_stream():
 def test_train_pack_on_the_command_line(tmp_path, capsys):
     text = tmp_path / "docs.txt"
     text.write_text("\n\n".join(f"document {i} " + "ab " * (i % 7 + 1) for i in range(40)))
-    assert main(["train", "--text", str(text), "--pack", "--steps", "2", "--context", "32",
-                 "--batch-size", "4", "--out", str(tmp_path / "run")]) == 0
+    assert main(["train", "--text", str(text), "--pack", "--steps", "1", "--context", "24",
+                 "--batch-size", "2", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "padding tokens, against" in out and "with one document per row (saved" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
