@@ -19,7 +19,22 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, variants=None):
-    """The textbook path: materialise the scores, mask, softmax, weighted sum."""
+    """The textbook path: materialise the scores, mask, softmax, weighted sum.
+    Returns ``(out, weights)`` (``weights`` None unless ``rows``)."""
+    out, weights, _ = _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants)
+    return out, weights
+
+
+def eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
+    """``(out, lse)``: the output and each row's log-sum-exp ``(B, Hq, Lq)`` (natural log
+    of the softmax's denominator, the sink included; ``+inf`` for a row with nothing to
+    attend), which carries no gradient."""
+    out, _, lse = _eager(q, k, v, mask, causal, window, scale, dropout_p, None, variants,
+                         want_lse=True)
+    return out, lse
+
+
+def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants, want_lse=False):
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -50,6 +65,15 @@ def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, varia
                                          q_range=(0, q_len))
         may_be_empty = True
         sinks = _variants.grouped_sinks(variants, kv_heads, scores.dtype)
+    lse = None
+    if want_lse:
+        with torch.no_grad():
+            parts = scores if sinks is None else torch.cat(
+                [scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+            lse = (torch.logsumexp(parts, dim=-1) if parts.shape[-1]
+                   else parts.new_full(parts.shape[:-1], float("-inf")))
+            lse = lse.masked_fill(lse == float("-inf"), float("inf")).reshape(
+                batch, q_heads, q_len)
     # A row with nothing to attend is all -inf, where softmax (and its backward) gives
     # NaN: softmax() softens it to zeros.
     weights = _variants.softmax(scores, sinks, may_be_empty=may_be_empty)
@@ -57,6 +81,6 @@ def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, varia
     out = torch.matmul(used.view(batch, kv_heads, group * q_len, k_len), v)
     out = out.view(batch, q_heads, q_len, v.shape[-1]).to(dtype)
     if rows is None:
-        return out, None
+        return out, None, lse
     picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
-    return out, picked.to(dtype)
+    return out, picked.to(dtype), lse

@@ -252,7 +252,7 @@ def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     if variants is not None and variants.score_mod is not None:
         settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset, variants)
-        return _tiled_mod.attention(settings, q, k, v, mask, variants.sinks)
+        return _tiled_mod.attention(settings, q, k, v, mask, variants.sinks, BLOCK_Q, BLOCK_K)
     sinks = None if variants is None else variants.sinks
     return _TiledAttention.apply(q, k, v, mask, sinks, causal, window, scale, dropout_p, seed,
                                  offset, variants)

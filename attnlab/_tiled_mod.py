@@ -68,21 +68,20 @@ def _block(ctx, q_start, q_end, lo, hi, mask, block_k, q, k, v, sinks):
     return out.view(b, hkv, g, n, -1), lse
 
 
-def attention(ctx, q, k, v, mask, sinks):
+def attention(ctx, q, k, v, mask, sinks, block_q: int, block_k: int):
     """``(out (B, Hq, Lq, Dv), lse (B, Hkv, G, Lq))`` as ``_tiled.tiled_attention``;
-    ``ctx`` is its ``_Ctx`` (``ctx.variants`` holds the score_mod)."""
-    from ._tiled import BLOCK_K, BLOCK_Q  # read at the call: tests set tiny tiles
-
+    ``ctx`` is its ``_Ctx`` (``ctx.variants`` holds the score_mod); tiles of ``block_q``
+    query rows by ``block_k`` keys."""
     tensors = (q, k, v) + (() if sinks is None else (sinks,))
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if mask is not None:
         while mask.ndim < 4:
             mask = mask.unsqueeze(0)
     outs, lses = [], []
-    for q_start in range(0, ctx.q_len, BLOCK_Q):
-        q_end = min(q_start + BLOCK_Q, ctx.q_len)
+    for q_start in range(0, ctx.q_len, block_q):
+        q_end = min(q_start + block_q, ctx.q_len)
         lo, hi = ctx.rule.block(q_start, q_end)
-        args = (ctx, q_start, q_end, lo, max(lo, hi), mask, BLOCK_K, q, k, v, sinks)
+        args = (ctx, q_start, q_end, lo, max(lo, hi), mask, block_k, q, k, v, sinks)
         if recompute:
             out, lse = checkpoint(_block, *args, use_reentrant=False)
         else:

@@ -102,7 +102,7 @@ def _ids(name: str, ids, length: int, q: torch.Tensor) -> torch.Tensor:
         want = f"({length},)" + (f" or {(*lead, length)}" if lead else "")
         raise ValueError(f"{name} must have shape {want} (one id per position), got "
                          f"{tuple(ids.shape)}")
-    ids = ids.reshape(-1, length).long()
+    ids = (ids.unsqueeze(0) if ids.ndim == 1 else ids.reshape(math.prod(lead), length)).long()
     down = ids[:, 1:] < ids[:, :-1]
     if bool(down.any()):
         row, at = (int(i) for i in down.nonzero()[0])
@@ -200,7 +200,7 @@ def _score_mod(fn, s, rows, k_start, k_end):
 def alibi(slopes, rule, rows, k_start, k_end, kv_heads, dtype):
     """``-slope * |p - j|``, ``(1 or B, Hkv, G, n, kn)``."""
     p = rule.positions(rows)  # (n,) or (B, n)
-    p = p.reshape(-1, 1, 1, p.shape[-1], 1)
+    p = p.reshape(p.shape[0] if p.ndim == 2 else 1, 1, 1, p.shape[-1], 1)
     j = torch.arange(k_start, k_end, device=p.device)
     slopes = slopes.to(dtype).reshape(slopes.shape[0], kv_heads, -1, 1, 1)
     return (p - j).abs().to(dtype) * -slopes

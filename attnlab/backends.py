@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _decode, _flash
-from ._eager import eager_attention
+from ._eager import eager_attention, eager_lse
 from ._sdpa import sdpa_attention
 from ._tiled import tiled_attention, tiled_weights
 from ._variants import Variants
@@ -37,6 +37,7 @@ class Request:
     dropout_p: float
     rows: torch.Tensor | None
     variants: Variants | None = None
+    lse: bool = False  # the log-sum-exp of each row is wanted too (attention_with_lse)
 
     @property
     def learned_mask(self) -> bool:
@@ -61,7 +62,10 @@ class Backend:
     (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
     ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
-    cache, as :func:`attnlab._decode.step` takes it; None where there is none).
+    cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
+    (``lse(q, k, v, mask, causal, window, scale, dropout_p, variants) -> (out, lse)``,
+    each row's log-sum-exp ``(B, Hq, Lq)`` too, for ``attention_with_lse``; None where
+    the backend does not form it).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
     None; ``pays(request)`` whether ``auto`` should take it for a call it supports.
     """
@@ -83,6 +87,7 @@ class Backend:
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
+    lse: Callable | None = None
     unavailable: Callable[[torch.Tensor], str | None] | None = None
     pays: Callable[[Request], bool] = _always
     label: str = ""  # how errors name it, after the name: " (the native kernel)"
@@ -95,15 +100,19 @@ class Backend:
 
     def capabilities(self) -> dict[str, object]:
         """The capability fields by name (``decoding`` for ``decode``)."""
-        skip = {"name", "run", "decode", "unavailable", "pays", "label", "no_weights",
+        skip = {"name", "run", "decode", "lse", "unavailable", "pays", "label", "no_weights",
                 "instead"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["decoding"] = self.decoding
+        out["log_sum_exp"] = self.lse is not None
         return out
 
     def supports(self, request: Request) -> str | None:
         """Why this backend cannot take ``request``, as the ValueError names it, or None."""
         q, name = request.q, self.name
+        if request.lse and self.lse is None:
+            return (f"backend={name!r}{self.label} does not return the log-sum-exp; use "
+                    "backend='auto', 'eager' or 'tiled'")
         if request.rows is not None and not self.weights:
             return f"backend={name!r} cannot return weights ({self.no_weights}); {self.instead}"
         if self.unavailable is not None and (why := self.unavailable(q)) is not None:
@@ -166,6 +175,14 @@ def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
                                                         variants)
 
 
+def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
+    if min(q.numel(), k.numel(), v.numel()) == 0:
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants)
+    out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                               variants=variants)
+    return out, lse.reshape(q.shape[:3])
+
+
 def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     # The kernel declares no variant yet (its capability flags below): variants is None.
     out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p)
@@ -221,11 +238,11 @@ def _flash_pays(r: Request) -> bool:
 
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("eager", eager_attention),
+    Backend("eager", eager_attention, lse=eager_lse),
     Backend("sdpa", _sdpa, weights=False, softcap=False, sinks=False, score_mod=False,
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, lse=_tiled_lse),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
             softcap=False, alibi=False, sinks=False, documents=False, mask_mod=False,

@@ -226,15 +226,18 @@ def _checked(mask_mod, allowed, target) -> torch.Tensor:
 
 def block_mask(mask_mod: Callable, batch: int, heads: int, q_len: int, k_len: int, *,
                block_q: int = BLOCK_SIZE, block_k: int = BLOCK_SIZE,
-               device=None) -> BlockMask:
+               device=None, cache: bool = True) -> BlockMask:
     """``mask_mod`` evaluated into a :class:`BlockMask` of ``(batch, heads, q_len,
     k_len)``, or the cached one of an earlier call with the same function, shape,
-    device and blocks."""
+    device and blocks (``cache=False``: evaluated and not kept, for a function made
+    for one call)."""
     device = torch.device("cpu" if device is None else device)
     key = (mask_mod, batch, heads, q_len, k_len, block_q, block_k, str(device))
     try:
-        found = _CACHE.get(key)
+        found = _CACHE.get(key) if cache else None
     except TypeError:  # an unhashable callable: built each time
+        found, cache = None, False
+    if not cache:
         return _build(mask_mod, batch, heads, q_len, k_len, block_q, block_k, device)
     if found is not None:
         _CACHE.move_to_end(key)

@@ -26,7 +26,8 @@ from .backends import TABLE, Backend, Request, choose
 from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
-__all__ = ["attention", "BACKENDS", "backend_table", "may_decode", "decode_step"]
+__all__ = ["attention", "attention_with_lse", "BACKENDS", "backend_table", "may_decode",
+           "decode_step"]
 
 # The names attention() takes: "auto" (backends.choose), then the table's.
 BACKENDS = ("auto", *TABLE)
@@ -130,10 +131,46 @@ def attention(
     Returns:
         ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
     """
+    return _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
+                   dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        document_ids=document_ids, mask_mod=mask_mod, score_mod=score_mod))
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    mask_mod: Callable | BlockMask | None = None,
+    score_mod: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` (the same arguments, no weights) that also returns each query
+    row's log-sum-exp: ``(out, lse)`` with ``lse`` ``(..., q_heads, q_len)`` float32 (float64
+    for float64 inputs), the natural log of the row's softmax denominator over its
+    allowed keys (the sink included), ``+inf`` for a row with nothing to attend (as
+    FlashAttention returns it). The lse carries no gradient. Only the backends that
+    declare ``lse`` in :func:`backend_table` take it (``auto`` picks among them)."""
+    return _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend,
+                   dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        document_ids=document_ids, mask_mod=mask_mod, score_mod=score_mod),
+                   want_lse=True)
+
+
+def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
+            variant_args, want_lse=False):
+    """attention()'s body: checks, dispatch through the table, shapes back."""
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
-    variants = _variants.check(q, k, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                               document_ids=document_ids, mask_mod=mask_mod,
-                               score_mod=score_mod)
+    variants = _variants.check(q, k, **variant_args)
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
@@ -142,7 +179,7 @@ def attention(
     window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
     # Dispatch through the table (attnlab.backends): a named backend that cannot take
     # the call says why; auto takes the one its rule gives.
-    request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants)
+    request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants, want_lse)
     if backend == "auto":
         chosen = choose(request)
     elif (why := (chosen := TABLE[backend]).supports(request)) is not None:
@@ -156,6 +193,9 @@ def attention(
         mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
                                   window=window, dtype=_masks.additive_dtype(q4.dtype),
                                   documents=variants and variants.documents)
+    if want_lse:
+        out, lse = chosen.lse(q4, k4, v4, mask4, causal, window, scale, dropout_p, variants)
+        return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
     out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows,
                               variants)
 

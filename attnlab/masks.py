@@ -198,6 +198,8 @@ class KeyRule:
         if self.documents is None:
             lo, _ = self.bounds(q_start)
             _, hi = self.bounds(q_end - 1)
+        elif q_end <= q_start:
+            return 0, 0
         else:
             los, his = self._row_bounds
             lo = min(row[q_start] for row in los)
@@ -211,6 +213,8 @@ class KeyRule:
             last_lo, _ = self.bounds(q_end - 1)
             _, first_hi = self.bounds(q_start)
             return last_lo <= k_start and first_hi >= k_end
+        if q_end <= q_start:
+            return True
         los, his = self._row_bounds
         return all(lo[q_end - 1] <= k_start and hi[q_start] >= k_end
                    for lo, hi in zip(los, his))

@@ -28,7 +28,7 @@ LAYERS = {
     "attnlab.functional": 6, "attnlab._sdpa": 6, "attnlab._tiled": 6, "attnlab._native": 6,
     "attnlab._flash": 6, "attnlab._decode": 6, "attnlab.backends": 6, "attnlab._eager": 6,
     "attnlab._variants": 6, "attnlab._tiled_mod": 6,
-    "attnlab.modules": 7,
+    "attnlab.modules": 7, "attnlab.compat": 7,
     "attnlab.models": 8,
     "attnlab.checkpoint": 9, "attnlab.training": 9, "attnlab.progress": 9,
     "attnlab.recipe": 9,
