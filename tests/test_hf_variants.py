@@ -222,11 +222,3 @@ def test_gemma2_with_another_activation_or_bidirectional_attention_is_refused():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True is not supported"):
         GPT.from_hf(gemma2(use_bidirectional_attention=True))
 
-
-def test_an_unsupported_folder_on_the_command_line_lists_the_new_model_types(tmp_path, capsys):
-    (tmp_path / "neox").mkdir()
-    (tmp_path / "neox" / "config.json").write_text('{"model_type": "gpt_neox"}')
-    assert main(["generate", "--model", str(tmp_path / "neox"), "--prompt", "the"]) == 2
-    err = capsys.readouterr().err
-    assert "model_type 'gpt_neox' is not supported (expected one of ['bloom', 'gemma2', " \
-           "'gpt2', 'llama', 'mistral', 'qwen2'] (decoders)" in err
