@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _decode, _flash
+from . import masks as _masks
 from ._eager import eager_attention, eager_lse
 from ._sdpa import sdpa_attention
 from ._tiled import tiled_attention, tiled_weights
@@ -213,12 +214,50 @@ _FLASH_MIN_LEN = {"tiles": 64, "blas": 128}
 _FLASH_MIN_LEN_TRAINING = 32
 
 
+# tiled, with variants: the textbook path alone takes softcap, sinks and score_mod; the
+# tiled one is faster from this many scores per (batch, head) (its causal rows beat
+# eager's from T=512 on the bench grid) and needs no q_len x k_len buffer.
+_VARIANT_MIN_SCORES = 512 * 512
+# tiled, with variants SDPA takes as a dense mask (documents, mask_mod, ALiBi): above
+# this many bytes of mask, O(T^2) memory per call is not worth SDPA's speed.
+_DENSE_MASK_MAX_BYTES = 1 << 30
+
+
 def _tiled_pays(r: Request) -> bool:
     k_len = r.k.shape[-2]
     if r.rows is not None:
         return len(r.rows) * k_len > _EAGER_MAX_SCORES
+    if r.variants is not None and _tiles_pay_for_variants(r):
+        return True
     return (r.window is not None and r.q.shape[-2] > 1 and k_len >= _WINDOW_MIN_LEN
             and k_len >= _WINDOW_RATIO * r.window)
+
+
+def _tiles_pay_for_variants(r: Request) -> bool:
+    """Where the tiled path beats the others on a call with variants: long rows where
+    only eager could take it; rows where documents or a mask_mod leave at most
+    1/_WINDOW_RATIO of the pairs (the tiles it skips), as for windows; and calls whose
+    dense mask for SDPA would be too large."""
+    v, (batch, heads, q_len, _) = r.variants, r.q.shape
+    k_len = r.k.shape[-2]
+    present = v.present()
+    if {"softcap", "sinks", "score_mod"} & set(present):
+        return q_len * k_len >= _VARIANT_MIN_SCORES
+    if q_len * k_len == 0:
+        return False
+    live = 1.0
+    if v.documents is not None:
+        rule = _masks.KeyRule(q_len, k_len, causal=r.causal, window=r.window,
+                              documents=v.documents)
+        live = rule.pairs() / (v.documents.batch * q_len * k_len)
+    if v.block_mask is not None:
+        live = min(live, float(v.block_mask.live_share()))
+    if live * _WINDOW_RATIO <= 1 and k_len >= _WINDOW_MIN_LEN and q_len > 1:
+        return True
+    mask_bytes = q_len * k_len * (batch if v.documents or v.block_mask else 1)
+    if v.alibi_slopes is not None:
+        mask_bytes *= 4 * heads * (batch if v.alibi_slopes.shape[0] > 1 else 1)
+    return mask_bytes > _DENSE_MASK_MAX_BYTES
 
 
 def _flash_pays(r: Request) -> bool:

@@ -91,6 +91,10 @@ class BlockMask:
                 f"tiles empty/partial/full={counts[0]}/{counts[1]}/{counts[2]}, "
                 f"mask_mod={mod_name(self.mask_mod) if self.mask_mod else None})")
 
+    def live_share(self) -> float:
+        """The share of the tiles (over every (b, h)) with anything allowed."""
+        return float((self.kinds != EMPTY).float().mean()) if self.kinds.numel() else 0.0
+
     def _span(self, q0: int, q1: int, k0: int, k1: int) -> tuple[slice, slice]:
         return (slice(q0 // self.block_q, (q1 - 1) // self.block_q + 1),
                 slice(k0 // self.block_k, (k1 - 1) // self.block_k + 1))

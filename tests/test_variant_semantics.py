@@ -214,3 +214,22 @@ def test_softcap_is_gemma2s_tanh_on_the_scaled_score():
     for backend in ("eager", "tiled", "auto"):
         torch.testing.assert_close(attnlab.attention(Q, K, V, softcap=cap, backend=backend),
                                    want, **TOL)
+
+
+@pytest.mark.parametrize("seq, variant, want", [
+    (256, dict(softcap=30.0), "eager"),  # short rows: the textbook path
+    (1024, dict(softcap=30.0), "tiled"),
+    (1024, dict(sinks=torch.zeros(12)), "tiled"),
+    (1024, dict(alibi_slopes=torch.full((12,), 0.1)), "sdpa"),  # a 50 MB dense bias
+    (16384, dict(alibi_slopes=torch.full((12,), 0.1)), "tiled"),  # 12.9 GB of bias: no
+    (4096, dict(document_ids=torch.arange(4096) // 512), "tiled"),  # 1/16 of the pairs
+    (4096, dict(document_ids=torch.arange(4096) // 2048), "sdpa"),  # half of them
+    (4096, dict(mask_mod=lambda b, h, q, kv: (kv <= q) & (q - kv < 256)), "tiled"),
+])
+def test_auto_takes_the_tiled_path_where_it_pays(seq, variant, want):
+    """backends.choose's one rule, fed by the tiled path's ``pays``: without the
+    native kernel's variants, the tiled path where it is faster or the others need
+    O(T^2) buffers (the shapes only: nothing runs)."""
+    q = torch.empty(1, 12, seq, 64)
+    variants = _variants.check(q, q, **variant)
+    assert _choose(q, q, None, None, None, causal=True, variants=variants) == want
