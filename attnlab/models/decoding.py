@@ -30,9 +30,14 @@ from .. import _decode, _native
 from ..cache import KVCache
 from ..functional import may_decode
 from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, norm_kind
+from ..modules.layers import GATED_MLP_KINDS, MLP, norm_kind
 
 _LIBRARY = ("attnlab.", "torch.nn.")
+
+# The kinds (modules.layers' names) the native step implements so far; a block of another
+# kind runs its modules.
+KERNEL_NORMS = ("layernorm", "rmsnorm")
+KERNEL_MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
 # A plan: (start, stop, run) for each stretch of blocks, run a _decode.Run where the
 # kernel may take blocks[start:stop], None for one block that runs its modules.
@@ -134,24 +139,32 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
     or piece the kernel does not know (a subclass, a ``forward`` of its own), a hook or
     ``qkv_hook`` that must see it run, a chosen backend, dropout in training (each
     module's own flag: ``attn.train()`` alone turns on attention dropout), a product
-    whose weights no longer lie packed (``modules.fused``: the modules pack them again)."""
+    whose weights no longer lie packed (``modules.fused``: the modules pack them again), or
+    what the kernel does not implement yet: a norm or MLP kind beyond :data:`KERNEL_NORMS`
+    and :data:`KERNEL_MLPS` (Gemma's RMSNorm, GeGLU), norms after the attention or the MLP
+    (Gemma 2's), scores other than plain ``q . k / sqrt(head_dim)`` (a scale of its own,
+    softcapping, ALiBi, sinks), heads wider or narrower than ``d_model / num_heads``."""
     if type(block) is not kind or "forward" in block.__dict__:
         return None
     mods = block._modules
     attn, mlp, norm1, norm2 = (mods.get(n) for n in ("attn", "mlp", "norm1", "norm2"))
     if (type(attn) is not MultiHeadAttention or type(mlp) is not MLP
+            or mlp.kind not in KERNEL_MLPS
+            or mods.get("post_attn_norm") is not None or mods.get("post_mlp_norm") is not None
+            or attn.score_options() or attn.num_heads * attn.head_dim != attn.d_out
             or attn.qkv_hook is not None
             or not may_decode(attn.backend, dropout_p=attn.dropout if attn.training else 0.0)
             or (block.training and block.dropout)
             or (attn.training and attn.resid_dropout)):
         return None
     norm = norm_kind(norm1)
-    if (norm is None or type(norm2) is not type(norm1) or norm1.eps != norm2.eps
+    if (norm not in KERNEL_NORMS or type(norm2) is not type(norm1) or norm1.eps != norm2.eps
             or len(norm1.normalized_shape) != 1):
         return None
     groups = [[attn._modules.get(n) for n in ("W_query", "W_key", "W_value")],
               [attn._modules.get("out_proj")],
-              [mlp._modules.get(n) for n in (("gate", "fc") if mlp.kind == "swiglu" else ("fc",))],
+              [mlp._modules.get(n) for n in (("gate", "fc") if mlp.kind in GATED_MLP_KINDS
+                                             else ("fc",))],
               [mlp._modules.get("proj")]]
     products = []
     for group in groups:
