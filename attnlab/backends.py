@@ -205,9 +205,9 @@ def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
                                   with_lse=True, **_flash_variants(variants))
 
 
-def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads):
+def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores):
     # Looked up at each call: tests count the steps by replacing _decode.step.
-    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads)
+    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores)
 
 
 # --------------------------------------------------------------------------- when auto pays

@@ -374,9 +374,12 @@ def may_decode(backend: str = "auto", *, dropout_p: float = 0.0, mask: object = 
 
 
 def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads: int,
-                num_kv_heads: int, *, backend: str = "auto") -> torch.Tensor | None:
+                num_kv_heads: int, *, backend: str = "auto", scale: float | None = None,
+                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of one new token: RoPE, cache append and attention over the cache in
-    one call of the decoding backend (:func:`attnlab._decode.step` has the arguments).
+    one call of the decoding backend (:func:`attnlab._decode.step` has the arguments;
+    ``scale``, ``softcap``, ``alibi_slopes`` and ``sinks`` as :func:`attention` takes them).
     Returns ``(B, 1, num_heads * head_dim)``, or None (the cache unchanged) where the
     backend stands aside for these tensors; the caller then runs :func:`attention`.
     ValueError for a ``backend`` with no decoding step (ask :func:`may_decode` first)."""
@@ -385,4 +388,5 @@ def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads:
         one_of("backend", backend, BACKENDS)
         raise ValueError(f"backend={backend!r} has no fused decoding step; use backend="
                          f"{' or '.join(map(repr, _DECODERS))} (ask may_decode first)")
-    return step(qkv, cache, rotary, window, num_heads, num_kv_heads)
+    return step(qkv, cache, rotary, window, num_heads, num_kv_heads, scale=scale,
+                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

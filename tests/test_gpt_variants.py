@@ -1,7 +1,7 @@
 """GPTConfig's options for modern decoders (softcaps, ALiBi, sinks, a window on chosen layers,
 a query scale, wider heads, Gemma's norms and MLP, scaled and normed embeddings): checked
-like the other fields, kept by checkpoints, trainable, decoded exactly (through the modules
-where the native step does not implement them yet), and packed rows (document_ids) give
+like the other fields, kept by checkpoints, trainable, decoded exactly (through the fused
+decoding step, which runs every one of them), and packed rows (document_ids) give
 each document its own logits."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnlab
+from attnlab import _native
 from attnlab.models import GPT, GPTConfig
 from attnlab.models.decoding import _layer
 from attnlab.models.gpt import Block
+from test_decode import counting_fused_steps
 
 SMALL = dict(vocab_size=40, context_length=32, d_model=24, num_layers=3, num_heads=4,
              num_kv_heads=2)
@@ -127,22 +129,24 @@ def _cached_logits(model, ids, prompt_len):
 @settings(max_examples=15, deadline=None)
 @given(chosen=st.sets(st.sampled_from(sorted(OPTIONS)), min_size=1, max_size=4),
        prompt_len=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_decoding_with_caches_is_exact_and_the_native_step_takes_only_plain_blocks(
+def test_decoding_with_caches_is_exact_and_the_fused_step_takes_every_variant(
         chosen, prompt_len, seed):
     """Token by token through the caches gives the logits of the whole sequence, for any
-    mix of options; the native step takes a block only if it has none of those it does not
-    implement yet (a per-layer window it does)."""
+    mix of options, and the fused decoder layers (``_decode.Run``) take every block:
+    softcap, ALiBi, sinks, a scale or head width of its own, post-norms, Gemma's norm and
+    GeGLU run in the kernel (a Gemma 2 or gpt-oss-style model decodes through it)."""
     options = {k: v for name in chosen for k, v in OPTIONS[name].items()}
     model = model_with(seed, **options)
     ids = torch.randint(0, 40, (1, prompt_len + 7), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         want = model(ids)
         taken = [_layer(b, Block) is not None for b in model.blocks]
-    torch.testing.assert_close(_cached_logits(model, ids, prompt_len), want, atol=2e-5,
-                               rtol=2e-5)
-    plain = not (set(chosen) - {"window_layers", "logit_softcap", "scale_embeddings",
-                                "embed_norm"})
-    assert taken == [plain] * 3
+    with counting_fused_steps("layers") as fused:
+        got = _cached_logits(model, ids, prompt_len)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert taken == [True] * 3
+    steps = 7 + (prompt_len == 1)  # a one-token prompt decodes too
+    assert fused[0] == (steps * 3 if _native.available() else 0)
     assert torch.equal(model.generate(ids[:, :prompt_len], 6, temperature=0),
                        model.generate(ids[:, :prompt_len], 6, temperature=0, use_cache=False))
 

@@ -15,7 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
 from test_cli_models import WORDS, _tokenizer  # noqa: E402
+from test_decode import counting_fused_steps  # noqa: E402
 
+from attnlab import _native  # noqa: E402
 from attnlab.cli import main  # noqa: E402
 from attnlab.layouts.common import ShapeMismatch  # noqa: E402
 from attnlab.models import GPT  # noqa: E402
@@ -166,13 +168,21 @@ def test_the_options_map_and_each_one_matters(loaded):
                 setattr(o, attr, v)
 
 
-def test_the_fused_decoding_step_stands_aside_for_what_it_does_not_implement(loaded):
-    """Softcap, ALiBi, Gemma's norms and GeGLU are not in the native step yet: those blocks
-    run their modules (the greedy tokens above are the modules'); Qwen2's are plain."""
-    name, _, ours, _ = loaded
+def test_the_fused_decoding_step_takes_every_block_and_decodes_the_hf_tokens(loaded):
+    """Gemma 2's softcap, query scale, post-norms, (1 + weight) RMSNorm and GeGLU, BLOOM's
+    ALiBi and Qwen2's per-layer windows all run in the fused decoder layers: every block is
+    taken, and greedy decoding through them gives transformers' tokens."""
+    name, hf, ours, _ = loaded
     with torch.no_grad():  # the step decodes without gradients
         taken = [_layer(b, Block) is not None for b in ours.blocks]
-    assert taken == ([True] * 3 if name.startswith("qwen2") else [False] * len(taken))
+    assert taken == [True] * len(taken)
+    prompt = torch.tensor([[4, 5, 6]])
+    with counting_fused_steps("layers") as fused:
+        got = ours.generate(prompt, 8, temperature=0)
+    assert fused[0] == (7 * len(taken) if _native.available() else 0)  # the 1st from the prompt
+    want = hf.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)
+    assert torch.equal(got, want), name
 
 
 def test_generate_from_the_folder_on_the_command_line(loaded, capsys):

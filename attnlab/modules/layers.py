@@ -18,8 +18,7 @@ __all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "GATED_MLP_KINDS", "RMSNorm", "RMSN
            "make_norm", "norm_kind", "dropout", "embedding"]
 
 # The names of the kinds, used by the configs, the modules and the fused decoding step
-# (csrc/decode_layers.cpp implements each under the same name; models.decoding says which
-# of them it takes so far).
+# (csrc/decode_layers.cpp implements each under the same name).
 # MLPs: gelu, gelu_tanh (GPT-2's tanh approximation), relu: ``proj(act(fc(x)))``;
 # swiglu (Llama): ``proj(silu(gate(x)) * fc(x))``; geglu (Gemma): ``proj(gelu_tanh(gate(x))
 # * fc(x))``.

@@ -274,13 +274,12 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
             x, (self.W_query, self.W_key, self.W_value))
         options = self.score_options(x.device)
         if (qkv is not None and t == 1 and cache is not None and positions is None
-                and self.qkv_hook is None and not options
+                and self.qkv_hook is None
                 and may_decode(self.backend, mask=mask, weights=return_weights,
                                dropout_p=self.dropout if self.training else 0.0)):
-            # Decoding one token: RoPE, cache append and attention in one backend call
-            # (plain scores only: the step knows no scale, softcap, ALiBi or sinks yet).
+            # Decoding one token: RoPE, cache append and attention in one backend call.
             out = decode_step(qkv, cache, rot, self.window, heads, kv_heads,
-                              backend=self.backend)
+                              backend=self.backend, **options)
             if out is not None:
                 return self._project(out)
         if rot is not None:
