@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decode import counting_fused_steps
 
 import attnlab
 from attnlab import _native
 from attnlab.models import GPT, GPTConfig
 from attnlab.models.decoding import _layer
 from attnlab.models.gpt import Block
-from test_decode import counting_fused_steps
 
 SMALL = dict(vocab_size=40, context_length=32, d_model=24, num_layers=3, num_heads=4,
              num_kv_heads=2)
