@@ -6,9 +6,10 @@ forward+backward.
 The peers, each as its users write it:
 
 - ``torch-flex``: FlexAttention compiled by inductor with the same ``score_mod`` /
-  ``mask_mod`` (sinks: its ``return_lse`` and the exact rescale ``out * sigmoid(lse -
-  sink)``, as gpt-oss ports do); its compile time is reported apart (``compile_s``),
-  its steps timed warm; forward only (it has no CPU backward);
+  ``mask_mod`` (sinks: one extra key of zeros whose score the ``score_mod`` sets to the
+  head's sink logit, exact; its compiled CPU path has no ``return_lse`` for the other
+  way, ``out * sigmoid(lse - sink)``); its compile time is reported apart
+  (``compile_s``), its steps timed warm; forward only (it has no CPU backward);
 - ``torch-sdpa``: ``F.scaled_dot_product_attention`` with the equivalent materialised
   float bias (ALiBi) or bool mask (documents, prefix-LM), where it can express the
   variant (not softcap or sinks);
@@ -119,18 +120,25 @@ def _flex(q, k, v, variant, setting, seq, case):
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    mask_mod = {"documents": documents, "prefix-lm": setting.get("mask_mod")}.get(variant,
-                                                                                 causal)
-    score_mod = {"softcap": softcap, "alibi": alibi}.get(variant)
-    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu")
-    compiled = torch.compile(flex_attention, dynamic=False)
     sinks = setting.get("sinks")
 
+    def with_sink(b, h, q_idx, kv_idx):  # every query sees the sink key
+        return (q_idx >= kv_idx) | (kv_idx == seq)
+
+    def sink(score, b, h, q_idx, kv_idx):  # the sink key's score is the head's sink logit
+        return torch.where(kv_idx == seq, sinks[h], score)
+
+    mask_mod = {"documents": documents, "prefix-lm": setting.get("mask_mod"),
+                "sinks": with_sink}.get(variant, causal)
+    score_mod = {"softcap": softcap, "alibi": alibi, "sinks": sink}.get(variant)
+    keys = seq + (sinks is not None)
+    if sinks is not None:  # one more key of zeros, weighing a zero value
+        k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
+    block_mask = create_block_mask(mask_mod, None, None, seq, keys, device="cpu")
+    compiled = torch.compile(flex_attention, dynamic=False)
+
     def run():
-        if sinks is None:
-            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-        out, lse = compiled(q, k, v, block_mask=block_mask, return_lse=True)
-        return out * torch.sigmoid(lse - sinks[:, None]).unsqueeze(-1)
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
     start = time.perf_counter()
     with torch.no_grad():  # the first call compiles
