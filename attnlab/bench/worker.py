@@ -18,6 +18,7 @@ answers ``done`` or a JSON line; ``exit`` or the end of its input stops it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,8 +86,12 @@ def _jsonable(output: Any) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # whatever the peer prints stays off the protocol's pipe
+    # The protocol keeps the pipe to itself: whatever the peer prints, from Python or
+    # from its C++ library straight to file descriptor 1, goes to stderr instead.
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
         step = build(tuple(json.loads(argv[0])))
     except Exception as exc:  # the parent reports it as this peer's skip reason
