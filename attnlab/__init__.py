@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time __getattr__ find
     from .cache import KVCache
     from .checkpoint import load_checkpoint, save_checkpoint
     from .functional import BACKENDS, attention
+    from .interop import load
     from .models import GPT, Encoder, EncoderConfig, GPTConfig, ToyAttnLM, ToyConfig
     from .modules import (
         CausalAttention,
@@ -40,6 +41,7 @@ _LAZY_NAMES = {
     "MultiHeadAttentionWrapper": "modules", "MultiHeadAttention": "modules",
     "GPT": "models", "GPTConfig": "models", "Encoder": "models", "EncoderConfig": "models",
     "ToyAttnLM": "models", "ToyConfig": "models", "HFTokenizer": "text",
+    "load": "interop",
 }
 # ``check`` is a module that can be called: ``attnlab.check(fn_or_module)``.
 _LAZY_MODULES = ("masks", "reference", "models", "text", "viz", "experiments", "heads",
@@ -52,7 +54,7 @@ __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING 
     "save_checkpoint", "load_checkpoint", "__version__",
     "GPT", "GPTConfig", "Encoder", "EncoderConfig", "ToyAttnLM", "ToyConfig", "HFTokenizer",
     "models", "text", "viz", "experiments", "heads", "interop", "training", "checkpoint",
-    "check",
+    "check", "load",
 ]
 
 

