@@ -75,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the checkpoint in --out (--steps is the total)")
     train.set_defaults(func=cmd_train)
 
-    generate = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face "
-                              "folder (--model DIR)")
+    generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "
+                              "folder, a GGUF file or smollm2 (--model); --chat")
     _model_options(generate, minilm=False)
-    generate.add_argument("--prompt", required=True, help="text to continue (required)")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--chat", metavar="MESSAGE",
+                        help="a user message, put in the model's chat template (a GGUF "
+                             "file's, e.g. --model smollm2); the reply stops at the end of "
+                             "its turn")
     generate.add_argument("--max-new-tokens", type=_new_token_count, default=100,
                           help="tokens to add")
     generate.add_argument("--temperature", type=_non_negative_float, default=1.0,

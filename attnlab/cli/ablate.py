@@ -1,6 +1,6 @@
 """``attnlab ablate``: which model, which text, which experiment; then the report.
 
-- the model: ``--ckpt DIR`` (attnlab), ``--model minilm|DIR`` (Hugging Face folder),
+- the model: ``--ckpt DIR`` (attnlab), ``--model smollm2|minilm|FILE.gguf|DIR``,
   or neither: the demo model is trained first;
 - the text: ``--text FILE``, else an attnlab checkpoint's held-out text (what
   training recorded in its ``config.json``: the start of the last 10%); a Hugging

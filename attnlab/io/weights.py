@@ -41,7 +41,7 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
     row_shape = src.shape[1:]
     if (origin is None or src.ndim == 0 or src.numel() == 0 or not src[0].is_contiguous()
             or src.stride(0) < max(1, src[0].numel())):
-        dst.copy_(src)
+        _copy(dst, src)
         return
     file, offset = origin
     es = src.element_size()
@@ -49,7 +49,7 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
     pitch = src.stride(0) * es
     span = (src.shape[0] - 1) * pitch + row
     if _written(src.data_ptr(), span):
-        dst.copy_(src)
+        _copy(dst, src)
         return
     offset += src.storage_offset() * es
     if bounce is None or bounce.numel() < row:
@@ -65,6 +65,16 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor | None 
             raise CheckpointError(f"{file.name!r} ended early (truncated?)")
         rows = bounce[:n].view(src.dtype)
         dst[a:b].copy_(rows.as_strided((b - a, *row_shape), (src.stride(0), *src[0].stride())))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, walking ``dst`` in its memory order where it is a transposed
+    matrix (a weight packed ``(in, out)`` for decoding): torch's copy is about five times
+    faster writing in order than reading in order (a 1536 x 576 matrix: 3 ms, not 16)."""
+    if dst.ndim == 2 and dst.stride(0) == 1 and dst.stride(1) != 1:
+        dst.t().copy_(src.t())
+    else:
+        dst.copy_(src)
 
 
 _PAGE = mmap.PAGESIZE

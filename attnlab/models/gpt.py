@@ -28,6 +28,7 @@ from ..checks import (
 )
 from ..config import Config
 from ..functional import may_decode
+from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused
 from ..modules.layers import MLP, MLP_KINDS, NORM_KINDS, dropout, embedding, make_norm
@@ -314,6 +315,21 @@ class GPT(GenerationMixin, nn.Module):
         config, state = gpt_layout(model)
         config = GPTConfig.from_dict(config)
         return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
+
+    @classmethod
+    def from_gguf(cls, path) -> GPT:
+        """A GPT with the weights of a GGUF file (llama.cpp's format): the ``llama``
+        (Llama 2 and 3, SmolLM, TinyLlama, Mistral) and ``qwen2`` architectures, tensors
+        of the types :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1,
+        K-quants...), dequantised to float32. ``path`` may also be an open
+        :class:`attnlab.io.gguf.GGUFFile`. The architecture, the tensor types and every
+        shape are checked before anything is allocated; a damaged or unsupported file
+        is one ValueError naming it. The tokenizer is
+        :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
+        """
+        config, state, source = gguf_layout(path)
+        config = GPTConfig.from_dict(config)
+        return build_loaded(lambda: cls(config), state, source=source).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

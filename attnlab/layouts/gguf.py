@@ -1,0 +1,240 @@
+"""GGUF layouts (llama.cpp's names and keys) -> the Hugging Face layouts of :mod:`.hf`.
+
+A GGUF file's metadata is its config under llama.cpp's key names, and its tensors carry
+llama.cpp's names. Both are mapped here, as plain data, to what transformers' config and
+state dict would hold; from there :func:`~.hf.llama_config` (and Qwen2's) and
+:func:`~.hf.llama_state` do the rest, with their checks: a GGUF model is read exactly
+as the same model saved by transformers. Architectures: ``llama`` (Llama 2 and 3,
+SmolLM, TinyLlama, and Mistral, which llama.cpp writes as ``llama``) and ``qwen2``.
+
+One difference is undone: llama.cpp's converter permutes the rows of a Llama query and
+key projection, per head, from the half-split rotary layout (transformers', attnlab's)
+to the interleaved pairs its kernels use; :func:`unpermute_rows` puts them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..io.files import PathLike
+from ..io.gguf import GGUFFile
+from .common import Config, ShapeMismatch
+from .hf import llama_config, llama_state, qwen2_config
+
+__all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "required_tensors",
+           "ARCHITECTURES"]
+
+# general.architecture -> (transformers' model_type, config converter, whether llama.cpp
+# permuted the q/k rows). llama.cpp writes Mistral (7B, Nemo...) as "llama", with no
+# sliding window in its metadata (llama.cpp attends over the whole context), so a
+# Mistral file is read as the Llama it is run as.
+ARCHITECTURES = {"llama": ("llama", llama_config, True),
+                 "qwen2": ("qwen2", qwen2_config, False)}
+
+# "<arch>.<key>" -> transformers' config key
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# llama.cpp's tensor names -> transformers'
+TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                "output": "lm_head"}
+LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(name: str) -> str | None:
+    """transformers' name of llama.cpp's tensor ``name`` (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``), None for a name this map lacks."""
+    base, dot, kind = name.rpartition(".")
+    if not dot or kind not in ("weight", "bias"):
+        return None
+    if base in TENSOR_NAMES:
+        return f"{TENSOR_NAMES[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() \
+            and parts[2] in LAYER_TENSOR_NAMES:
+        return f"model.layers.{int(parts[1])}.{LAYER_TENSOR_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of a query/key projection of ``heads`` heads.
+
+    ``w``: ``(heads * head_dim, ...)`` (a weight ``(out, in)`` or a bias ``(out,)``).
+    llama.cpp reorders each head's rows from ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]``
+    (rotate_half pairs row i with row i + d/2) to ``[x_0, y_0, x_1, y_1, ...]``; this
+    is the inverse: per head, ``(d/2, 2)`` rows read as ``(2, d/2)``.
+    """
+    rows = w.shape[0]
+    half = rows // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _scalar(meta: Mapping[str, Any], key: str, where: str) -> Any:
+    value = meta.get(key)
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise ValueError(f"{where}: metadata {key}={value[:8]!r} differs from layer to "
+                             "layer; not supported")
+        value = value[0]
+    return value
+
+
+def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
+                where: str = "the GGUF file") -> dict[str, Any]:
+    """The transformers config dict that GGUF metadata ``meta`` describes (``model_type``
+    llama or qwen2), for :func:`~.hf.llama_config` and its relatives. What
+    attnlab does not do (RoPE scaling, mixtures of experts, partial rotary) is refused
+    here, naming the key."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{where}: architecture {arch!r} is not supported (expected one of "
+                         f"{sorted(ARCHITECTURES)}: Llama, SmolLM, TinyLlama, Mistral, Qwen2)")
+    cfg: dict[str, Any] = {"model_type": ARCHITECTURES[arch][0]}
+    for key, hf_key in CONFIG_KEYS.items():
+        value = _scalar(meta, f"{arch}.{key}", where)
+        if value is not None:
+            cfg[hf_key] = value
+    if "vocab_size" not in cfg and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
+    heads = cfg.get("num_attention_heads")
+    hidden = cfg.get("hidden_size")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = _scalar(meta, f"{arch}.{key}", where)
+        if value is not None and heads and hidden and value != hidden // heads:
+            raise ValueError(f"{where}: metadata {arch}.{key}={value} is not "
+                             f"embedding_length / head_count = {hidden // heads}; not "
+                             "supported (attnlab rotates and attends over whole heads)")
+    return cfg
+
+
+def _refuse_what_attnlab_does_not_do(meta: Mapping[str, Any], arch: str,
+                                     tensor_names, where: str) -> None:
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if (scaling not in (None, "none") and factor != 1.0) or "rope_freqs.weight" in tensor_names:
+        what = "rope_freqs.weight (Llama 3.1's RoPE scaling)" if scaling is None \
+            else f"{arch}.rope.scaling.type={scaling!r}"
+        raise ValueError(f"{where}: {what} is not supported (attnlab's RoPE is unscaled)")
+    if (_scalar(meta, f"{arch}.expert_count", where) or 0) > 0:
+        raise ValueError(f"{where}: a mixture of experts ({arch}.expert_count="
+                         f"{meta[f'{arch}.expert_count']}) is not supported")
+
+
+def required_tensors(cfg: Config) -> list[str]:
+    """llama.cpp's names of the tensors a GPT of ``cfg`` (``GPTConfig`` values) reads."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    names += [] if cfg["tie_embeddings"] else ["output.weight"]
+    biased = {"attn_q": cfg["qkv_bias"], "attn_k": cfg["qkv_bias"], "attn_v": cfg["qkv_bias"],
+              "attn_output": cfg["out_bias"], "ffn_gate": cfg["mlp_bias"],
+              "ffn_up": cfg["mlp_bias"], "ffn_down": cfg["mlp_bias"]}
+    for i in range(cfg["num_layers"]):
+        for short in LAYER_TENSOR_NAMES:
+            names.append(f"blk.{i}.{short}.weight")
+            if biased.get(short):
+                names.append(f"blk.{i}.{short}.bias")
+    return names
+
+
+def check_tensor_names(names, cfg: Config, where: str) -> None:
+    """A ValueError naming the first tensor the config needs and the file lacks, or the
+    file holds and the config has no place for (a bias it does not have, a layer past
+    its count), from the names alone."""
+    want = required_tensors(cfg)
+    missing = [n for n in want if n not in names]
+    extra = sorted(set(names) - set(want))
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]!r} is missing" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f"; the config ({cfg['num_layers']} layers) needs it")
+    if extra:
+        raise ValueError(f"{where}: tensor {extra[0]!r} has no place in the model its "
+                         f"metadata describes ({cfg['num_layers']} layers)"
+                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+
+class GGUFState(Mapping):
+    """The tensors of a :class:`~attnlab.io.gguf.GGUFFile` under transformers' names,
+    dequantised to float32 when looked up (one at a time, never kept here).
+
+    ``shapes()`` gives every shape from the file's header without reading a tensor, as
+    :class:`~attnlab.io.weights.SafetensorsState` does, so shapes are checked against the
+    config before anything is allocated. ``permuted``: undo llama.cpp's q/k row order.
+    """
+
+    def __init__(self, file: GGUFFile, *, permuted: bool = False,
+                 heads: int = 1, kv_heads: int = 1) -> None:
+        self._file = file
+        self._names = {hf_name(n): n for n in file.tensors}
+        self._names.pop(None, None)
+        self._heads = {"q_proj": heads, "k_proj": kv_heads} if permuted else {}
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {hf: (self._file.shape(n), torch.float32) for hf, n in self._names.items()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        w = self._file.tensor(self._names[key])
+        proj = key.rsplit(".", 2)[-2]
+        if proj in self._heads:
+            w = unpermute_rows(w, self._heads[proj])
+        return w
+
+    def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor
+        return key in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def gguf_layout(source: PathLike | GGUFFile) -> tuple[Config, dict[str, torch.Tensor], str]:
+    """``(GPTConfig values, attnlab state dict, source name)`` of a GGUF file (a path or
+    an open :class:`~attnlab.io.gguf.GGUFFile`).
+
+    Checked before any tensor is dequantised: the architecture and the options of its
+    metadata, the tensors' names (each one the config needs, none it has no place for),
+    every tensor's type (the quantisation types attnlab reads) and shape (from the config,
+    as for a transformers folder). Every failure is one ValueError naming
+    the file.
+    """
+    file = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    hf = gguf_config(file.metadata, file.tensors, file.name)
+    arch = file.metadata["general.architecture"]
+    try:
+        config = ARCHITECTURES[arch][1](hf)
+    except ValueError as exc:
+        raise ValueError(f"{file.name}: {exc}") from None
+    check_tensor_names(file.tensors, config, file.name)
+    permuted = ARCHITECTURES[arch][2]
+    if permuted and (config["d_model"] // config["num_heads"]) % 2:
+        raise ValueError(f"{file.name}: head size {config['d_model'] // config['num_heads']} "
+                         "is odd; rotary embeddings need an even one")
+    file.check_types(file.tensors)
+    state = GGUFState(file, permuted=permuted, heads=config["num_heads"],
+                      kv_heads=config["num_kv_heads"])
+    try:
+        return config, llama_state(state, config), file.name
+    except ShapeMismatch as exc:
+        raise ShapeMismatch(f"{file.name} does not fit the GPT: {exc}") from None
+    except ValueError as exc:  # a tensor the layout needs and the file lacks
+        raise ValueError(f"{file.name}: {exc}") from None

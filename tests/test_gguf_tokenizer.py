@@ -1,0 +1,162 @@
+"""The tokenizer a GGUF file describes: byte-level BPE (``gpt2``, with the split regexes
+of Llama 3 and Qwen2) and SentencePiece-style (``llama``, merges recovered from the
+scores, byte fallback) give transformers' GGUF tokenizer's ids on Chinese, Japanese,
+Korean, emoji and English, decode back to the text, keep the chat template (rendered as
+transformers renders it) and survive save/load."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+from gguf_files import (  # noqa: E402
+    CORPUS,
+    byte_level_metadata,
+    sentencepiece_metadata,
+    write_gguf,
+)
+
+from attnlab.cli import main  # noqa: E402
+from attnlab.models import GPT  # noqa: E402
+from attnlab.text import GGUFTokenizer, load_tokenizer  # noqa: E402
+from attnlab.text.chat import render_chat  # noqa: E402
+
+TEXTS = [*CORPUS, "注意力 😀🚀 mixed 混合 text", "digits 12345 and it's 'll",
+         "tabs\tand\nnew\n\nlines", "👩‍👩‍👧 family emoji and 中文标点，。！"]
+KINDS = {"bpe": lambda: byte_level_metadata(),
+         "bpe-llama3": lambda: byte_level_metadata("llama-bpe", add_bos=True),
+         "bpe-qwen2": lambda: byte_level_metadata("qwen2", add_bos=None),
+         "sentencepiece": sentencepiece_metadata}
+
+
+def _tiny(vocab: int):
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def pair(request, tmp_path_factory):
+    """(attnlab's tokenizer, transformers' tokenizer, file) of one GGUF file."""
+    meta = KINDS[request.param]()
+    path = tmp_path_factory.mktemp("tok") / f"{request.param}.gguf"
+    write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta)
+    peer = T.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return GGUFTokenizer.from_gguf(path), peer, path
+
+
+def test_ids_equal_transformers_gguf_tokenizer(pair):
+    ours, peer, _ = pair
+    assert ours.vocab_size == len(peer)
+    for text in TEXTS:
+        assert ours.encode(text) == peer(text)["input_ids"], text
+        assert ours.encode(text, add_special_tokens=False) == peer(
+            text, add_special_tokens=False)["input_ids"], text
+
+
+def test_decode_gives_the_text_back(pair):
+    ours, peer, path = pair
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == text, text
+        assert ours.decode(ids) == peer.decode(ids, skip_special_tokens=True)
+    if "sentencepiece" in path.name:  # the CJK and emoji there are byte-fallback tokens
+        assert any(t.startswith("<0x") for t in ours.tokenize("😀 注意力"))
+
+
+def test_the_file_says_whether_bos_is_added(pair):
+    ours, _, path = pair
+    ids = ours.encode("the cat")
+    adds = "llama3" in path.name or "sentencepiece" in path.name
+    assert (ids[0] == ours.bos_id) == adds
+    assert ours.encode("the cat", add_special_tokens=False)[0] != ours.bos_id
+
+
+def test_chat_template_renders_as_transformers(pair):
+    ours, peer, _ = pair
+    for chat in ("你好 😀", [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "What is attention?"},
+                            {"role": "assistant", "content": "A weighted average."},
+                            {"role": "user", "content": "注意力是什么？"}]):
+        messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+        want = peer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat(chat) == want
+        ids = ours.encode(ours.apply_chat(chat), add_special_tokens=False)
+        assert ids == peer.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+
+
+def test_save_and_load_keep_vocabulary_template_and_special_ids(pair, tmp_path):
+    ours, _, _ = pair
+    ours.save(tmp_path / "tok.json")
+    back = load_tokenizer(tmp_path / "tok.json")
+    assert type(back) is GGUFTokenizer and back == ours
+    assert (back.chat_template, back.bos_id, back.eos_id, back.pad_id) == (
+        ours.chat_template, ours.bos_id, ours.eos_id, ours.pad_id)
+    assert back.encode(TEXTS[-1]) == ours.encode(TEXTS[-1])
+
+
+def test_a_template_is_sandboxed_and_errors_are_one_line():
+    with pytest.raises(ValueError, match="chat template cannot be applied"):
+        render_chat("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="no roles"):
+        render_chat("{{ raise_exception('no roles') }}", [{"role": "user", "content": "x"}])
+    with pytest.raises(TypeError, match="chat"):
+        GGUFTokenizer.from_metadata(byte_level_metadata_as_keys()).apply_chat([{"role": 1}])
+
+
+def byte_level_metadata_as_keys(**changes) -> dict:
+    meta = byte_level_metadata()
+    keys = {"tokenizer.ggml.model": meta["model"], "tokenizer.ggml.pre": meta["pre"],
+            "tokenizer.ggml.tokens": meta["tokens"], "tokenizer.ggml.merges": meta["merges"],
+            "tokenizer.ggml.token_type": meta["types"],
+            "tokenizer.ggml.bos_token_id": meta["bos"],
+            "tokenizer.ggml.eos_token_id": meta["eos"],
+            "tokenizer.chat_template": meta["chat_template"]}
+    return {**keys, **changes}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"tokenizer.ggml.model": "t5"}, "tokenizer.ggml.model='t5' is not supported"),
+    ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),
+    ({"tokenizer.ggml.merges": ["a b c"]}, "not two tokens"),
+    ({"tokenizer.ggml.merges": ["Ġ zzz"]}, "cannot be built"),
+    ({"tokenizer.ggml.eos_token_id": 10 ** 6}, "eos_token_id=1000000 is not a token id"),
+    ({"tokenizer.ggml.bos_token_id": "1"}, "bos_token_id is a str"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.merges": None}, "scores"),
+])
+def test_bad_tokenizer_metadata_is_one_line(changes, message):
+    with pytest.raises(ValueError, match=message) as info:
+        GGUFTokenizer.from_metadata(byte_level_metadata_as_keys(**changes), "'x.gguf'")
+    assert "'x.gguf'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_generate_chat_applies_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys):
+    meta = byte_level_metadata()
+    hf = _tiny(len(meta["tokens"]))
+    path = tmp_path / "chat.gguf"
+    write_gguf(path, hf, tokenizer=meta)
+    tok = GGUFTokenizer.from_gguf(path)
+    prompt = tok.encode(tok.apply_chat("注意力 😀"), add_special_tokens=False)
+    with torch.no_grad():  # the end of turn made the third greedy token
+        ids = torch.tensor([prompt])
+        for _ in range(2):
+            ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
+        third = int(hf(ids).logits[0, -1].argmax())
+        w = hf.lm_head.weight
+        w[[third, tok.eos_id]] = w[[tok.eos_id, third]].clone()
+    write_gguf(path, hf, tokenizer=meta)
+    ours = GPT.from_gguf(path)
+    want = ours.generate(torch.tensor([prompt]), 6, temperature=0)[0, len(prompt):].tolist()
+    assert want[2] == tok.eos_id and ids[0, len(prompt):].tolist() == want[:2]
+    assert main(["generate", "--model", str(path), "--chat", "注意力 😀", "--temperature", "0",
+                 "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == tok.decode(want[:2]) + "\n"  # the template's text unshown
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(path), "--prompt", "the cat", "--chat", "x"])
+    assert "not allowed with" in capsys.readouterr().err
