@@ -218,17 +218,21 @@ def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     out = {"tok_emb.weight": s["embed_tokens.weight"], "norm.weight": s["norm.weight"]}
     if not cfg["tie_embeddings"]:
         out["lm_head.weight"] = _Named(state)["lm_head.weight"]
-    names = {"self_attn.q_proj": "attn.W_query", "self_attn.k_proj": "attn.W_key",
-             "self_attn.v_proj": "attn.W_value", "self_attn.o_proj": "attn.out_proj",
-             "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.fc", "mlp.down_proj": "mlp.proj",
-             "input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
     for i in range(cfg["num_layers"]):
-        for src, dst in names.items():
+        for src, dst in LLAMA_LAYER_NAMES.items():
             for kind in ("weight", "bias"):
                 key = f"layers.{i}.{src}.{kind}"
                 if key in s:
                     out[f"blocks.{i}.{dst}.{kind}"] = s[key]
     return _detached(out)
+
+
+# A Llama layer's modules: transformers' names -> attnlab's.
+LLAMA_LAYER_NAMES = {
+    "self_attn.q_proj": "attn.W_query", "self_attn.k_proj": "attn.W_key",
+    "self_attn.v_proj": "attn.W_value", "self_attn.o_proj": "attn.out_proj",
+    "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.fc", "mlp.down_proj": "mlp.proj",
+    "input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
 
 
 # ------------------------------------------------------------------------- Mistral, Qwen2

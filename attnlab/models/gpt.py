@@ -30,10 +30,10 @@ from ..config import Config
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
-from ..modules import MultiHeadAttention, fused
+from ..modules import MultiHeadAttention, fused, quantized
 from ..modules.layers import MLP, MLP_KINDS, NORM_KINDS, dropout, embedding, make_norm
 from . import decoding
-from .generation import GenerationMixin
+from .generation import GenerationMixin, check_precision
 from .ids import check_ids
 from .loading import build_loaded
 from .outputs import with_extras
@@ -156,6 +156,11 @@ class GPT(GenerationMixin, nn.Module):
         self.pos_emb = (embedding(config.context_length, config.d_model)
                         if config.positions == "learned" else None)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        # One rotary table for all layers (one head_dim, one base): it grows with the
+        # positions decoded, 2 * positions * head_dim floats once instead of once a layer.
+        for block in self.blocks[1:]:
+            if block.attn.rotary is not None:
+                block.attn.rotary = self.blocks[0].attn.rotary
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -179,9 +184,10 @@ class GPT(GenerationMixin, nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
-        """One preallocated :class:`KVCache` per layer."""
-        return [b.attn.new_cache(batch_size, max_seq_len) for b in self.blocks]
+    def new_cache(self, batch_size: int, max_seq_len: int, *,
+                  dtype: torch.dtype | None = None) -> list[KVCache]:
+        """One preallocated :class:`KVCache` per layer (``dtype``: default the weights')."""
+        return [b.attn.new_cache(batch_size, max_seq_len, dtype=dtype) for b in self.blocks]
 
     def forward(
         self,
@@ -220,7 +226,8 @@ class GPT(GenerationMixin, nn.Module):
                 default) makes it anew for this call.
 
         Returns:
-            logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given);
+            logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given), float32
+            for bf16 and int8 weights too;
             with either flag a tuple: logits, then
             ``attentions`` (a list) if asked, then ``hidden_states`` (a list) if asked.
         """
@@ -263,11 +270,15 @@ class GPT(GenerationMixin, nn.Module):
             hidden[-1] = x  # transformers' convention: the last entry is after the final norm
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
+        # Float32 logits whatever the weights: the output layer's products accumulate in
+        # float32, and a vocabulary of logits rounded to bf16 would tie its top tokens.
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
         # In inference one product over the (d_model, vocab) tensor, packed again first
         # if its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
         if logits is None:
-            logits = self.lm_head(x)
+            logits = fused.run(x, self.lm_head)
         return with_extras(logits, attentions if output_attentions else None, hidden)
 
     def decoder(self, ids=None) -> decoding.Decoder | None:
@@ -293,6 +304,11 @@ class GPT(GenerationMixin, nn.Module):
             rotates queries and keys). Dropout is applied by :meth:`forward`.
         """
         x = self.tok_emb(ids)
+        # The activations' dtype is the final norm's (float32 where only the matrices are
+        # bf16 or int8, as a GGUF file's are; bf16 after model.to(torch.bfloat16)).
+        act = getattr(self.norm, "weight", None)
+        if act is not None and x.dtype != act.dtype:
+            x = x.to(act.dtype)
         if self.pos_emb is not None:
             if positions is None:
                 positions = torch.arange(past, past + ids.shape[1], device=ids.device)
@@ -300,7 +316,8 @@ class GPT(GenerationMixin, nn.Module):
         return x
 
     @classmethod
-    def from_hf(cls, model) -> GPT:
+    def from_hf(cls, model, *, dtype: torch.dtype | None = None,
+                quantize: str | None = None) -> GPT:
         """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
         ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM`` or
         ``Qwen2ForCausalLM``, or of a local folder written by their ``save_pretrained``
@@ -311,25 +328,61 @@ class GPT(GenerationMixin, nn.Module):
         it later changes nothing), a live model's are copied (training this model never
         changes it). Every tensor's shape is checked against the config before anything
         is allocated.
+
+        Args:
+            model: the folder or the transformers model.
+            dtype: the dtype every floating-point tensor is stored in (default: the
+                source's). ``torch.bfloat16`` holds the weights once in bf16, as
+                ``model.to(torch.bfloat16)`` would, converted as they are read.
+            quantize: ``"int8"`` holds every linear layer's weight as int8 (weight-only,
+                llama.cpp's Q8_0 scheme: :meth:`quantize`), quantised as it is read.
         """
+        check_precision(dtype, quantize)
         config, state = gpt_layout(model)
         config = GPTConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
+        return build_loaded(lambda: cls(config), state, source=_source(model), dtype=dtype,
+                            quantize=quantize).eval()
+
+    def quantize(self, scheme: str = "int8") -> GPT:
+        """Hold every linear layer's weight as int8, in place (returns the model).
+
+        Weight-only, symmetric, llama.cpp's Q8_0 scheme: one float16 scale per block of
+        32 weights along each output's row (``attnlab.layouts.int8``), about 1.06 bytes a
+        weight. The decoding products multiply on the CPU's int8 dot product
+        (``vpdpbusd``) where it has one, each activation row quantised on the fly per
+        block of 32 (as llama.cpp's Q8_0 products do); norms, biases and an untied
+        embedding keep their dtype, a tied embedding reads the int8 output layer.
+        Logits stay within the tolerance ``docs/precision.md`` states of float32's.
+        """
+        check_precision(None, scheme)
+        quantized.quantize(self, scheme)
+        return self
 
     @classmethod
-    def from_gguf(cls, path) -> GPT:
+    def from_gguf(cls, path, *, dtype: torch.dtype | None = None,
+                  quantize: str | None = None) -> GPT:
         """A GPT with the weights of a GGUF file (llama.cpp's format): the ``llama``
         (Llama 2 and 3, SmolLM, TinyLlama, Mistral) and ``qwen2`` architectures, tensors
         of the types :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1,
-        K-quants...), dequantised to float32. ``path`` may also be an open
-        :class:`attnlab.io.gguf.GGUFFile`. The architecture, the tensor types and every
-        shape are checked before anything is allocated; a damaged or unsupported file
-        is one ValueError naming it. The tokenizer is
-        :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
+        K-quants...). ``path`` may also be an open :class:`attnlab.io.gguf.GGUFFile`. The
+        architecture, the tensor types and every shape are checked before anything is
+        allocated; a damaged or unsupported file is one ValueError naming it. The
+        tokenizer is :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
+
+        The file keeps its precision unless told otherwise (``layouts.gguf.file_precision``):
+        Q8_0 matrices become attnlab's int8 (the same scheme: their bytes are moved, no
+        float is computed; the file's other matrices are quantised to it), BF16 and F16
+        ones bf16 (F16 rounded to bf16), the rest float32. ``dtype=torch.float32`` expands
+        everything to float32, ``dtype=torch.bfloat16`` holds the matrices in bf16,
+        ``quantize="int8"`` quantises every linear layer.
         """
-        config, state, source = gguf_layout(path)
+        check_precision(dtype, quantize)
+        precision = ("int8" if quantize else "bfloat16" if dtype == torch.bfloat16
+                     else "float32" if dtype == torch.float32 else None)
+        config, state, source, int8 = gguf_layout(path, precision)
         config = GPTConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=source).eval()
+        return build_loaded(lambda: cls(config), state, source=source,
+                            quantize="int8" if int8 else None, int8=int8).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
