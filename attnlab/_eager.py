@@ -3,6 +3,8 @@
 Part of ``functional.py`` in all but file: only its backend table calls it.
 It materialises the scores, masks them, takes the softmax and the weighted sum;
 every other backend is checked against it (and it against the NumPy oracle).
+The variants (softcap, ALiBi, sinks, documents, mask_mod, score_mod) go through
+``_variants``' pipeline on the whole score matrix, and autograd differentiates it.
 """
 
 from __future__ import annotations
@@ -10,13 +12,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _variants
 from . import masks as _masks
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    """The textbook path: materialise the scores, mask, softmax, weighted sum."""
+def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, variants=None):
+    """The textbook path: materialise the scores, mask, softmax, weighted sum.
+    Returns ``(out, weights)`` (``weights`` None unless ``rows``)."""
+    out, weights, _ = _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants)
+    return out, weights
+
+
+def eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
+    """``(out, lse)``: the output and each row's log-sum-exp ``(B, Hq, Lq)`` (natural log
+    of the softmax's denominator, the sink included; ``+inf`` for a row with nothing to
+    attend), which carries no gradient."""
+    out, _, lse = _eager(q, k, v, mask, causal, window, scale, dropout_p, None, variants,
+                         want_lse=True)
+    return out, lse
+
+
+def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants, want_lse=False):
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -28,28 +46,41 @@ def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows):
     scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
     # In-place from here: the product is a fresh tensor that autograd does not keep.
     scores = scores.view(batch, kv_heads, group, q_len, k_len).mul_(scale)
-    struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool else None)
-    if allowed is not None:
-        scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
-    if mask is not None and mask.dtype != torch.bool:
-        scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
-
-    # Causal and window rules alone leave every row a key unless q_len > k_len.
-    if mask is not None or (struct is not None and q_len > k_len):
-        # A row with nothing to attend is all -inf, where softmax (and its backward)
-        # gives NaN: soften it to zeros first, then zero its weights.
-        if k_len:
-            empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
-        else:  # no keys at all: every row is empty
-            empty = scores.new_ones((*scores.shape[:-1], 1), dtype=torch.bool)
-        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if variants is None:
+        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+        allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool
+                                 else None)
+        if allowed is not None:
+            scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
+        if mask is not None and mask.dtype != torch.bool:
+            scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
+        # Causal and window rules alone leave every row a key unless q_len > k_len.
+        may_be_empty = mask is not None or (struct is not None and q_len > k_len)
+        sinks = None
     else:
-        weights = torch.softmax(scores, dim=-1)
+        rule = _variants.rule(variants, q_len, k_len, causal, window)
+        grouped = None if mask is None else _masks.group_view(mask, kv_heads)
+        scores, _ = _variants.score_tile(scores, variants, rule, grouped,
+                                         torch.arange(q_len, device=q.device), 0, k_len,
+                                         q_range=(0, q_len))
+        may_be_empty = True
+        sinks = _variants.grouped_sinks(variants, kv_heads, scores.dtype)
+    lse = None
+    if want_lse:
+        with torch.no_grad():
+            parts = scores if sinks is None else torch.cat(
+                [scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+            lse = (torch.logsumexp(parts, dim=-1) if parts.shape[-1]
+                   else parts.new_full(parts.shape[:-1], float("-inf")))
+            lse = lse.masked_fill(lse == float("-inf"), float("inf")).reshape(
+                batch, q_heads, q_len)
+    # A row with nothing to attend is all -inf, where softmax (and its backward) gives
+    # NaN: softmax() softens it to zeros.
+    weights = _variants.softmax(scores, sinks, may_be_empty=may_be_empty)
     used = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(used.view(batch, kv_heads, group * q_len, k_len), v)
     out = out.view(batch, q_heads, q_len, v.shape[-1]).to(dtype)
     if rows is None:
-        return out, None
+        return out, None, lse
     picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
-    return out, picked.to(dtype)
+    return out, picked.to(dtype), lse

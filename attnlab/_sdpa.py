@@ -10,23 +10,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _variants
 from . import masks as _masks
 from ._eager import eager_attention
 
 
-def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
-    """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
+def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
+    """torch's fused kernel, with attnlab's causal alignment and empty-row rule. Of the
+    variants it takes what a dense mask states exactly: documents and a ``mask_mod``
+    (a bool mask), ALiBi (an additive one); O(q_len x k_len) memory for them."""
     if (q.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))):
         # The fused kernel gives 0 for a row whose scores hold NaN (NaN in q or k, or
         # inf - inf from an infinite key entry) and a gradient of 0 to what such a row
         # weighs; the README's rule is IEEE's. On the CPU the check is free of a device
         # sync, and such rare inputs take the textbook path, which keeps the rule.
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, None)[0]
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, None,
+                               variants)[0]
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
-    struct = None
-    if causal and window is None and mask is None and q_len == k_len and scale > 0:
+    struct = bias = None
+    if variants is not None:
+        rule = _variants.rule(variants, q_len, k_len, causal, window)
+        struct = _masks.combine(
+            rule.allowed(device=q.device) if rule.structural else None,
+            None if variants.block_mask is None else variants.block_mask.dense())
+        if variants.alibi_slopes is not None:
+            rows = torch.arange(q_len, device=q.device)
+            bias = _variants.alibi(variants.alibi_slopes, rule, rows, 0, k_len, k.shape[1],
+                                   _masks.additive_dtype(q.dtype)).flatten(1, 2)
+    elif causal and window is None and mask is None and q_len == k_len and scale > 0:
         # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
         # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
         # explicit rule below.
@@ -35,7 +48,7 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
         pass  # end-aligned: the one query (the newest token) sees every key
     else:
         struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    attn_mask = _masks.combine(struct, mask)
+    attn_mask = _masks.combine(struct, mask, bias)
     empty = None
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")

@@ -16,9 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _decode, _flash
-from ._eager import eager_attention
+from . import masks as _masks
+from ._eager import eager_attention, eager_lse
 from ._sdpa import sdpa_attention
 from ._tiled import tiled_attention, tiled_weights
+from ._variants import Variants
 
 __all__ = ["Backend", "Request", "TABLE", "choose"]
 
@@ -35,6 +37,8 @@ class Request:
     window: int | None
     dropout_p: float
     rows: torch.Tensor | None
+    variants: Variants | None = None
+    lse: bool = False  # the log-sum-exp of each row is wanted too (attention_with_lse)
 
     @property
     def learned_mask(self) -> bool:
@@ -50,13 +54,19 @@ def _always(request: Request) -> bool:
 class Backend:
     """One backend and its capabilities.
 
-    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows) -> (out, weights)``
-    takes 4-D inputs after ``attention``'s checks (``weights`` None unless ``rows``).
+    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants) -> (out,
+    weights)`` takes 4-D inputs after ``attention``'s checks (``weights`` None unless
+    ``rows``; ``variants`` a ``_variants.Variants`` or None).
     Capabilities: ``masks`` (bool and additive), ``mask_gradients`` (differentiates an
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
-    (``return_weights``), ``gradients`` (of q, k, v), ``devices`` and ``dtypes``
+    (``return_weights``), ``gradients`` (of q, k, v), the variants of ``attention``
+    (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
+    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
-    cache, as :func:`attnlab._decode.step` takes it; None where there is none).
+    cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
+    (``lse(q, k, v, mask, causal, window, scale, dropout_p, variants) -> (out, lse)``,
+    each row's log-sum-exp ``(B, Hq, Lq)`` too, for ``attention_with_lse``; None where
+    the backend does not form it).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
     None; ``pays(request)`` whether ``auto`` should take it for a call it supports.
     """
@@ -69,9 +79,16 @@ class Backend:
     dropout: bool = True
     weights: bool = True
     gradients: bool = True
+    softcap: bool = True
+    alibi: bool = True
+    sinks: bool = True
+    documents: bool = True
+    mask_mod: bool = True
+    score_mod: bool = True
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
+    lse: Callable | None = None
     unavailable: Callable[[torch.Tensor], str | None] | None = None
     pays: Callable[[Request], bool] = _always
     label: str = ""  # how errors name it, after the name: " (the native kernel)"
@@ -84,15 +101,19 @@ class Backend:
 
     def capabilities(self) -> dict[str, object]:
         """The capability fields by name (``decoding`` for ``decode``)."""
-        skip = {"name", "run", "decode", "unavailable", "pays", "label", "no_weights",
+        skip = {"name", "run", "decode", "lse", "unavailable", "pays", "label", "no_weights",
                 "instead"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["decoding"] = self.decoding
+        out["log_sum_exp"] = self.lse is not None
         return out
 
     def supports(self, request: Request) -> str | None:
         """Why this backend cannot take ``request``, as the ValueError names it, or None."""
         q, name = request.q, self.name
+        if request.lse and self.lse is None:
+            return (f"backend={name!r}{self.label} does not return the log-sum-exp; use "
+                    "backend='auto', 'eager' or 'tiled'")
         if request.rows is not None and not self.weights:
             return f"backend={name!r} cannot return weights ({self.no_weights}); {self.instead}"
         if self.unavailable is not None and (why := self.unavailable(q)) is not None:
@@ -111,6 +132,12 @@ class Backend:
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
+        if request.variants is not None:
+            for cap in request.variants.present():
+                if not getattr(self, cap):
+                    arg = Variants.CAPABILITIES[cap].replace("block_mask", "mask_mod")
+                    return (f"backend={name!r}{self.label} does not take {arg}; "
+                            f"{self.instead or 'use backend=' + repr('auto')}")
         if not self.mask_gradients and request.learned_mask and torch.is_grad_enabled():
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
@@ -135,25 +162,52 @@ def choose(request: Request) -> Backend:
 # --------------------------------------------------------------------------- runs
 
 
-def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p), None
+def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
+    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants), None
 
 
-def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows):
+def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     if min(q.numel(), k.numel(), v.numel()) == 0:  # nothing to tile: an empty batch,
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows)  # head, seq
-    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows,  # head,
+                               variants)  # seq
+    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                             variants=variants)
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
 
 
-def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
+    if min(q.numel(), k.numel(), v.numel()) == 0:
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants)
+    out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                               variants=variants)
+    return out, lse.reshape(q.shape[:3])
 
 
-def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads):
+def _flash_variants(variants: Variants | None) -> dict:
+    """The variants as the kernel's wrapper takes them (it has every one but score_mod)."""
+    if variants is None:
+        return {}
+    return dict(softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
+                sinks=variants.sinks, documents=variants.documents,
+                block_mask=variants.block_mask)
+
+
+def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
+    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                                 **_flash_variants(variants))
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
+
+
+def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
+    return _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                                  with_lse=True, **_flash_variants(variants))
+
+
+def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores):
     # Looked up at each call: tests count the steps by replacing _decode.step.
-    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads)
+    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores)
 
 
 # --------------------------------------------------------------------------- when auto pays
@@ -175,12 +229,50 @@ _FLASH_MIN_LEN = {"tiles": 64, "blas": 128}
 _FLASH_MIN_LEN_TRAINING = 32
 
 
+# tiled, with variants: the textbook path alone takes softcap, sinks and score_mod; the
+# tiled one is faster from this many scores per (batch, head) (its causal rows beat
+# eager's from T=512 on the bench grid) and needs no q_len x k_len buffer.
+_VARIANT_MIN_SCORES = 512 * 512
+# tiled, with variants SDPA takes as a dense mask (documents, mask_mod, ALiBi): above
+# this many bytes of mask, O(T^2) memory per call is not worth SDPA's speed.
+_DENSE_MASK_MAX_BYTES = 1 << 30
+
+
 def _tiled_pays(r: Request) -> bool:
     k_len = r.k.shape[-2]
     if r.rows is not None:
         return len(r.rows) * k_len > _EAGER_MAX_SCORES
+    if r.variants is not None and _tiles_pay_for_variants(r):
+        return True
     return (r.window is not None and r.q.shape[-2] > 1 and k_len >= _WINDOW_MIN_LEN
             and k_len >= _WINDOW_RATIO * r.window)
+
+
+def _tiles_pay_for_variants(r: Request) -> bool:
+    """Where the tiled path beats the others on a call with variants: long rows where
+    only eager could take it; rows where documents or a mask_mod leave at most
+    1/_WINDOW_RATIO of the pairs (the tiles it skips), as for windows; and calls whose
+    dense mask for SDPA would be too large."""
+    v, (batch, heads, q_len, _) = r.variants, r.q.shape
+    k_len = r.k.shape[-2]
+    present = v.present()
+    if {"softcap", "sinks", "score_mod"} & set(present):
+        return q_len * k_len >= _VARIANT_MIN_SCORES
+    if q_len * k_len == 0:
+        return False
+    live = 1.0
+    if v.documents is not None:
+        rule = _masks.KeyRule(q_len, k_len, causal=r.causal, window=r.window,
+                              documents=v.documents)
+        live = rule.pairs() / (v.documents.batch * q_len * k_len)
+    if v.block_mask is not None:
+        live = min(live, float(v.block_mask.live_share()))
+    if live * _WINDOW_RATIO <= 1 and k_len >= _WINDOW_MIN_LEN and q_len > 1:
+        return True
+    mask_bytes = q_len * k_len * (batch if v.documents or v.block_mask else 1)
+    if v.alibi_slopes is not None:
+        mask_bytes *= 4 * heads * (batch if v.alibi_slopes.shape[0] > 1 else 1)
+    return mask_bytes > _DENSE_MASK_MAX_BYTES
 
 
 def _flash_pays(r: Request) -> bool:
@@ -200,13 +292,14 @@ def _flash_pays(r: Request) -> bool:
 
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("eager", eager_attention),
-    Backend("sdpa", _sdpa, weights=False,
+    Backend("eager", eager_attention, lse=eager_lse),
+    Backend("sdpa", _sdpa, weights=False, softcap=False, sinks=False, score_mod=False,
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, lse=_tiled_lse),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
+            lse=_flash_lse, score_mod=False,
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}

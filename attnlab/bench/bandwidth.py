@@ -18,7 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-PASSES = 3
+# Passes per round: about 0.15 s of SmolLM-sized reads at one thread. Three passes caught
+# this shared machine's load at one instant: 5.9 GB/s in one case of a loaded run, 22.5 in
+# the next case.
+PASSES = 6
 
 
 def make_read(nbytes: int, passes: int = PASSES):

@@ -40,8 +40,6 @@ BYTES_PER_WEIGHT = {
     "f32": lambda n: 4.0, "bf16": lambda n: 2.0, "f16": lambda n: 2.0,
     "q8_0": lambda n: 34 / 32 if n % 32 == 0 else 2.0, "int8": lambda n: 1.0 + 4.0 / n,
 }
-# The precisions ``--quick`` keeps (one low precision per peer).
-QUICK = ("f32", "q8_0", "int8")
 
 
 def precision_of(impl: str) -> str:
@@ -72,11 +70,12 @@ def attnlab_missing(precision: str) -> str | None:
 
 
 def available(quick: bool = False) -> list[Engine]:
-    """The engines that can run here (``quick``: only the QUICK precisions)."""
+    """The engines that can run here; ``quick`` (``--quick``): attnlab's own only. The
+    peers' worker processes and memory probes took 70-90 s more per suite on this loaded
+    machine, and ``--quick`` stays within two minutes."""
     out = [Engine(f"attnlab {p}", GENERATE, p, None) for p in ATTNLAB_PRECISIONS
            if attnlab_missing(p) is None]
-    out += [e for e in PEERS if peers.missing(e.needs) is None]
-    return [e for e in out if e.precision in QUICK] if quick else out
+    return out if quick else out + [e for e in PEERS if peers.missing(e.needs) is None]
 
 
 def skip_lines() -> list[str]:

@@ -4,18 +4,24 @@ OpenVINO IR with a stateful KV cache, run by its CPU plugin.
 Export (cached beside the suite's safetensors folder): transformers loads the folder;
 ``openvino.convert_model`` traces a wrapper that takes ``input_ids``, ``attention_mask``,
 ``position_ids`` and the past keys/values and returns the last position's logits and the
-new keys/values; the past is then made internal state (``make_stateful``, as Optimum
-Intel exports decoders), batch 1. The ``int8`` IR is that one with every matrix
-compressed by NNCF to int8, symmetric, one scale per output channel
-(``CompressWeightsMode.INT8_SYM``), what OpenVINO calls int8 weights.
+new keys/values; the past is then made internal state, read through a ``beam_idx``
+gather and started from zeros, batch 1. That is the shape of Optimum Intel's export,
+which the CPU plugin needs to fuse the KV cache into its attention kernel (without the
+gather and the initial state, attention ran as plain MatMuls and a copy of the cache
+each token). Optimum Intel itself is not used: installing its current release (2.2)
+replaced torch 2.13 by a CUDA build of 2.15 and transformers 5.24 by 5.5. The ``int8`` IR is
+the float32 one with every matrix compressed by NNCF to int8, symmetric, one scale per
+output channel (``CompressWeightsMode.INT8_SYM``), what OpenVINO calls int8 weights.
 
 Precisions (compile-time settings; everything else is the CPU plugin's default, at the
 bench's thread count, latency hint):
 
 - ``f32``: the float32 IR, ``INFERENCE_PRECISION_HINT=f32`` and a float32 KV cache;
 - ``bf16``: the float32 IR, ``INFERENCE_PRECISION_HINT=bf16`` (the plugin converts the
-  weights to bf16 once, at compile time, where the CPU has bf16 products);
-- ``int8``: the int8 IR with the plugin's defaults for activations and KV cache.
+  weights to bf16 once, at compile time, where the CPU has bf16 products), the plugin's
+  KV cache (u8 here);
+- ``int8``: the int8 IR with the plugin's defaults (here: bf16 activations, a u8 KV
+  cache, activations quantized in groups of 32 for the int8 products).
 
 Decoding is greedy, batch 1: the prompt in one call, then one call per token, each new
 token the argmax of the logits.

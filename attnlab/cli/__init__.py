@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
+    train.add_argument("--pack", action="store_true",
+                       help="train on the text's documents (separated by blank lines) packed "
+                            "into each row with document ids: no token attends across "
+                            "documents; prints the padding tokens this saves against one "
+                            "document per row")
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "

@@ -5,6 +5,9 @@
 // of them per layer per token, cold, between products that stream the weights through
 // the caches.
 //
+// With post-norms (Gemma 2) each branch is normed again before it is added:
+//   y = x + post_attn_norm(out(attend(...))),  y + post_mlp_norm(down(act(up(norm2(y))))).
+//
 // A run is built once for as long as its layers stay what they are (models/decoding.py
 // builds one per `generate` call): `add` takes one layer's tensors and settings by name
 // and checks them once, returning why it cannot take the layer ("" when it can); `step`
@@ -35,11 +38,13 @@ using at::Tensor;
 using std::optional;
 
 // The kinds the fused layer runs, by the names attnlab/modules/layers.py gives them.
+// rmsnorm_plus_one is Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + weight): an
+// RMSNorm whose weight add() stores as 1 + weight.
 enum class Norm { RMS, Layer };
-enum class Mlp { Gelu, GeluTanh, Relu, SwiGLU };
+enum class Mlp { Gelu, GeluTanh, Relu, SwiGLU, GeGLU };
 
 optional<Norm> norm_kind(const std::string& name) {
-  if (name == "rmsnorm") return Norm::RMS;
+  if (name == "rmsnorm" || name == "rmsnorm_plus_one") return Norm::RMS;
   if (name == "layernorm") return Norm::Layer;
   return std::nullopt;
 }
@@ -49,6 +54,7 @@ optional<Mlp> mlp_kind(const std::string& name) {
   if (name == "gelu_tanh") return Mlp::GeluTanh;
   if (name == "relu") return Mlp::Relu;
   if (name == "swiglu") return Mlp::SwiGLU;
+  if (name == "geglu") return Mlp::GeGLU;
   return std::nullopt;
 }
 
@@ -71,15 +77,21 @@ struct Product {
   }
 };
 
+bool gated(Mlp m) { return m == Mlp::SwiGLU || m == Mlp::GeGLU; }
+
 struct Layer {
   Norm norm;
   Mlp mlp;
-  double eps, scale;
-  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // float32; undefined where none
-  // q|k|v joined, the output projection, the MLP's up ([gate | up] joined for SwiGLU), down.
+  double eps, scale, softcap;
+  // Norms' parameters as float32 copies (rmsnorm_plus_one's weights stored as 1 + weight);
+  // undefined where none. The post-norms (Gemma 2) norm each branch again before it is added.
+  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;
+  Tensor post_attn_weight, post_attn_bias, post_mlp_weight, post_mlp_bias;
+  optional<Tensor> alibi, sinks;  // (num_heads,) float64, or none
+  // q|k|v joined, the output projection, the MLP's up ([gate | up] joined when gated), down.
   Product qkv, out, up, down;
   int64_t heads, kv_heads, head_dim, window;
-  bool rope;
+  bool rope, post_norms;
 };
 
 // The product of a weight (out, in), its scales (int8) and bias, or why linear_row and
@@ -125,25 +137,41 @@ struct DecoderRun : torch::CustomClassHolder {
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                   bool rope, double scale, const optional<Tensor>& qkv_scales,
                   const optional<Tensor>& out_scales, const optional<Tensor>& up_scales,
-                  const optional<Tensor>& down_scales, int64_t model_dim, int64_t up_out) {
+                  const optional<Tensor>& down_scales, int64_t model_dim, int64_t up_out,
+                  double softcap, const optional<Tensor>& alibi, const optional<Tensor>& sinks,
+                  const optional<Tensor>& post_attn_norm_weight,
+                  const optional<Tensor>& post_attn_norm_bias,
+                  const optional<Tensor>& post_mlp_norm_weight,
+                  const optional<Tensor>& post_mlp_norm_bias) {
     const optional<Norm> n = norm_kind(norm);
     const optional<Mlp> m = mlp_kind(mlp);
     if (!n) return "norm " + norm + " is not one the fused layer runs";
     if (!m) return "mlp " + mlp + " is not one the fused layer runs";
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || window < 0 ||
-        (rope && head_dim % 2))
+        (rope && head_dim % 2) || softcap < 0)
       return "bad head layout";
-    Layer L{*n, *m, eps, scale, value(norm1_weight), value(norm1_bias), value(norm2_weight),
-            value(norm2_bias), {}, {}, {}, {}, num_heads, num_kv_heads, head_dim, window, rope};
+    for (const optional<Tensor>* t : {&alibi, &sinks})
+      if (t->has_value() && ((**t).scalar_type() != at::kDouble || (**t).dim() != 1 ||
+                             (**t).size(0) != num_heads || !(**t).is_contiguous()))
+        return "ALiBi slopes and sinks must be (num_heads,) float64";
+    const bool post = post_attn_norm_weight.has_value() || post_mlp_norm_weight.has_value();
+    if (post && !(post_attn_norm_weight.has_value() && post_mlp_norm_weight.has_value()))
+      return "post-norms come in pairs (after attention and after the MLP)";
+    Layer L{*n, *m, eps, scale, softcap, value(norm1_weight), value(norm1_bias),
+            value(norm2_weight), value(norm2_bias), value(post_attn_norm_weight),
+            value(post_attn_norm_bias), value(post_mlp_norm_weight), value(post_mlp_norm_bias),
+            alibi, sinks, {}, {}, {}, {}, num_heads, num_kv_heads, head_dim, window, rope, post};
     // The widths are given (an int8 weight's padded shape does not say them); every
     // product's shape is checked against them.
     const int64_t d = model_dim;
     if (d <= 0 || (d_model >= 0 && d != d_model)) return "d_model differs between layers";
-    const int64_t ff = L.mlp == Mlp::SwiGLU ? up_out / 2 : up_out;
-    if (ff <= 0 || (L.mlp == Mlp::SwiGLU && up_out % 2)) return "bad MLP width";
+    const int64_t ff = gated(L.mlp) ? up_out / 2 : up_out;
+    if (ff <= 0 || (gated(L.mlp) && up_out % 2)) return "bad MLP width";
     for (const std::string& why :
          {norm_problem("norm1", L.norm1_weight, L.norm1_bias, L.norm, d),
           norm_problem("norm2", L.norm2_weight, L.norm2_bias, L.norm, d),
+          norm_problem("post_attn_norm", L.post_attn_weight, L.post_attn_bias, L.norm, d),
+          norm_problem("post_mlp_norm", L.post_mlp_weight, L.post_mlp_bias, L.norm, d),
           make_product("qkv", qkv_weight, value(qkv_scales), value(qkv_bias),
                        (num_heads + 2 * num_kv_heads) * head_dim, d, L.qkv),
           make_product("out", out_weight, value(out_scales), value(out_bias), d,
@@ -151,7 +179,13 @@ struct DecoderRun : torch::CustomClassHolder {
           make_product("up", up_weight, value(up_scales), value(up_bias), up_out, d, L.up),
           make_product("down", down_weight, value(down_scales), value(down_bias), d, ff, L.down)})
       if (!why.empty()) return why;
-    for (Tensor* t : {&L.norm1_weight, &L.norm1_bias, &L.norm2_weight, &L.norm2_bias})
+    // Gemma's norm: 1 + weight, stored once in float32 (the run lasts as long as the
+    // weights do; adding 1 to a bf16 weight would round it).
+    for (Tensor* t : {&L.norm1_weight, &L.norm2_weight, &L.post_attn_weight, &L.post_mlp_weight}) {
+      *t = float_copy(*t);
+      if (t->defined() && norm == "rmsnorm_plus_one") *t = *t + 1.0;
+    }
+    for (Tensor* t : {&L.norm1_bias, &L.norm2_bias, &L.post_attn_bias, &L.post_mlp_bias})
       *t = float_copy(*t);
     d_model = d;
     layers.push_back(std::move(L));
@@ -211,14 +245,19 @@ struct DecoderRun : torch::CustomClassHolder {
     const Tensor none;
     const Tensor qkv = L.qkv(normed(h, L, L.norm1_weight, L.norm1_bias), none);
     const Tensor heads = decode_step(qkv.view({1, 1, qkv.size(1)}), cos, sin, k, v, pos,
-                                     L.window, L.heads, L.kv_heads, L.scale);
-    // The residuals ride in the products: y = x + heads W_out^T + b, no temporary.
-    const Tensor y = L.out(heads.view({1, -1}), h);
+                                     L.window, L.heads, L.kv_heads, L.scale, L.softcap,
+                                     L.alibi, L.sinks);
+    // The residuals ride in the products (y = x + heads W_out^T + b, no temporary), except
+    // where a post-norm comes between the product and the sum.
+    Tensor y = L.out(heads.view({1, -1}), L.post_norms ? none : h);
+    if (L.post_norms) y = h + normed(y, L, L.post_attn_weight, L.post_attn_bias);
     const Tensor up = L.up(normed(y, L, L.norm2_weight, L.norm2_bias), none);
-    const Tensor act = L.mlp == Mlp::SwiGLU ? silu_mul(up)
-                       : L.mlp == Mlp::Relu ? at::relu(up)
-                                            : at::gelu(up, L.mlp == Mlp::GeluTanh ? "tanh" : "none");
-    return L.down(act, y);
+    const Tensor act = L.mlp == Mlp::SwiGLU  ? silu_mul(up)
+                       : L.mlp == Mlp::GeGLU ? gelu_mul(up)
+                       : L.mlp == Mlp::Relu  ? at::relu(up)
+                                             : at::gelu(up, L.mlp == Mlp::GeluTanh ? "tanh" : "none");
+    if (!L.post_norms) return L.down(act, y);
+    return y + normed(L.down(act, none), L, L.post_mlp_weight, L.post_mlp_bias);
   }
 };
 
@@ -237,7 +276,13 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
             torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
             torch::arg("window"), torch::arg("rope"), torch::arg("scale"),
             torch::arg("qkv_scales"), torch::arg("out_scales"), torch::arg("up_scales"),
-            torch::arg("down_scales"), torch::arg("d_model"), torch::arg("up_out")})
+            torch::arg("down_scales"), torch::arg("d_model"), torch::arg("up_out"),
+            torch::arg("softcap") = 0.0, torch::arg("alibi") = c10::IValue(),
+            torch::arg("sinks") = c10::IValue(),
+            torch::arg("post_attn_norm_weight") = c10::IValue(),
+            torch::arg("post_attn_norm_bias") = c10::IValue(),
+            torch::arg("post_mlp_norm_weight") = c10::IValue(),
+            torch::arg("post_mlp_norm_bias") = c10::IValue()})
       .def("size", &attnlab::DecoderRun::size)
       .def("step", &attnlab::DecoderRun::step);
 }

@@ -23,7 +23,7 @@ from ..io.files import PathLike
 from ..io.gguf import GGUFFile
 from . import int8
 from .common import Config, ShapeMismatch
-from .hf import LLAMA_LAYER_NAMES, llama_config, llama_state, qwen2_config
+from .hf_llama import LLAMA_NAMES, llama_config, llama_state, qwen2_config
 
 __all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "required_tensors",
            "ARCHITECTURES", "PRECISIONS", "file_precision"]
@@ -86,8 +86,8 @@ def llama_name(hf: str) -> str | None:
     parts = base.split(".")
     if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit():
         module = ".".join(parts[2:-1])
-        if module in LLAMA_LAYER_NAMES:
-            return f"blocks.{parts[1]}.{LLAMA_LAYER_NAMES[module]}.{parts[-1]}"
+        if module in LLAMA_NAMES:
+            return f"blocks.{parts[1]}.{LLAMA_NAMES[module]}.{parts[-1]}"
     return None
 
 
