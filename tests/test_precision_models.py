@@ -207,3 +207,41 @@ def test_smollm2_greedy_text_of_bf16_and_int8_against_float32():
             _close(got, want, 0.04 if name == "bf16" else 0.08)
             mine = model.generate(ids, 4, temperature=0)
             assert mine[0, n:].tolist() == text[0, n:n + 4].tolist(), (name, prompt)
+
+
+def _decoded(model: GPT, ids: torch.Tensor, bf16_cache: bool) -> torch.Tensor:
+    """Logits of a 4-token prompt, then of each later token alone, through caches."""
+    caches = model.new_cache(1, ids.shape[1], dtype=torch.bfloat16 if bf16_cache else None)
+    with torch.no_grad():
+        return torch.cat([model(ids[:, :4], caches=caches)] + [
+            model(ids[:, t:t + 1], caches=caches) for t in range(4, ids.shape[1])], dim=1)
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["bf16", "int8", "bf16 cache"])
+def test_every_variant_decodes_in_the_fused_run_at_each_precision(precision):
+    """A model with every score and block variant (softcap, ALiBi, sinks, a per-layer
+    window, a query scale, a head width of its own, post-norms, Gemma's norm, GeGLU)
+    decodes through the fused run in bf16, int8 and with a bf16 cache: every layer of
+    every token in the kernel, the logits those of the same weights through the modules,
+    and within the precision's tolerance of the float32 model. (Widths are multiples of
+    16: int8 groups of other widths are quantised apart and decode through the modules.)"""
+    from test_decode import counting_fused_steps, fused_layers_off
+    from test_gpt_variants import EVERYTHING, model_with
+
+    options = {**{k: v for k, v in EVERYTHING.items() if k != "positions"},  # RoPE and ALiBi
+               "d_model": 32, "head_dim": 16}
+    for positions in ("rope", "alibi"):
+        f32 = model_with(5, **options, positions=positions)
+        model = (copy.deepcopy(f32).to(torch.bfloat16) if precision == "bf16"
+                 else copy.deepcopy(f32).quantize() if precision == "int8" else f32)
+        with counting_fused_steps("layers") as fused:
+            got = _decoded(model, IDS[:, :12] % 40, precision == "bf16 cache")
+        assert fused[0] == 8 * 3, positions
+        with fused_layers_off():
+            modules = _decoded(model, IDS[:, :12] % 40, precision == "bf16 cache")
+        with torch.no_grad():
+            want = f32(IDS[:, :12] % 40)
+        # The run keeps the row float32 between layers where bf16 modules round it.
+        _close(got, modules, 2e-2 if precision == "bf16" else 1e-5)
+        _close(got, want, 0.05)
