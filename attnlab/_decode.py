@@ -17,6 +17,10 @@ The math is that of ``rope.RotaryEmbedding.rotate``, ``KVCache.update``,
 :func:`attnlab.attention` (causal, end-aligned, sliding window) and the modules,
 which stay the statement of it and the path for everything else (gradients, masks,
 hooks, weights, other dtypes and devices).
+
+Precision: weights float32, bf16 or int8 (``modules.quantized``), caches float32 or
+bf16; the attention and the row between layers are float32 whatever they are
+(``csrc/decode_layers.cpp`` says why).
 """
 
 from __future__ import annotations
@@ -38,15 +42,17 @@ class DecoderLayer:
     """One pre-norm decoder layer, ``y = x + out(attend(qkv(norm1(x))))`` then
     ``y + down(act(up(norm2(y))))``, by name, as :class:`Run` hands it to the kernel.
 
-    Weights are ``(out, in)`` and biases ``(out,)`` (None where a layer has none):
-    ``qkv_weight`` the queries', keys' and values' products side by side
+    Weights are ``(out, in)`` float32 or bf16 and biases ``(out,)`` (None where a layer
+    has none): ``qkv_weight`` the queries', keys' and values' products side by side
     (``(num_heads + 2 * num_kv_heads) * head_dim`` rows), ``up_weight`` the MLP's first
-    product (SwiGLU: gate and up side by side), ``down_weight`` its second. ``norm`` and
-    ``mlp`` are the names ``modules.layers`` gives the kinds ("rmsnorm", "layernorm";
-    "gelu", "gelu_tanh", "relu", "swiglu"); ``rotary`` the layer's RoPE or None;
-    ``window`` its sliding window or None; ``scale``, ``softcap``, ``alibi_slopes`` and
-    ``sinks`` as :func:`attnlab.attention` takes them; the post-norms (Gemma 2) norm each
-    branch again before it is added, both or neither.
+    product (SwiGLU/GeGLU: gate and up side by side, ``up_out`` outputs), ``down_weight``
+    its second. An int8 product gives its data as the weight and its ``*_scales``
+    (``layouts.int8``). ``norm`` and ``mlp`` are the names ``modules.layers`` gives the
+    kinds ("rmsnorm", "rmsnorm_plus_one", "layernorm"; "gelu", "gelu_tanh", "relu",
+    "swiglu", "geglu"); ``rotary`` the layer's RoPE or None; ``window`` its sliding window
+    or None; ``scale``, ``softcap``, ``alibi_slopes`` and ``sinks`` as
+    :func:`attnlab.attention` takes them; the post-norms (Gemma 2) norm each branch again
+    before it is added, both or neither.
     """
 
     norm: str
@@ -69,6 +75,12 @@ class DecoderLayer:
     head_dim: int
     window: int | None
     rotary: RotaryEmbedding | None
+    d_model: int
+    up_out: int
+    qkv_scales: torch.Tensor | None = None
+    out_scales: torch.Tensor | None = None
+    up_scales: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
     scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim)
     softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None  # (num_heads,)
@@ -112,8 +124,9 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
 
     Args:
         qkv: ``(B, 1, (num_heads + 2 * num_kv_heads) * head_dim)`` the new token's
-            packed projection, float32 on the CPU.
-        cache: the layer's cache; the token takes position ``cache.seq_len``.
+            packed projection, float32 or bf16 on the CPU.
+        cache: the layer's cache (float32 or bf16); the token takes position
+            ``cache.seq_len``.
         rotary: the layer's RoPE, or None.
         window: sliding window W (the token sees its last W positions), or None.
         scale, softcap, alibi_slopes ``(num_heads,)``, sinks ``(num_heads,)``: as
@@ -121,12 +134,12 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
 
     Returns:
         ``(B, 1, num_heads * head_dim)`` (heads merged, ready for the output
-        projection), or None where the native kernel is unavailable or the inputs
-        are not what it takes; the cache is then unchanged and the caller runs the
-        PyTorch path.
+        projection, in ``qkv``'s dtype), or None where the native kernel is unavailable
+        or the inputs are not what it takes; the cache is then unchanged and the caller
+        runs the PyTorch path.
     """
-    ops = _native.for_inference(qkv, cache.k)
-    if ops is None or cache.remaining < 1:
+    ops = _native.for_inference(qkv, cache.k, cache.v, dtypes=_native.PRODUCT_DTYPES)
+    if ops is None or cache.remaining < 1 or cache.k.dtype != cache.v.dtype:
         return None
     tables = _tables(rotary, cache, qkv.device)
     if tables is None:
@@ -135,10 +148,11 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
     alibi, sink = (None if t is None else t.detach().to(torch.float64).reshape(-1).contiguous()
                    for t in (alibi_slopes, sinks))
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else float(scale)
-    return _reserved([cache], lambda positions: ops.decode_step(
-        qkv, cos, sin, cache.k, cache.v, positions[0], _window(window, positions[0]),
+    out = _reserved([cache], lambda positions: ops.decode_step(
+        qkv.float(), cos, sin, cache.k, cache.v, positions[0], _window(window, positions[0]),
         num_heads, num_kv_heads, scale, 0.0 if softcap is None else float(softcap), alibi,
         sink))
+    return None if out is None else out.to(qkv.dtype)
 
 
 class Run:
@@ -199,7 +213,7 @@ class Run:
         return cos, sin
 
     def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor | None:
-        """One new token ``x (1, 1, d_model)`` (float32, CPU) through the run, each layer
+        """One new token ``x (1, 1, d_model)`` (float32 or bf16, CPU) through the run, each layer
         appending to its cache (batch size 1). Returns ``(1, 1, d_model)``, or None (every
         cache unchanged) where the kernel cannot take these inputs; the caller then runs
         the modules."""

@@ -50,7 +50,8 @@ ENV_WAIT = "ATTNLAB_NATIVE_WAIT"
 WAIT_S = 600.0  # a fresh build takes ~3 min on two cores
 LIBRARY = "attnlab_native"  # the TORCH_LIBRARY namespace: torch.ops.attnlab_native
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layers.cpp")
+SOURCES = ("flash_attention.cpp", "decode.cpp", "decode_step.cpp", "decode_layers.cpp",
+           "products.cpp")
 # Portable flags only: the vector loops pick AVX-512/AVX2 at load time (csrc/vec.h),
 # so the cached build is safe on any x86-64 machine; -fopenmp compiles at::parallel_for
 # (the runtime is torch's own libgomp, already loaded).
@@ -252,8 +253,11 @@ def _fakes(tiles: bool) -> dict:
     def usable(t) -> bool:
         return t.dtype == torch.float32 and t.device.type == "cpu"
 
+    def floating(t) -> bool:
+        return t.dtype in PRODUCT_DTYPES and t.device.type == "cpu"
+
     def one_row(x, w, bias, residual):
-        if (not usable(x) or not usable(w) or w.dim() != 2 or x.dim() < 1
+        if (not floating(x) or not floating(w) or w.dim() != 2 or x.dim() < 1
                 or x.shape[-1] != w.shape[1] or math.prod(x.shape[:-1]) != 1
                 or not x.is_contiguous()):
             return None
@@ -263,7 +267,8 @@ def _fakes(tiles: bool) -> dict:
         if not by_rows and not by_columns:
             return None
         for t in (bias, residual):
-            if t is not None and (not usable(t) or t.numel() != n_out or not t.is_contiguous()):
+            if t is not None and (not floating(t) or t.numel() != n_out
+                                  or not t.is_contiguous()):
                 return None
         return x.new_empty(*x.shape[:-1], n_out)
 
@@ -285,9 +290,12 @@ def _fakes(tiles: bool) -> dict:
                     scale, softcap=0.0, alibi=None, sinks=None):
         return qkv.new_empty(k_cache.shape[0], 1, num_heads * k_cache.shape[3])
 
+    def int8_linear(x, data, scales, out_features, bias, residual):
+        return x.new_empty(*x.shape[:-1], out_features)
+
     return {"flash_forward": flash_forward, "flash_backward": flash_backward,
             "rms_norm": rms_norm, "silu_mul": silu_mul, "gelu_mul": gelu_mul, "linear": linear,
-            "decode_step": decode_step}
+            "decode_step": decode_step, "int8_linear": int8_linear}
 
 
 def load(verbose: bool = False):
@@ -330,13 +338,18 @@ def _write_log(exc: Exception) -> Path | None:
         return None
 
 
-def for_inference(*tensors: torch.Tensor | None):
+# The dtypes the products and the decoding run read (weights, rows, caches).
+PRODUCT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def for_inference(*tensors: torch.Tensor | None, dtypes=(torch.float32,)):
     """The ops when ``tensors`` (None entries skipped) can take the inference-only
-    kernels: gradients off, float32 on the CPU, the kernel built. Else None."""
+    kernels: gradients off, one of ``dtypes`` (float32 unless given) on the CPU, the
+    kernel built. Else None."""
     if torch.is_grad_enabled():
         return None
     for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+        if t is not None and (t.dtype not in dtypes or t.device.type != "cpu"):
             return None
     return load()
 

@@ -48,6 +48,17 @@ def precision_of(impl: str) -> str:
     return last if last in BYTES_PER_WEIGHT else "f32"
 
 
+# attnlab's int8 is llama.cpp's Q8_0 scheme (a float16 scale per block of 32): its bytes.
+ATTNLAB_FORMAT = {"int8": "q8_0"}
+
+
+def stored_as(impl: str) -> str:
+    """The format whose bytes per weight an implementation's weights take (its precision,
+    but attnlab's int8 is stored as Q8_0)."""
+    precision = precision_of(impl)
+    return ATTNLAB_FORMAT.get(precision, precision) if impl.startswith("attnlab") else precision
+
+
 def attnlab_missing(precision: str) -> str | None:
     """None when attnlab loads weights at ``precision`` (a key of ATTNLAB_PRECISIONS)."""
     from ..models import GPT

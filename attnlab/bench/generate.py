@@ -119,18 +119,23 @@ def folder(shape: str) -> Path:
     return path
 
 
-def weight_bytes(shape: str) -> int:
-    """Bytes of the weights as stored (a tied output layer once)."""
+def weight_bytes(shape: str, precision: str = "f32") -> int:
+    """Bytes of the weights (a tied output layer once) stored at ``precision`` (an
+    :data:`engines.BYTES_PER_WEIGHT` key: its bytes for every matrix, float32 vectors
+    except in bf16 and f16, where everything is half)."""
     from ..layouts.hf import read_folder
 
     _, state = read_folder(folder(shape))
-    total = 0
-    for shp, dtype in state.shapes().values():
+    total = 0.0
+    for shp, _ in state.shapes().values():
         n = 1
         for d in shp:
             n *= d
-        total += n * torch.empty((), dtype=dtype).element_size()
-    return total
+        if len(shp) == 2:
+            total += n * engines.BYTES_PER_WEIGHT[precision](shp[-1])
+        else:
+            total += n * (2 if precision in ("bf16", "f16") else 4)
+    return round(total)
 
 
 def prompt_ids(batch: int, prompt_len: int) -> torch.Tensor:
@@ -243,12 +248,14 @@ def prologue(log=print) -> None:
 
 def annotate(records: list[dict], log=print) -> None:
     """Add ``tokens_per_s`` to every record (prompt tokens per second in a prefill case),
-    ``weight_mb`` (the float32 weights as stored) and ``peak_x_weights`` beside each peak;
+    ``weight_mb`` (the weights as stored) and ``peak_x_weights`` beside each peak;
     for batch 1 ``of_ceiling``: tokens/s as a share of the one-row ceiling's in the same
     case; with the read-bandwidth yardstick, ``gb_per_s`` on its record and on every
     other ``precision``, ``bytes_per_token`` (its weights read per token) and
-    ``of_bound``: tokens/s as a share of bandwidth / bytes_per_token."""
-    weights: dict[str, int] = {}
+    ``of_bound``: tokens/s as a share of bandwidth / bytes_per_token. ``weight_mb`` and
+    ``peak_x_weights`` are at the engine's own precision (attnlab's int8 counted as the
+    Q8_0 it is)."""
+    weights: dict[tuple[str, str], int] = {}
     ceilings = {r["case"]: r for r in records if r["impl"] == CEILING and r.get("median_ms")}
     reads = {r["case"]: r for r in records if r["impl"] == READ and r.get("median_ms")}
     for r in records:
@@ -261,9 +268,10 @@ def annotate(records: list[dict], log=print) -> None:
             continue
         tokens = r["prompt_len"] if r.get("prefill") else r["batch"] * r["new_tokens"]
         r["tokens_per_s"] = tokens / (r["median_ms"] / 1000.0)
-        if r["shape"] not in weights:
-            weights[r["shape"]] = weight_bytes(r["shape"])
-        r["weight_mb"] = weights[r["shape"]] / 2**20
+        held = engines.stored_as(r["impl"])
+        if (r["shape"], held) not in weights:
+            weights[(r["shape"], held)] = weight_bytes(r["shape"], held)
+        r["weight_mb"] = weights[(r["shape"], held)] / 2**20
         line = f"    {r['case']:<34s} {r['impl']:<16s} {r['tokens_per_s']:9.1f} tokens/s"
         if r.get("peak_mb") is not None:
             r["peak_x_weights"] = r["peak_mb"] / r["weight_mb"]
@@ -276,7 +284,7 @@ def annotate(records: list[dict], log=print) -> None:
         read = reads.get(r["case"])
         if read is not None:
             r["precision"] = engines.precision_of(r["impl"])
-            r["bytes_per_token"] = bytes_per_token(r["shape"], r["precision"])
+            r["bytes_per_token"] = bytes_per_token(r["shape"], engines.stored_as(r["impl"]))
             r["of_bound"] = bandwidth.paired_share(
                 read.get("times_ms") or [read["median_ms"]],
                 bandwidth.PASSES * bytes_per_token(r["shape"], "f32"),
@@ -327,7 +335,7 @@ def engines_table(records: list[dict]) -> str:
     attnlab and transformers (a peer, attnlab's bf16 or int8, the read bandwidth):
     tokens/s, x attnlab float32's, its greedy tokens equal to attnlab's, peak memory, the
     weights it reads per token, its share of the one-row ceiling and of the read bound."""
-    lines = ["| case | engine | tokens/s | x attnlab | tokens = attnlab's | peak MB "
+    lines = ["| case | engine | tokens/s | x attnlab | tokens = attnlab's | peak MB (x weights) "
              "| weights read per token | of the one-row ceiling | of the read bound |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     plain = {REFERENCE, BASELINE, CEILING, "attnlab-nocache"}
@@ -346,7 +354,8 @@ def engines_table(records: list[dict]) -> str:
                      if ours.get("tokens_per_s") else "-")
             agree = (f"{r['tokens_agree']}/{r['tokens_checked']}"
                      if r.get("tokens_agree") is not None else "-")
-            peak = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
+            peak = (f"{r['peak_mb']:.0f} ({r['peak_x_weights']:.2f}x)"
+                    if r.get("peak_x_weights") is not None else "-")
             per_token = (f"{r['bytes_per_token'] / 2**20:.0f} MB"
                          if r.get("bytes_per_token") else "-")
             shares = ["-" if r.get(k) is None else f"{r[k]:.0%}"

@@ -76,6 +76,26 @@ ATTNLAB_PER_ISA static void from_acc(const float* src, c10::Half* dst, int64_t n
 #endif
 }
 
+// Vectors of floats loaded from either storage: float as it is, bf16 widened (a shift).
+// Templates over the storage type read their rows through these, one statement a loop.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+ATTNLAB_INLINE f8 load8(const c10::BFloat16* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (f8)(__builtin_convertvector(h, u32x8) << 16);  // a vector cast keeps the bits
+}
+ATTNLAB_INLINE f16v load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (f16v)(__builtin_convertvector(h, u32x16) << 16);
+}
+
+// x rounded to bf16 and widened back: the value a bf16 product multiplies.
+inline float bf16_rounded(float x) { return float(c10::BFloat16(x)); }
+
 // A block of `rows` rows of `cols` values (row stride ld) of storage type S as the
 // accumulation type: the memory itself where S is already that type (ld unchanged), else
 // a converted copy in `scratch` (ld = cols).

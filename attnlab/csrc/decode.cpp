@@ -128,14 +128,20 @@ int64_t leading_rows(const at::Tensor& x) {
 // A tensor the products read: float32 on the CPU.
 bool usable(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
 
-// One row x (..., in) times an nn.Linear weight (out, in) stored by rows (unit
-// stride along in) or by columns (unit stride along out, the packed blocks), plus
-// bias (out,) and residual (numel = out), each optional: row_product.h's streamed
-// product. Returns (..., out) shaped like x, or None for a layout it does not read.
+bool floating(const at::Tensor& t) {
+  return (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+         t.device().is_cpu();
+}
+
+// One row x (..., in) times an nn.Linear weight (out, in), float32 or bf16, stored by
+// rows (unit stride along in) or by columns (unit stride along out, the packed blocks),
+// plus bias (out,) and residual (numel = out), each optional: row_product.h's streamed
+// product. x, bias and residual float32 or bf16 (read as float32). Returns (..., out)
+// shaped like x, in x's dtype, or None for a layout it does not read.
 std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
                                   const std::optional<at::Tensor>& bias,
                                   const std::optional<at::Tensor>& residual) {
-  if (!usable(x) || !usable(w) || w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) ||
+  if (!floating(x) || !floating(w) || w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) ||
       leading_rows(x) != 1 || !x.is_contiguous())
     return std::nullopt;
   const int64_t n_out = w.size(0), n_in = w.size(1);
@@ -143,18 +149,26 @@ std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
   const bool by_columns = !by_rows && w.stride(0) == 1 && (n_in <= 1 || w.stride(1) >= n_out);
   if (!by_rows && !by_columns) return std::nullopt;
   for (const auto* t : {&bias, &residual}) {
-    if (t->has_value() && (!usable(**t) || (*t)->numel() != n_out || !(*t)->is_contiguous()))
+    if (t->has_value() && (!floating(**t) || (*t)->numel() != n_out || !(*t)->is_contiguous()))
       return std::nullopt;
   }
+  auto as_float = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  const at::Tensor xf = as_float(x);
+  const at::Tensor b = bias.has_value() ? as_float(*bias) : at::Tensor();
+  const at::Tensor r = residual.has_value() ? as_float(*residual) : at::Tensor();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n_out;
-  at::Tensor y = at::empty(shape, x.options());
-  if (n_out > 0)
-    row_product(x.data_ptr<float>(), w.data_ptr<float>(), by_rows ? w.stride(0) : w.stride(1),
-                by_rows, n_in, n_out, bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                residual.has_value() ? residual->data_ptr<float>() : nullptr,
+  at::Tensor y = at::empty(shape, xf.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
+  const int64_t ld = by_rows ? w.stride(0) : w.stride(1);
+  if (n_out > 0 && w.scalar_type() == at::kFloat)
+    row_product(xf.data_ptr<float>(), w.data_ptr<float>(), ld, by_rows, n_in, n_out, bp, rp,
                 y.data_ptr<float>());
-  return y;
+  else if (n_out > 0)
+    row_product(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), ld, by_rows, n_in, n_out,
+                bp, rp, y.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 namespace {
@@ -200,14 +214,17 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
-// one_row, or ATen's product where one_row does not read the layout.
+// one_row, or ATen's product (in the weight's dtype) where one_row does not read the
+// layout; the result in x's dtype.
 at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                       const at::Tensor& residual) {
-  auto opt = [](const at::Tensor& t) {
-    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  auto opt = [&](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t.to(w.scalar_type())) : std::nullopt;
   };
-  if (auto y = one_row(x, w, opt(bias), opt(residual))) return *y;
-  at::Tensor y = at::linear(x, w, opt(bias));
+  if (auto y = one_row(x, w, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                       residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt))
+    return *y;
+  at::Tensor y = at::linear(x.to(w.scalar_type()), w, opt(bias)).to(x.scalar_type());
   return residual.defined() ? y.add_(residual.view_as(y)) : y;
 }
 

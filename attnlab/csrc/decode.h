@@ -5,14 +5,17 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 namespace attnlab {
 
 // A tensor the decoding kernels read: float32 on the CPU.
 bool usable(const at::Tensor& t);
+// A weight (or activation) the products read: float32 or bf16 on the CPU.
+bool floating(const at::Tensor& t);
 
 // One new token's attention: RoPE, cache append at `pos`, attention over the cache
-// (decode_step.cpp's comment has the shapes). Returns (B, 1, Hq * D).
+// (float32 or bf16; decode_step.cpp's comment has the shapes). Returns (B, 1, Hq * D).
 at::Tensor decode_step(const at::Tensor& qkv, const std::optional<at::Tensor>& cos_table,
                        const std::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
                        at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
@@ -25,10 +28,18 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 at::Tensor silu_mul(const at::Tensor& gate_up);
 // gelu_tanh(gate) * up (GeGLU) from (..., 2F) [gate | up] to (..., F).
 at::Tensor gelu_mul(const at::Tensor& gate_up);
-// x W^T + bias + residual for one row x, the weight stored by rows or by columns;
-// ATen's product where the streamed one does not read the layout (undefined
+// x W^T + bias + residual for one row x, the weight (float32 or bf16) stored by rows or
+// by columns; ATen's product where the streamed one does not read the layout (undefined
 // bias/residual: none).
 at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                       const at::Tensor& residual);
+// x W^T + bias + residual, W int8 in int8_product.h's layout (data, scales) with `out`
+// outputs; the result in x's dtype (float32 or bf16).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                       int64_t out, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual);
+// Why (data, scales) is not an int8 weight of (out, in) in that layout, or "".
+std::string int8_problem(const at::Tensor& data, const at::Tensor& scales, int64_t out,
+                         int64_t in);
 
 }  // namespace attnlab

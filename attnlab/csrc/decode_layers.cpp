@@ -13,6 +13,14 @@
 // and checks them once, returning why it cannot take the layer ("" when it can); `step`
 // then runs the row through every layer, checking only what changes per token (the
 // caches, the positions, the rotary tables). The Python side is _decode.py.
+//
+// Precision: each product's weight is float32 or bf16 ((out, in), by rows or columns), or
+// int8 (its data and scales in int8_product.h's layout); norms and biases may be float32
+// or bf16 (kept as float32 copies, a few thousand numbers a layer); the caches float32 or
+// bf16. The row itself stays float32 from the first layer to the last, whatever the
+// weights: it is d_model numbers against megabytes of weights, so rounding it to bf16
+// between layers would save nothing measurable and cost the residual stream its
+// precision. x may come in float32 or bf16; the result has x's dtype.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -50,41 +58,66 @@ optional<Mlp> mlp_kind(const std::string& name) {
   return std::nullopt;
 }
 
+Tensor value(const optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+// A float32 copy of a small parameter (itself where it already is one), or undefined.
+Tensor float_copy(const Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
+
+// One product: y = x W^T + bias (+ residual); W float32/bf16 (out, in), or int8 (weight =
+// its data, scales defined).
+struct Product {
+  Tensor weight, scales, bias;
+  int64_t out = 0;
+
+  Tensor operator()(const Tensor& x, const Tensor& residual) const {
+    if (scales.defined())
+      return int8_linear(x, weight, scales, out, bias.defined() ? optional<Tensor>(bias) : std::nullopt,
+                         residual.defined() ? optional<Tensor>(residual) : std::nullopt);
+    return linear_row(x, weight, bias, residual);
+  }
+};
+
 bool gated(Mlp m) { return m == Mlp::SwiGLU || m == Mlp::GeGLU; }
 
 struct Layer {
   Norm norm;
   Mlp mlp;
   double eps, scale, softcap;
-  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // undefined where none
-  Tensor post_attn_weight, post_attn_bias, post_mlp_weight, post_mlp_bias;  // post-norms
+  // Norms' parameters as float32 copies (rmsnorm_plus_one's weights stored as 1 + weight);
+  // undefined where none. The post-norms (Gemma 2) norm each branch again before it is added.
+  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;
+  Tensor post_attn_weight, post_attn_bias, post_mlp_weight, post_mlp_bias;
   optional<Tensor> alibi, sinks;  // (num_heads,) float64, or none
-  // The products' weights (out, in) and biases (out,) or undefined: q|k|v joined, the
-  // output projection, the MLP's up ([gate | up] joined for SwiGLU) and down.
-  Tensor qkv_weight, qkv_bias, out_weight, out_bias, up_weight, up_bias, down_weight, down_bias;
+  // q|k|v joined, the output projection, the MLP's up ([gate | up] joined when gated), down.
+  Product qkv, out, up, down;
   int64_t heads, kv_heads, head_dim, window;
   bool rope, post_norms;
 };
 
-Tensor value(const optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
-
-// Why a product's weight (out, in) and bias cannot be read by linear_row, or "".
-std::string product_problem(const char* name, const Tensor& w, const Tensor& b, int64_t out,
-                            int64_t in) {
-  if (!w.defined() || !usable(w) || w.dim() != 2 || w.size(0) != out || w.size(1) != in)
-    return std::string(name) + " weight is not a (" + std::to_string(out) + ", " +
-           std::to_string(in) + ") float32 CPU tensor";
-  if (b.defined() && (!usable(b) || b.dim() != 1 || b.size(0) != out || !b.is_contiguous()))
-    return std::string(name) + " bias is not a contiguous (" + std::to_string(out) +
-           ",) float32 CPU tensor";
+// The product of a weight (out, in), its scales (int8) and bias, or why linear_row and
+// int8_linear cannot read it.
+std::string make_product(const char* name, const Tensor& w, const Tensor& scales, const Tensor& b,
+                         int64_t out, int64_t in, Product& p) {
+  const std::string shape = "(" + std::to_string(out) + ", " + std::to_string(in) + ")";
+  if (scales.defined()) {
+    const std::string why = w.defined() ? int8_problem(w, scales, out, in) : "no int8 data";
+    if (!why.empty()) return std::string(name) + ": " + why;
+  } else if (!w.defined() || !floating(w) || w.dim() != 2 || w.size(0) != out ||
+             w.size(1) != in) {
+    return std::string(name) + " weight is not a " + shape + " float32 or bf16 CPU tensor";
+  }
+  if (b.defined() && (!floating(b) || b.dim() != 1 || b.size(0) != out))
+    return std::string(name) + " bias is not a (" + std::to_string(out) +
+           ",) float32 or bf16 CPU tensor";
+  p = Product{w, scales, float_copy(b), out};
   return "";
 }
 
 std::string norm_problem(const char* name, const Tensor& w, const Tensor& b, Norm norm,
                          int64_t d) {
   for (const Tensor* t : {&w, &b})
-    if (t->defined() && (!usable(*t) || t->dim() != 1 || t->size(0) != d || !t->is_contiguous()))
-      return std::string(name) + " parameters are not contiguous (d_model,) float32 CPU tensors";
+    if (t->defined() && (!floating(*t) || t->dim() != 1 || t->size(0) != d))
+      return std::string(name) + " parameters are not (d_model,) float32 or bf16 CPU tensors";
   if (norm == Norm::RMS && b.defined()) return std::string(name) + ": RMSNorm has no bias";
   return "";
 }
@@ -102,8 +135,11 @@ struct DecoderRun : torch::CustomClassHolder {
                   const Tensor& up_weight, const optional<Tensor>& up_bias,
                   const Tensor& down_weight, const optional<Tensor>& down_bias,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
-                  bool rope, double scale, double softcap, const optional<Tensor>& alibi,
-                  const optional<Tensor>& sinks, const optional<Tensor>& post_attn_norm_weight,
+                  bool rope, double scale, const optional<Tensor>& qkv_scales,
+                  const optional<Tensor>& out_scales, const optional<Tensor>& up_scales,
+                  const optional<Tensor>& down_scales, int64_t model_dim, int64_t up_out,
+                  double softcap, const optional<Tensor>& alibi, const optional<Tensor>& sinks,
+                  const optional<Tensor>& post_attn_norm_weight,
                   const optional<Tensor>& post_attn_norm_bias,
                   const optional<Tensor>& post_mlp_norm_weight,
                   const optional<Tensor>& post_mlp_norm_bias) {
@@ -119,33 +155,38 @@ struct DecoderRun : torch::CustomClassHolder {
                              (**t).size(0) != num_heads || !(**t).is_contiguous()))
         return "ALiBi slopes and sinks must be (num_heads,) float64";
     const bool post = post_attn_norm_weight.has_value() || post_mlp_norm_weight.has_value();
-    // Gemma's norm: 1 + weight, stored once (the run lasts as long as the weights do).
-    auto stored = [&](const optional<Tensor>& w) {
-      return w.has_value() && norm == "rmsnorm_plus_one" ? *w + 1.0 : value(w);
-    };
-    Layer L{*n, *m, eps, scale, softcap, stored(norm1_weight), value(norm1_bias),
-            stored(norm2_weight), value(norm2_bias), stored(post_attn_norm_weight),
-            value(post_attn_norm_bias), stored(post_mlp_norm_weight), value(post_mlp_norm_bias),
-            alibi, sinks, qkv_weight, value(qkv_bias), out_weight, value(out_bias),
-            up_weight, value(up_bias), down_weight, value(down_bias), num_heads, num_kv_heads,
-            head_dim, window, rope, post};
-    const int64_t d = qkv_weight.dim() == 2 ? qkv_weight.size(1) : -1;
-    if (d <= 0 || (d_model >= 0 && d != d_model)) return "d_model differs between layers";
-    const int64_t up_out = up_weight.dim() == 2 ? up_weight.size(0) : 0;
-    const int64_t ff = gated(L.mlp) ? up_out / 2 : up_out;
     if (post && !(post_attn_norm_weight.has_value() && post_mlp_norm_weight.has_value()))
       return "post-norms come in pairs (after attention and after the MLP)";
+    Layer L{*n, *m, eps, scale, softcap, value(norm1_weight), value(norm1_bias),
+            value(norm2_weight), value(norm2_bias), value(post_attn_norm_weight),
+            value(post_attn_norm_bias), value(post_mlp_norm_weight), value(post_mlp_norm_bias),
+            alibi, sinks, {}, {}, {}, {}, num_heads, num_kv_heads, head_dim, window, rope, post};
+    // The widths are given (an int8 weight's padded shape does not say them); every
+    // product's shape is checked against them.
+    const int64_t d = model_dim;
+    if (d <= 0 || (d_model >= 0 && d != d_model)) return "d_model differs between layers";
+    const int64_t ff = gated(L.mlp) ? up_out / 2 : up_out;
+    if (ff <= 0 || (gated(L.mlp) && up_out % 2)) return "bad MLP width";
     for (const std::string& why :
          {norm_problem("norm1", L.norm1_weight, L.norm1_bias, L.norm, d),
           norm_problem("norm2", L.norm2_weight, L.norm2_bias, L.norm, d),
           norm_problem("post_attn_norm", L.post_attn_weight, L.post_attn_bias, L.norm, d),
           norm_problem("post_mlp_norm", L.post_mlp_weight, L.post_mlp_bias, L.norm, d),
-          product_problem("qkv", L.qkv_weight, L.qkv_bias, (num_heads + 2 * num_kv_heads) * head_dim, d),
-          product_problem("out", L.out_weight, L.out_bias, d, num_heads * head_dim),
-          product_problem("up", L.up_weight, L.up_bias, up_out, d),
-          product_problem("down", L.down_weight, L.down_bias, d, ff)})
+          make_product("qkv", qkv_weight, value(qkv_scales), value(qkv_bias),
+                       (num_heads + 2 * num_kv_heads) * head_dim, d, L.qkv),
+          make_product("out", out_weight, value(out_scales), value(out_bias), d,
+                       num_heads * head_dim, L.out),
+          make_product("up", up_weight, value(up_scales), value(up_bias), up_out, d, L.up),
+          make_product("down", down_weight, value(down_scales), value(down_bias), d, ff, L.down)})
       if (!why.empty()) return why;
-    if (ff <= 0 || (gated(L.mlp) && up_out % 2)) return "bad MLP width";
+    // Gemma's norm: 1 + weight, stored once in float32 (the run lasts as long as the
+    // weights do; adding 1 to a bf16 weight would round it).
+    for (Tensor* t : {&L.norm1_weight, &L.norm2_weight, &L.post_attn_weight, &L.post_mlp_weight}) {
+      *t = float_copy(*t);
+      if (t->defined() && norm == "rmsnorm_plus_one") *t = *t + 1.0;
+    }
+    for (Tensor* t : {&L.norm1_bias, &L.norm2_bias, &L.post_attn_bias, &L.post_mlp_bias})
+      *t = float_copy(*t);
     d_model = d;
     layers.push_back(std::move(L));
     return "";
@@ -158,15 +199,16 @@ struct DecoderRun : torch::CustomClassHolder {
                const std::vector<Tensor>& v_caches, const std::vector<int64_t>& pos,
                const c10::List<optional<Tensor>>& cos, const c10::List<optional<Tensor>>& sin) const {
     const size_t n = layers.size();
-    if (x.numel() != d_model || !usable(x) || k_caches.size() != n || v_caches.size() != n ||
+    if (x.numel() != d_model || !floating(x) || k_caches.size() != n || v_caches.size() != n ||
         pos.size() != n || cos.size() != n || sin.size() != n)
       return false;
     for (size_t l = 0; l < n; ++l) {
       const Layer& L = layers[l];
       const Tensor &k = k_caches[l], &v = v_caches[l];
       if (k.dim() != 4 || k.sizes() != v.sizes() || k.size(0) != 1 || k.size(1) != L.kv_heads ||
-          k.size(3) != L.head_dim || !k.is_contiguous() || !v.is_contiguous() || !usable(k) ||
-          !usable(v) || pos[l] < 0 || pos[l] >= k.size(2))
+          k.size(3) != L.head_dim || !k.is_contiguous() || !v.is_contiguous() || !floating(k) ||
+          k.scalar_type() != v.scalar_type() || !v.device().is_cpu() || pos[l] < 0 ||
+          pos[l] >= k.size(2))
         return false;
       const optional<Tensor> c = cos.get(l), s = sin.get(l);
       if (c.has_value() != L.rope || s.has_value() != L.rope) return false;
@@ -186,10 +228,10 @@ struct DecoderRun : torch::CustomClassHolder {
                         const std::vector<int64_t>& pos, const c10::List<optional<Tensor>>& cos,
                         const c10::List<optional<Tensor>>& sin) const {
     if (!step_ok(x, k_caches, v_caches, pos, cos, sin)) return std::nullopt;
-    Tensor h = x.reshape({1, d_model}).contiguous();
+    Tensor h = x.reshape({1, d_model}).to(at::kFloat).contiguous();
     for (size_t l = 0; l < layers.size(); ++l)
       h = run_layer(h, layers[l], k_caches[l], v_caches[l], pos[l], cos.get(l), sin.get(l));
-    return h.view_as(x);
+    return h.to(x.scalar_type()).view_as(x);
   }
 
  private:
@@ -201,24 +243,21 @@ struct DecoderRun : torch::CustomClassHolder {
   static Tensor run_layer(const Tensor& h, const Layer& L, Tensor& k, Tensor& v, int64_t pos,
                           const optional<Tensor>& cos, const optional<Tensor>& sin) {
     const Tensor none;
-    const Tensor qkv = linear_row(normed(h, L, L.norm1_weight, L.norm1_bias), L.qkv_weight,
-                                  L.qkv_bias, none);
+    const Tensor qkv = L.qkv(normed(h, L, L.norm1_weight, L.norm1_bias), none);
     const Tensor heads = decode_step(qkv.view({1, 1, qkv.size(1)}), cos, sin, k, v, pos,
                                      L.window, L.heads, L.kv_heads, L.scale, L.softcap,
                                      L.alibi, L.sinks);
     // The residuals ride in the products (y = x + heads W_out^T + b, no temporary), except
     // where a post-norm comes between the product and the sum.
-    Tensor y = linear_row(heads.view({1, -1}), L.out_weight, L.out_bias, L.post_norms ? none : h);
+    Tensor y = L.out(heads.view({1, -1}), L.post_norms ? none : h);
     if (L.post_norms) y = h + normed(y, L, L.post_attn_weight, L.post_attn_bias);
-    const Tensor up = linear_row(normed(y, L, L.norm2_weight, L.norm2_bias), L.up_weight,
-                                 L.up_bias, none);
+    const Tensor up = L.up(normed(y, L, L.norm2_weight, L.norm2_bias), none);
     const Tensor act = L.mlp == Mlp::SwiGLU  ? silu_mul(up)
                        : L.mlp == Mlp::GeGLU ? gelu_mul(up)
                        : L.mlp == Mlp::Relu  ? at::relu(up)
                                              : at::gelu(up, L.mlp == Mlp::GeluTanh ? "tanh" : "none");
-    if (!L.post_norms) return linear_row(act, L.down_weight, L.down_bias, y);
-    return y + normed(linear_row(act, L.down_weight, L.down_bias, none), L, L.post_mlp_weight,
-                      L.post_mlp_bias);
+    if (!L.post_norms) return L.down(act, y);
+    return y + normed(L.down(act, none), L, L.post_mlp_weight, L.post_mlp_bias);
   }
 };
 
@@ -236,6 +275,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
             torch::arg("up_bias"), torch::arg("down_weight"), torch::arg("down_bias"),
             torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
             torch::arg("window"), torch::arg("rope"), torch::arg("scale"),
+            torch::arg("qkv_scales"), torch::arg("out_scales"), torch::arg("up_scales"),
+            torch::arg("down_scales"), torch::arg("d_model"), torch::arg("up_out"),
             torch::arg("softcap") = 0.0, torch::arg("alibi") = c10::IValue(),
             torch::arg("sinks") = c10::IValue(),
             torch::arg("post_attn_norm_weight") = c10::IValue(),

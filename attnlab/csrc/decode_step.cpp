@@ -11,7 +11,10 @@
 // Shapes: qkv (B, 1, (Hq + 2 Hkv) * D), the packed projection of the new token
 // (queries, then keys, then values, head by head); cos and sin the rotary tables
 // (P, D) in rope.py's convention (sin signed: rot(x) = x cos + roll(x, D/2) sin),
-// or undefined for no rotation; k_cache and v_cache (B, Hkv, Lmax, D), contiguous.
+// or undefined for no rotation; k_cache and v_cache (B, Hkv, Lmax, D), contiguous, float32
+// or bf16 (the kernel is a template on the cache's storage type, convert.h: cached rows
+// are widened as they are read and the new key and value rounded as they are written;
+// the attention itself is float32).
 // The new token sits at position `pos` of the cache and sees the keys mask.h's causal
 // rule leaves it (the last `window` ones; window 0: all of them). Returns (B, 1, Hq * D).
 #include <ATen/ATen.h>
@@ -23,6 +26,7 @@
 #include <numeric>
 #include <vector>
 
+#include "convert.h"
 #include "decode.h"
 #include "mask.h"
 #include "rows.h"
@@ -57,21 +61,22 @@ ATTNLAB_INLINE f8 lane_sums(const f8* a) {
 
 // s[j] = q . keys[j] for the n rows of keys (row stride D): eight keys at a time,
 // eight independent accumulators (one dot product alone is a chain of dependent adds).
-ATTNLAB_PER_ISA static void scores(float* s, const float* q, const float* keys, int64_t n,
+template <typename T>
+ATTNLAB_PER_ISA static void scores(float* s, const float* q, const T* keys, int64_t n,
                                   int64_t D) {
   const int64_t Dv = D - D % 8;
-  float tail[8 * 64];  // the last block's keys, zero-padded to eight rows of up to 64
+  T tail[8 * 64];  // the last block's keys, zero-padded to eight rows of up to 64
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t m = std::min<int64_t>(8, n - j0);
-    const float* k0 = keys + j0 * D;
+    const T* k0 = keys + j0 * D;
     if (m < 8 && Dv == D && D <= 64) {
       std::copy(k0, k0 + m * D, tail);
-      std::fill(tail + m * D, tail + 8 * D, 0.0f);
+      std::fill(tail + m * D, tail + 8 * D, T(0.0f));
       k0 = tail;
     } else if (m < 8) {  // a short last block of wider rows: plain dot products
       for (int64_t k = 0; k < m; ++k) {
         float t = 0.0f;
-        for (int64_t d = 0; d < D; ++d) t += q[d] * k0[k * D + d];
+        for (int64_t d = 0; d < D; ++d) t += q[d] * float(k0[k * D + d]);
         s[j0 + k] = t;
       }
       continue;
@@ -85,7 +90,7 @@ ATTNLAB_PER_ISA static void scores(float* s, const float* q, const float* keys, 
     float out[8];
     store8(out, lane_sums(acc));
     for (int64_t k = 0; k < m; ++k) {
-      for (int64_t d = Dv; d < D; ++d) out[k] += q[d] * k0[k * D + d];
+      for (int64_t d = Dv; d < D; ++d) out[k] += q[d] * float(k0[k * D + d]);
       s[j0 + k] = out[k];
     }
   }
@@ -98,7 +103,8 @@ ATTNLAB_PER_ISA static void axpy(float* y, const float* x, float a, int64_t n) {
 
 // o = sum over j of p[j] * vals[j] (n rows, stride D), o overwritten: 64 columns at a
 // time held in registers across the rows.
-ATTNLAB_PER_ISA static void weighted_rows(float* o, const float* p, const float* vals, int64_t n,
+template <typename T>
+ATTNLAB_PER_ISA static void weighted_rows(float* o, const float* p, const T* vals, int64_t n,
                                          int64_t D) {
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
@@ -112,7 +118,7 @@ ATTNLAB_PER_ISA static void weighted_rows(float* o, const float* p, const float*
   }
   for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
   for (int64_t j = 0; j < n && d0 < D; ++j)
-    for (int64_t d = d0; d < D; ++d) o[d] += p[j] * vals[j * D + d];
+    for (int64_t d = d0; d < D; ++d) o[d] += p[j] * float(vals[j * D + d]);
 }
 
 // dst = x * cos + roll(x, n / 2) * sin (sin signed as rope.py keeps it); n even, dst != x.
@@ -133,71 +139,34 @@ float normaliser(float top, float sum, const double* sink, int64_t h) {
   return kept / (sum * kept + std::exp(s - M));
 }
 
-}  // namespace
-
-at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_table,
-                       const c10::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
-                       at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
-                       int64_t num_kv_heads, double scale, double softcap,
-                       const c10::optional<at::Tensor>& alibi,
-                       const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat,
-              "attnlab decode_step: CPU float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "attnlab decode_step: contiguous float32 caches of one shape");
-  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), Lmax = k_cache.size(2),
-                D = k_cache.size(3), Hq = num_heads;
-  TORCH_CHECK(Hkv == num_kv_heads && Hkv > 0 && Hq % Hkv == 0 && D > 0,
-              "attnlab decode_step: bad head layout");
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 &&
-                  qkv.size(2) == (Hq + 2 * Hkv) * D && qkv.stride(2) == 1,
-              "attnlab decode_step: qkv must be (B, 1, (Hq + 2 Hkv) * D)");
-  TORCH_CHECK(pos >= 0 && pos < Lmax, "attnlab decode_step: position outside the cache");
-  const bool rope = cos_table.has_value() && cos_table->defined();
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  if (rope) {
-    for (const at::Tensor* t : {&*cos_table, &*sin_table}) {
-      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
-                      t->size(0) > pos && t->size(1) == D && D % 2 == 0,
-                  "attnlab decode_step: rotary tables (P > pos, D) float32");
-    }
-    cos = cos_table->data_ptr<float>() + pos * D;
-    sin = sin_table->data_ptr<float>() + pos * D;
-  }
-  for (const auto* t : {&alibi, &sinks})
-    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kDouble && (*t)->dim() == 1 &&
-                                    (*t)->size(0) == Hq && (*t)->is_contiguous()),
-                "attnlab decode_step: alibi slopes and sinks are (num_heads,) float64");
-  TORCH_CHECK(softcap >= 0, "attnlab decode_step: softcap must be > 0 (0: none)");
-  // What mask.h does to the scores (softcap, ALiBi), and each head's sink logit.
-  const Scores terms{softcap, alibi.has_value() ? alibi->data_ptr<double>() : nullptr, 0};
-  const double* sink = sinks.has_value() ? sinks->data_ptr<double>() : nullptr;
+// The step after its checks, on caches of storage type T (float or bf16): the new key
+// (rotated) and value written at pos, then the query heads attended with the score
+// terms (softcap, ALiBi) and sink logits; o (B, Hq * D).
+template <typename T>
+void attend_new(const at::Tensor& qkv, const float* cos, const float* sin, T* kc, T* vc,
+                int64_t B, int64_t Hkv, int64_t Lmax, int64_t D, int64_t Hq, int64_t pos,
+                int64_t window, double scale, const Scores& terms, const double* sink,
+                float* o) {
+  const bool rope = cos != nullptr;
   const int64_t G = Hq / Hkv, row = qkv.stride(0);
   int64_t lo, hi;  // the keys the new token sees (mask.h): it sits last, at pos
   Rule{pos + 1, pos, true, window}.bounds(0, 0, lo, hi);
   const int64_t n = hi - lo;
   const float* src = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   // The new key and value go into the cache first: the query attends to itself too.
+  std::vector<float> rotated(D);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* k = src + b * row + (Hq + h) * D;
       const float* v = src + b * row + (Hq + Hkv + h) * D;
-      float* kd = kc + ((b * Hkv + h) * Lmax + pos) * D;
       if (rope) {
-        rotate(kd, k, cos, sin, D);
-      } else {
-        std::copy(k, k + D, kd);
+        rotate(rotated.data(), k, cos, sin, D);
+        k = rotated.data();
       }
-      std::copy(v, v + D, vc + ((b * Hkv + h) * Lmax + pos) * D);
+      from_acc(k, kc + ((b * Hkv + h) * Lmax + pos) * D, D);
+      from_acc(v, vc + ((b * Hkv + h) * Lmax + pos) * D, D);
     }
   }
-  at::Tensor out = at::empty({B, 1, Hq * D}, qkv.options());
-  float* o = out.data_ptr<float>();
   // Work items: (sequence, kv head, chunk of keys). A (sequence, kv head)'s G query
   // heads read each cached row once, while it is in cache. The rows come from memory
   // (the weights streamed since evicted them), so both threads should pull: with
@@ -225,8 +194,8 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
         }
         scale_row(q.data() + g * D, D, float(scale));
       }
-      const float* keys = kc + ((b * Hkv + hk) * Lmax + lo + j0) * D;
-      const float* vals = vc + ((b * Hkv + hk) * Lmax + lo + j0) * D;
+      const T* keys = kc + ((b * Hkv + hk) * Lmax + lo + j0) * D;
+      const T* vals = vc + ((b * Hkv + hk) * Lmax + lo + j0) * D;
       for (int64_t g = 0; g < G; ++g) {
         scores(s.data(), q.data() + g * D, keys, m, D);
         if (terms.any()) terms.apply(0, hk * G + g, pos, lo + j0, s.data(), m, (float*)nullptr);
@@ -260,6 +229,59 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
       scale_row(od, D, normaliser(top, sum, sink, hk * G + g));
     }
   }
+}
+
+}  // namespace
+
+at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_table,
+                       const c10::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
+                       at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
+                       int64_t num_kv_heads, double scale, double softcap,
+                       const c10::optional<at::Tensor>& alibi,
+                       const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat,
+              "attnlab decode_step: CPU float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "attnlab decode_step: contiguous float32 or bf16 caches of one shape and dtype");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), Lmax = k_cache.size(2),
+                D = k_cache.size(3), Hq = num_heads;
+  TORCH_CHECK(Hkv == num_kv_heads && Hkv > 0 && Hq % Hkv == 0 && D > 0,
+              "attnlab decode_step: bad head layout");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 &&
+                  qkv.size(2) == (Hq + 2 * Hkv) * D && qkv.stride(2) == 1,
+              "attnlab decode_step: qkv must be (B, 1, (Hq + 2 Hkv) * D)");
+  TORCH_CHECK(pos >= 0 && pos < Lmax, "attnlab decode_step: position outside the cache");
+  const bool rope = cos_table.has_value() && cos_table->defined();
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  if (rope) {
+    for (const at::Tensor* t : {&*cos_table, &*sin_table}) {
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                      t->size(0) > pos && t->size(1) == D && D % 2 == 0,
+                  "attnlab decode_step: rotary tables (P > pos, D) float32");
+    }
+    cos = cos_table->data_ptr<float>() + pos * D;
+    sin = sin_table->data_ptr<float>() + pos * D;
+  }
+  for (const auto* t : {&alibi, &sinks})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kDouble && (*t)->dim() == 1 &&
+                                    (*t)->size(0) == Hq && (*t)->is_contiguous()),
+                "attnlab decode_step: alibi slopes and sinks are (num_heads,) float64");
+  TORCH_CHECK(softcap >= 0, "attnlab decode_step: softcap must be > 0 (0: none)");
+  // What mask.h does to the scores (softcap, ALiBi), and each head's sink logit.
+  const Scores terms{softcap, alibi.has_value() ? alibi->data_ptr<double>() : nullptr, 0};
+  const double* sink = sinks.has_value() ? sinks->data_ptr<double>() : nullptr;
+  at::Tensor out = at::empty({B, 1, Hq * D}, qkv.options());
+  if (k_cache.scalar_type() == at::kFloat)
+    attend_new(qkv, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), B, Hkv, Lmax,
+               D, Hq, pos, window, scale, terms, sink, out.data_ptr<float>());
+  else
+    attend_new(qkv, cos, sin, k_cache.data_ptr<c10::BFloat16>(),
+               v_cache.data_ptr<c10::BFloat16>(), B, Hkv, Lmax, D, Hq, pos, window, scale, terms,
+               sink, out.data_ptr<float>());
   return out;
 }
 }  // namespace attnlab

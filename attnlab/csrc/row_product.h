@@ -13,8 +13,11 @@
 //   - columns: W[o][i] at w[i * ld + o] (modules/fused.py's packed (in, out) blocks):
 //              a thread takes a band of inputs and sums x[i] * W[i, :] over it, four
 //              rows at a time, into its own partial output; the partials are added.
-// Float32 only. The loops are compiled per instruction set (vec.h's ATTNLAB_PER_ISA)
-// and picked at load time.
+// The weights are float32 or bf16 (S): the loops are templates on S, reading through
+// convert.h's load16. A bf16 product multiplies bf16 by bf16 (x is rounded to bf16
+// first, as vdpbf16ps does) and sums in float32; by columns on a CPU with the bf16 dot
+// product (vec.h's Avx512Dot) it runs dot_bf16.h's vdpbf16ps loop, elsewhere these.
+// The loops are compiled per instruction set (ATTNLAB_PER_ISA) and picked at load time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,6 +29,8 @@
 #include <cstring>
 #include <vector>
 
+#include "convert.h"
+#include "dot_bf16.h"
 #include "rows.h"
 
 namespace attnlab {
@@ -36,12 +41,13 @@ ATTNLAB_INLINE float plus(float s, const float* bias, const float* residual, int
 }
 
 // y[o] = W[o, :] . x (+ bias, residual) for o in [o0, o1), W stored by rows.
-ATTNLAB_PER_ISA static void dots(const float* w, int64_t ld, const float* x, int64_t n_in,
+template <typename S>
+ATTNLAB_PER_ISA static void dots(const S* w, int64_t ld, const float* x, int64_t n_in,
                                 int64_t o0, int64_t o1, const float* bias,
                                 const float* residual, float* y) {
   int64_t o = o0;
   for (; o + 4 <= o1; o += 4) {
-    const float *w0 = w + o * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+    const S *w0 = w + o * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
     f16v a0{}, a1{}, a2{}, a3{};
     int64_t i = 0;
     for (; i + 16 <= n_in; i += 16) {
@@ -53,31 +59,32 @@ ATTNLAB_PER_ISA static void dots(const float* w, int64_t ld, const float* x, int
     }
     float s[4] = {sum16(a0), sum16(a1), sum16(a2), sum16(a3)};
     for (; i < n_in; ++i) {
-      s[0] += w0[i] * x[i];
-      s[1] += w1[i] * x[i];
-      s[2] += w2[i] * x[i];
-      s[3] += w3[i] * x[i];
+      s[0] += float(w0[i]) * x[i];
+      s[1] += float(w1[i]) * x[i];
+      s[2] += float(w2[i]) * x[i];
+      s[3] += float(w3[i]) * x[i];
     }
     for (int r = 0; r < 4; ++r) y[o + r] = plus(s[r], bias, residual, o + r);
   }
   for (; o < o1; ++o) {
-    const float* wo = w + o * ld;
+    const S* wo = w + o * ld;
     f16v a{};
     int64_t i = 0;
     for (; i + 16 <= n_in; i += 16) a += load16(wo + i) * load16(x + i);
     float s = sum16(a);
-    for (; i < n_in; ++i) s += wo[i] * x[i];
+    for (; i < n_in; ++i) s += float(wo[i]) * x[i];
     y[o] = plus(s, bias, residual, o);
   }
 }
 
 // acc[0, n_out) += sum over i in [i0, i1) of x[i] * W[i, :], W stored by columns (rows of
 // the (in, out) block).
-ATTNLAB_PER_ISA static void axpys(const float* w, int64_t ld, const float* x, int64_t n_out,
+template <typename S>
+ATTNLAB_PER_ISA static void axpys(const S* w, int64_t ld, const float* x, int64_t n_out,
                                  int64_t i0, int64_t i1, float* acc) {
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
-    const float *w0 = w + i * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+    const S *w0 = w + i * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
     const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
     int64_t j = 0;
     for (; j + 16 <= n_out; j += 16) {
@@ -88,11 +95,12 @@ ATTNLAB_PER_ISA static void axpys(const float* w, int64_t ld, const float* x, in
       a += load16(w3 + j) * x3;
       store16(acc + j, a);
     }
-    for (; j < n_out; ++j) acc[j] += w0[j] * x0 + w1[j] * x1 + w2[j] * x2 + w3[j] * x3;
+    for (; j < n_out; ++j)
+      acc[j] += float(w0[j]) * x0 + float(w1[j]) * x1 + float(w2[j]) * x2 + float(w3[j]) * x3;
   }
   for (; i < i1; ++i) {
-    const float* wi = w + i * ld;
-    for (int64_t j = 0; j < n_out; ++j) acc[j] += wi[j] * x[i];
+    const S* wi = w + i * ld;
+    for (int64_t j = 0; j < n_out; ++j) acc[j] += float(wi[j]) * x[i];
   }
 }
 
@@ -121,12 +129,37 @@ constexpr int64_t ROW_PRODUCT_PARALLEL_MIN = int64_t{1} << 15;
 // of most products (two vCPUs that do not stream equally fast).
 constexpr int64_t ROW_PRODUCT_PIECES = 16;
 
-// y = residual + bias + W x (residual, bias may be null; y may alias residual).
-inline void row_product(const float* x, const float* w, int64_t ld, bool by_rows, int64_t n_in,
-                        int64_t n_out, const float* bias, const float* residual, float* y) {
-  const int64_t threads = n_in * n_out < ROW_PRODUCT_PARALLEL_MIN
-                              ? 1
-                              : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 8));
+// Threads for a product of `weights` weights (1 below ROW_PRODUCT_PARALLEL_MIN).
+inline int64_t product_threads(int64_t weights) {
+  return weights < ROW_PRODUCT_PARALLEL_MIN
+             ? 1
+             : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 8));
+}
+
+// The bf16 product's x: rounded to bf16 (the loops above), or as bf16 pairs (dot_bf16.h).
+struct Bf16Row {
+  std::vector<float> rounded;
+  std::vector<uint32_t> pairs;
+};
+
+// y = residual + bias + W x (residual, bias may be null; y may alias residual); W float32
+// or bf16 (S).
+template <typename S>
+void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n_in,
+                 int64_t n_out, const float* bias, const float* residual, float* y) {
+  constexpr bool bf16 = std::is_same_v<S, c10::BFloat16>;
+  const bool dot = bf16 && !by_rows && bf16_dot_active();
+  Bf16Row row;
+  if constexpr (bf16) {
+    if (dot) {
+      row.pairs = bf16_pairs(x, n_in);
+    } else {
+      row.rounded.resize(n_in);
+      for (int64_t i = 0; i < n_in; ++i) row.rounded[i] = bf16_rounded(x[i]);
+      x = row.rounded.data();
+    }
+  }
+  const int64_t threads = product_threads(n_in * n_out);
   const int64_t pieces = threads == 1 ? 1 : ROW_PRODUCT_PIECES;
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
@@ -138,13 +171,26 @@ inline void row_product(const float* x, const float* w, int64_t ld, bool by_rows
   }
   // A piece is a band of inputs, summed into its chunk's partial output (one per
   // chunk, owned by this call: right under any threading backend, and under calls
-  // from several Python threads at once).
-  std::vector<float> partial(threads * n_out, 0.0f);
+  // from several Python threads at once). The dot loop takes its inputs in pairs and
+  // keeps its partial in pair order (dot_bf16.h), put back in order at the end.
+  const int64_t width = dot ? bf16_dot_width(n_out) : n_out;
+  const int64_t steps = dot ? (n_in + 1) / 2 : n_in;  // a piece starts on an even input
+  std::vector<float> partial(threads * width, 0.0f);
   std::vector<const float*> parts(threads, nullptr);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t) {
-    float* acc = partial.data() + begin * n_out;
-    for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1))
-      axpys(w, ld, x, n_out, n_in * k / pieces, n_in * (k + 1) / pieces, acc);
+    float* acc = partial.data() + begin * width;
+    for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
+      const int64_t i0 = steps * k / pieces, i1 = steps * (k + 1) / pieces;
+      if constexpr (bf16) {
+        if (dot) {
+          axpys_bf16_dot(reinterpret_cast<const uint16_t*>(w), ld, row.pairs.data(), n_out,
+                         2 * i0, std::min(2 * i1, n_in), acc);
+          continue;
+        }
+      }
+      axpys(w, ld, x, n_out, i0, i1, acc);
+    }
+    if (dot) bf16_dot_order(acc, n_out);
     parts[begin] = acc;
   });
   int64_t count = 0;

@@ -29,7 +29,7 @@ namespace attnlab {
 // Width of a packed panel: keys per row of a packed K^T (or V^T) panel.
 constexpr int64_t PANEL = 64;
 
-inline bool tile_gemm_supported() { return cpu_level() == Level::Avx512; }
+inline bool tile_gemm_supported() { return cpu_level() >= Level::Avx512; }
 
 }  // namespace attnlab
 

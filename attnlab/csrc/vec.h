@@ -10,8 +10,9 @@
 //            with SVE would be one more name in the list (target_clones("sve", "default")).
 // Code written with the f8 type below and the helpers (all always_inline, so they are
 // compiled into each clone) becomes AVX-512, AVX2 or SSE code in the matching clone.
-// Hand-written intrinsics (tile_gemm.h's AVX-512 kernel) carry their level's target and
-// run only where cpu_level() says the CPU has it: the same levels, one detection.
+// Hand-written intrinsics (tile_gemm.h's AVX-512 kernel, the bf16 and int8 dot products of
+// dot_bf16.h and int8_product.h) carry their level's target and run only where
+// cpu_level() says the CPU has it: the same levels, one detection.
 #pragma once
 
 #include <algorithm>
@@ -33,15 +34,21 @@
 
 namespace attnlab {
 
-// The instruction-set levels, as ATTNLAB_PER_ISA names them.
-enum class Level : int { Base = 0, Avx2 = 1, Avx512 = 2 };
+// The instruction-set levels, as ATTNLAB_PER_ISA names them, and one beyond them for
+// hand-written intrinsics: Avx512Dot, AVX-512 with the bf16 and int8 dot products
+// (avx512_bf16's vdpbf16ps, avx512_vnni's vpdpbusd: Zen 4 and later, Cooper Lake,
+// Sapphire Rapids). Each level includes the ones below it: compare with >=.
+enum class Level : int { Base = 0, Avx2 = 1, Avx512 = 2, Avx512Dot = 3 };
 
 // The level of this CPU, detected once.
 inline Level cpu_level() {
 #if defined(ATTNLAB_X86)
-  static const Level level = __builtin_cpu_supports("x86-64-v4")   ? Level::Avx512
-                             : __builtin_cpu_supports("x86-64-v3") ? Level::Avx2
-                                                                   : Level::Base;
+  static const Level level =
+      !__builtin_cpu_supports("x86-64-v4")
+          ? (__builtin_cpu_supports("x86-64-v3") ? Level::Avx2 : Level::Base)
+      : __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")
+          ? Level::Avx512Dot
+          : Level::Avx512;
   return level;
 #else
   return Level::Base;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..io import CONFIG_FILE, read_json
@@ -71,7 +72,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[nn.Module, object]:
 
     file = GGUFFile(path)
     tokenizer = GGUFTokenizer.from_gguf(file)  # before the weights: a bad vocabulary is quick
-    model = GPT.from_gguf(file)
+    # Float32, as every other --model: the commands that look inside a model (show, heads,
+    # ablate) read and edit float weights. GPT.from_gguf keeps the file's precision.
+    model = GPT.from_gguf(file, dtype=torch.float32)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{file.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
                          f"the model's vocab_size is {model.config.vocab_size}")

@@ -151,6 +151,24 @@ class GGUFFile:
         """Tensor ``name`` as a float32 tensor of its own (see :func:`dequantize`)."""
         return dequantize(self.tensors[name], self.name)
 
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor ``name``'s bytes as stored, ``(rows, bytes a row)`` uint8 of its own (a
+        Q8_0 row: per block of 32 a float16 scale, then 32 int8)."""
+        t = self.tensors[name]
+        rows = self.shape(name)[0] if len(self.shape(name)) > 1 else 1
+        data = np.array(t.data, copy=True).view(np.uint8)
+        return torch.from_numpy(data.reshape(rows, -1))
+
+    def bf16(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in bf16, its own memory: BF16 as stored, F16 rounded to bf16
+        (three fewer mantissa bits, a wider range), other types dequantised first."""
+        kind, shape = self.type_name(name), self.shape(name)
+        if kind == "BF16":
+            return self.raw(name).view(torch.bfloat16).reshape(shape)
+        if kind == "F16":
+            return self.raw(name).view(torch.float16).reshape(shape).to(torch.bfloat16)
+        return self.tensor(name).to(torch.bfloat16)
+
 
 def dequantize(tensor: Any, where: str = "the GGUF file") -> torch.Tensor:
     """One GGUF tensor (gguf's ``ReaderTensor``) as a float32 ``torch.Tensor`` in PyTorch's

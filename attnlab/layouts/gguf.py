@@ -21,11 +21,12 @@ import torch
 
 from ..io.files import PathLike
 from ..io.gguf import GGUFFile
+from . import int8
 from .common import Config, ShapeMismatch
-from .hf import llama_config, llama_state, qwen2_config
+from .hf_llama import LLAMA_NAMES, llama_config, llama_state, qwen2_config
 
 __all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "required_tensors",
-           "ARCHITECTURES"]
+           "ARCHITECTURES", "PRECISIONS", "file_precision"]
 
 # general.architecture -> (transformers' model_type, config converter, whether llama.cpp
 # permuted the q/k rows). llama.cpp writes Mistral (7B, Nemo...) as "llama", with no
@@ -70,6 +71,23 @@ def hf_name(name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() \
             and parts[2] in LAYER_TENSOR_NAMES:
         return f"model.layers.{int(parts[1])}.{LAYER_TENSOR_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def llama_name(hf: str) -> str | None:
+    """attnlab's name of transformers' Llama tensor ``hf`` (``model.layers.3.mlp.up_proj
+    .weight`` -> ``blocks.3.mlp.fc.weight``), as :func:`llama_state` maps it; None for
+    one it does not."""
+    base = hf.removeprefix("model.")
+    if base in ("embed_tokens.weight", "norm.weight"):
+        return {"embed_tokens.weight": "tok_emb.weight", "norm.weight": "norm.weight"}[base]
+    if base == "lm_head.weight":
+        return base
+    parts = base.split(".")
+    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit():
+        module = ".".join(parts[2:-1])
+        if module in LLAMA_NAMES:
+            return f"blocks.{parts[1]}.{LLAMA_NAMES[module]}.{parts[-1]}"
     return None
 
 
@@ -171,9 +189,33 @@ def check_tensor_names(names, cfg: Config, where: str) -> None:
                          + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
 
+# What a GGUF model's weights are held in (``precision`` of :class:`GGUFState`).
+PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+def file_precision(file: GGUFFile) -> str:
+    """The precision that keeps what the file's matrices hold: ``"int8"`` where any is
+    Q8_0 (attnlab's int8 is that scheme), ``"bfloat16"`` where they are BF16 or F16 (and
+    F32), ``"float32"`` otherwise (F32, and the 4- to 6-bit types, which attnlab
+    expands)."""
+    kinds = {file.type_name(n) for n in file.tensors if len(file.shape(n)) == 2}
+    if "Q8_0" in kinds:
+        return "int8"
+    if kinds & {"BF16", "F16"} and kinds <= {"BF16", "F16", "F32"}:
+        return "bfloat16"
+    return "float32"
+
+
 class GGUFState(Mapping):
-    """The tensors of a :class:`~attnlab.io.gguf.GGUFFile` under transformers' names,
-    dequantised to float32 when looked up (one at a time, never kept here).
+    """The tensors of a :class:`~attnlab.io.gguf.GGUFFile` under transformers' names, read
+    when looked up (one at a time, never kept here) in ``precision``:
+
+    - ``"float32"``: every tensor dequantised to float32;
+    - ``"bfloat16"``: matrices in bf16 (BF16 as stored, F16 rounded), vectors float32;
+    - ``"int8"``: vectors float32; a linear layer's weight (every matrix but an embedding
+      that is not also the output layer) is a meta placeholder of its shape, its int8
+      weight given by :meth:`int8` (a Q8_0 tensor's bytes moved into attnlab's layout,
+      another type's rows to quantise).
 
     ``shapes()`` gives every shape from the file's header without reading a tensor, as
     :class:`~attnlab.io.weights.SafetensorsState` does, so shapes are checked against the
@@ -181,21 +223,48 @@ class GGUFState(Mapping):
     """
 
     def __init__(self, file: GGUFFile, *, permuted: bool = False,
-                 heads: int = 1, kv_heads: int = 1) -> None:
+                 heads: int = 1, kv_heads: int = 1, precision: str = "float32") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self._file = file
         self._names = {hf_name(n): n for n in file.tensors}
         self._names.pop(None, None)
         self._heads = {"q_proj": heads, "k_proj": kv_heads} if permuted else {}
+        self.precision = precision
+        # An embedding stays float where the file has its own output layer.
+        self._table = "lm_head.weight" not in self._names
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {hf: (self._file.shape(n), torch.float32) for hf, n in self._names.items()}
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        w = self._file.tensor(self._names[key])
+    def held_int8(self, key: str) -> bool:
+        """Whether ``key`` is a weight an int8 model holds as int8."""
+        return (len(self._file.shape(self._names[key])) == 2
+                and (self._table or not key.endswith("embed_tokens.weight")))
+
+    def _rows(self, key: str, w: torch.Tensor) -> torch.Tensor:
         proj = key.rsplit(".", 2)[-2]
-        if proj in self._heads:
-            w = unpermute_rows(w, self._heads[proj])
-        return w
+        return unpermute_rows(w, self._heads[proj]) if proj in self._heads else w
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        name = self._names[key]
+        shape = self._file.shape(name)
+        if self.precision == "int8" and self.held_int8(key):
+            return torch.empty(shape, device="meta")  # its weight comes from int8()
+        if self.precision == "bfloat16" and len(shape) == 2:
+            return self._rows(key, self._file.bf16(name))
+        return self._rows(key, self._file.tensor(name))
+
+    def int8(self, key: str):
+        """The int8 weight of ``key`` (an ``"int8"`` state's linear weight): a Q8_0 tensor
+        as ``(data, scales)`` in :mod:`~attnlab.layouts.int8`'s layout, its bytes only
+        moved; another type as a function of rows ``[a, b)`` of its float weight."""
+        name = self._names[key]
+        out, n = self._file.shape(name)
+        if self._file.type_name(name) == "Q8_0":
+            return int8.from_gguf_q8_0(self._rows(key, self._file.raw(name)), out, n)
+        w = self._rows(key, self._file.tensor(name))
+        return lambda a, b: w[a:b]
 
     def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor
         return key in self._names
@@ -207,9 +276,15 @@ class GGUFState(Mapping):
         return len(self._names)
 
 
-def gguf_layout(source: PathLike | GGUFFile) -> tuple[Config, dict[str, torch.Tensor], str]:
-    """``(GPTConfig values, attnlab state dict, source name)`` of a GGUF file (a path or
-    an open :class:`~attnlab.io.gguf.GGUFFile`).
+def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
+                ) -> tuple[Config, dict[str, torch.Tensor], str, dict[str, Any]]:
+    """``(GPTConfig values, attnlab state dict, source name, int8 weights)`` of a GGUF
+    file (a path or an open :class:`~attnlab.io.gguf.GGUFFile`), its tensors in
+    ``precision`` (:data:`PRECISIONS`; None: :func:`file_precision`'s, the file's own).
+
+    The int8 weights are empty unless the precision is ``"int8"``: then they map the
+    state's name of each linear weight (a meta placeholder in the state) to a function
+    giving its :meth:`GGUFState.int8`, to call when that layer is filled.
 
     Checked before any tensor is dequantised: the architecture and the options of its
     metadata, the tensors' names (each one the config needs, none it has no place for),
@@ -231,9 +306,14 @@ def gguf_layout(source: PathLike | GGUFFile) -> tuple[Config, dict[str, torch.Te
                          "is odd; rotary embeddings need an even one")
     file.check_types(file.tensors)
     state = GGUFState(file, permuted=permuted, heads=config["num_heads"],
-                      kv_heads=config["num_kv_heads"])
+                      kv_heads=config["num_kv_heads"],
+                      precision=file_precision(file) if precision is None else precision)
+    weights = {}
+    if state.precision == "int8":
+        weights = {llama_name(key): (lambda k: lambda: state.int8(k))(key)
+                   for key in state if state.held_int8(key)}
     try:
-        return config, llama_state(state, config), file.name
+        return config, llama_state(state, config), file.name, weights
     except ShapeMismatch as exc:
         raise ShapeMismatch(f"{file.name} does not fit the GPT: {exc}") from None
     except ValueError as exc:  # a tensor the layout needs and the file lacks

@@ -29,7 +29,7 @@ from torch import nn
 from .. import _decode, _native
 from ..cache import KVCache
 from ..functional import may_decode
-from ..modules import MultiHeadAttention, fused
+from ..modules import MultiHeadAttention, fused, quantized
 from ..modules.layers import GATED_MLP_KINDS, MLP, norm_kind
 
 _LIBRARY = ("attnlab.", "torch.nn.")
@@ -111,7 +111,8 @@ def _plan(blocks: Sequence[nn.Module], kind: type, x: torch.Tensor) -> Plan:
     """Which blocks the kernel may take now for rows like ``x``: runs of consecutive
     ones, one each."""
     plan: Plan = []
-    if _native.for_inference(x) is None:  # gradients on, another dtype or device, no build
+    if _native.for_inference(x, dtypes=_native.PRODUCT_DTYPES) is None:
+        # gradients on, another dtype or device, no build
         return [(i, i + 1, None) for i in range(len(blocks))]
     current: _decode.Run | None = None
     for i, block in enumerate(blocks):
@@ -134,9 +135,11 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
     or piece the kernel does not know (a subclass, a ``forward`` of its own), a hook or
     ``qkv_hook`` that must see it run, a chosen backend, dropout in training (each
     module's own flag: ``attn.train()`` alone turns on attention dropout), a product
-    whose weights no longer lie packed (``modules.fused``: the modules pack them again).
-    What the kernel does not implement (a norm or MLP kind it does not know) it refuses
-    when the layer is added to a run (``_decode.Run.add``)."""
+    whose weights no longer lie packed (``modules.fused``: the modules pack them again;
+    ``modules.quantized``: int8 layers quantised apart). The products may be float32,
+    bf16 or int8 (the kernel checks the tensors). What the kernel does not implement (a
+    norm or MLP kind it does not know) it refuses when the layer is added to a run
+    (``_decode.Run.add``)."""
     if type(block) is not kind or "forward" in block.__dict__:
         return None
     mods = block._modules
@@ -161,19 +164,27 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
               [mlp._modules.get("proj")]]
     products = []
     for group in groups:
+        kind = type(group[0])
         for m in group:
-            if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks
-                    or "forward" in m.__dict__):
+            if (type(m) is not kind or kind not in (nn.Linear, quantized.Int8Linear)
+                    or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__):
                 return None
+        if kind is quantized.Int8Linear:
+            if not quantized.is_packed(group):
+                return None
+            data, scales, bias, _ = quantized.tensors(group)
+            products.append((data, bias, scales))
+            continue
         if not fused.is_packed(group):
             return None
-        products.append(fused.block(group))
+        products.append((*fused.block(group), None))
     for m in (block, attn, mlp, *norms):
         if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return None
     n1, n2 = norm1._parameters, norm2._parameters
     p1, p2 = ({} if n is None else n._parameters for n in (post_attn, post_mlp))
-    (qkv_w, qkv_b), (out_w, out_b), (up_w, up_b), (down_w, down_b) = products
+    (qkv_w, qkv_b, qkv_s), (out_w, out_b, out_s), (up_w, up_b, up_s), (down_w, down_b, down_s) \
+        = products
     return _decode.DecoderLayer(
         norm=norm, eps=torch.finfo(torch.float32).eps if norm1.eps is None else norm1.eps,
         norm1_weight=n1.get("weight"), norm1_bias=n1.get("bias"),
@@ -181,6 +192,8 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
         qkv_weight=qkv_w, qkv_bias=qkv_b, out_weight=out_w, out_bias=out_b,
         mlp=mlp.kind, up_weight=up_w, up_bias=up_b, down_weight=down_w, down_bias=down_b,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        window=attn.window, rotary=attn.rotary, **attn.score_options(),
+        window=attn.window, rotary=attn.rotary, d_model=attn.d_in,
+        up_out=sum(m.out_features for m in groups[2]), qkv_scales=qkv_s, out_scales=out_s,
+        up_scales=up_s, down_scales=down_s, **attn.score_options(),
         post_attn_norm_weight=p1.get("weight"), post_attn_norm_bias=p1.get("bias"),
         post_mlp_norm_weight=p2.get("weight"), post_mlp_norm_bias=p2.get("bias"))

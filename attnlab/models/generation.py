@@ -2,7 +2,8 @@
 
 A model provides ``forward(ids, *, attention_mask, caches, positions, logits_to_keep)``
 returning logits ``(batch, seq, vocab)`` (the last ``logits_to_keep`` positions),
-``new_cache(batch_size, max_seq_len)`` and ``context_length``. Prompts of different
+``new_cache(batch_size, max_seq_len)`` (and ``dtype=`` for ``cache_dtype``) and
+``context_length``. Prompts of different
 lengths are left-padded; each sequence's positions count only its real tokens, so
 padding changes nothing.
 """
@@ -107,6 +108,22 @@ def check_eos_id(eos_id: object, vocab_size: int) -> int | None:
     return int(eos_id)
 
 
+def check_precision(dtype: object, quantize: object) -> None:
+    """TypeError/ValueError unless ``dtype`` is None, torch.float32 or torch.bfloat16 and
+    ``quantize`` None or "int8" (what a model's weights may be held in)."""
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"dtype must be None, torch.float32 or torch.bfloat16, got {dtype!r}")
+    if quantize is not None and quantize != "int8":
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+
+
+def check_cache_dtype(dtype: object) -> None:
+    """TypeError unless ``dtype`` is None or a floating-point torch dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"cache_dtype must be None or a floating-point torch.dtype such as "
+                        f"torch.bfloat16, got {dtype!r}")
+
+
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
     bounded_int("max_new_tokens", max_new_tokens, 0, MAX_NEW_TOKENS)
     # nan passes every comparison-based check and inf divides the logits into nan;
@@ -140,6 +157,7 @@ class GenerationMixin:
         generator: torch.Generator | None = None,
         tokenizer=None,
         decoder=None,
+        cache_dtype: torch.dtype | None = None,
     ) -> Iterator[torch.Tensor] | Iterator[str]:
         """Yield the next token of every sequence ``(batch,)``, one step at a time.
 
@@ -155,9 +173,12 @@ class GenerationMixin:
         ``decoder`` (GPT: ``model.decoder(ids)``) keeps the fused decoding plan from token
         to token; give one only where nothing changes the model while the stream runs.
         Without it the plan is made at every token (the caller's code runs in between).
+        ``cache_dtype``: the KV caches' dtype (default: the model's; ``torch.bfloat16``
+        halves their bytes, see :meth:`~attnlab.KVCache`).
         """
+        check_cache_dtype(cache_dtype)
         tokens = self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                  eos_id, generator, decoder)
+                                  eos_id, generator, decoder, cache_dtype)
         if tokenizer is None:
             return tokens
         prompt, _ = _as_batch(ids, self.pad_id)
@@ -168,7 +189,7 @@ class GenerationMixin:
 
     @torch.inference_mode()
     def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
-                    generator, decoder) -> Iterator[torch.Tensor]:
+                    generator, decoder, cache_dtype=None) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         eos_id = check_eos_id(eos_id, self.config.vocab_size)
         device = next(self.parameters()).device
@@ -186,7 +207,9 @@ class GenerationMixin:
             full_mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
             full_mask[:, :prompt_len] = mask
             mask = full_mask[:, :prompt_len]
-        caches = self.new_cache(batch, total) if use_cache else None
+        # (dtype only when asked: a model's new_cache may take just the two sizes)
+        kept_dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
+        caches = self.new_cache(batch, total, **kept_dtype) if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         seq, seq_mask = ids, mask
         # Without padding the layers read positions off the cache (a cheap slice);
@@ -230,6 +253,7 @@ class GenerationMixin:
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
         on_token: Callable[[torch.Tensor], None] | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -246,6 +270,9 @@ class GenerationMixin:
             eos_id: stop a sequence when it produces this token.
             generator: a ``torch.Generator`` for reproducible sampling.
             on_token: called with each step's ``(batch,)`` new tokens (streaming).
+            cache_dtype: the KV caches' dtype (default: the model's);
+                ``torch.bfloat16`` halves their bytes (keys and values rounded as
+                written, attention computed in float32).
 
         Returns:
             ``(batch, prompt_len + new)`` ids: the (left-padded) prompts and what was
@@ -257,7 +284,7 @@ class GenerationMixin:
         # model runs only library code): the fused decoding plan is made once.
         decoder = self.decoder(ids) if on_token is None and hasattr(self, "decoder") else None
         for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                               eos_id, generator, decoder=decoder):
+                               eos_id, generator, decoder=decoder, cache_dtype=cache_dtype):
             new.append(tok)
             if on_token is not None:
                 on_token(tok)

@@ -22,10 +22,10 @@ from ..checks import non_negative_int
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
-from ..modules import MultiHeadAttention, fused
+from ..modules import MultiHeadAttention, fused, quantized
 from ..modules.layers import MLP, dropout, embedding, make_norm
 from . import decoding
-from .generation import GenerationMixin
+from .generation import GenerationMixin, check_precision
 from .gpt_config import GPTConfig
 from .ids import check_ids, packed_positions
 from .loading import build_loaded
@@ -92,6 +92,11 @@ class GPT(GenerationMixin, nn.Module):
         self.embed_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
                            if config.embed_norm else None)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        # One rotary table for all layers (one head_dim, one base): it grows with the
+        # positions decoded, 2 * positions * head_dim floats once instead of once a layer.
+        for block in self.blocks[1:]:
+            if block.attn.rotary is not None:
+                block.attn.rotary = self.blocks[0].attn.rotary
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -115,9 +120,10 @@ class GPT(GenerationMixin, nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
-        """One preallocated :class:`KVCache` per layer."""
-        return [b.attn.new_cache(batch_size, max_seq_len) for b in self.blocks]
+    def new_cache(self, batch_size: int, max_seq_len: int, *,
+                  dtype: torch.dtype | None = None) -> list[KVCache]:
+        """One preallocated :class:`KVCache` per layer (``dtype``: default the weights')."""
+        return [b.attn.new_cache(batch_size, max_seq_len, dtype=dtype) for b in self.blocks]
 
     def forward(
         self,
@@ -165,7 +171,8 @@ class GPT(GenerationMixin, nn.Module):
                 caches.
 
         Returns:
-            logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given);
+            logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given), float32
+            for bf16 and int8 weights too;
             with either flag a tuple: logits, then
             ``attentions`` (a list) if asked, then ``hidden_states`` (a list) if asked.
         """
@@ -212,11 +219,15 @@ class GPT(GenerationMixin, nn.Module):
             hidden[-1] = x  # transformers' convention: the last entry is after the final norm
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
+        # Float32 logits whatever the weights: the output layer's products accumulate in
+        # float32, and a vocabulary of logits rounded to bf16 would tie its top tokens.
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
         # In inference one product over the (d_model, vocab) tensor, packed again first
         # if its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
         if logits is None:
-            logits = self.lm_head(x)
+            logits = fused.run(x, self.lm_head)
         cap = self.config.logit_softcap
         if cap is not None:  # Gemma 2's final logit softcapping, in its order of operations
             logits = torch.tanh(logits / cap) * cap
@@ -247,6 +258,11 @@ class GPT(GenerationMixin, nn.Module):
             Dropout is applied by :meth:`forward`.
         """
         x = self.tok_emb(ids)
+        # The activations' dtype is the final norm's (float32 where only the matrices are
+        # bf16 or int8, as a GGUF file's are; bf16 after model.to(torch.bfloat16)).
+        act = getattr(self.norm, "weight", None)
+        if act is not None and x.dtype != act.dtype:
+            x = x.to(act.dtype)
         if self.config.scale_embeddings:
             # sqrt(d_model) rounded to float32 first, then to x's dtype, as Gemma does.
             x = x * torch.tensor(math.sqrt(self.config.d_model)).to(x.dtype)
@@ -259,7 +275,8 @@ class GPT(GenerationMixin, nn.Module):
         return x
 
     @classmethod
-    def from_hf(cls, model) -> GPT:
+    def from_hf(cls, model, *, dtype: torch.dtype | None = None,
+                quantize: str | None = None) -> GPT:
         """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
         ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM``,
         ``Qwen2ForCausalLM``, ``Gemma2ForCausalLM`` or ``BloomForCausalLM``, or of a local
@@ -271,25 +288,61 @@ class GPT(GenerationMixin, nn.Module):
         it later changes nothing), a live model's are copied (training this model never
         changes it). Every tensor's shape is checked against the config before anything
         is allocated.
+
+        Args:
+            model: the folder or the transformers model.
+            dtype: the dtype every floating-point tensor is stored in (default: the
+                source's). ``torch.bfloat16`` holds the weights once in bf16, as
+                ``model.to(torch.bfloat16)`` would, converted as they are read.
+            quantize: ``"int8"`` holds every linear layer's weight as int8 (weight-only,
+                llama.cpp's Q8_0 scheme: :meth:`quantize`), quantised as it is read.
         """
+        check_precision(dtype, quantize)
         config, state = gpt_layout(model)
         config = GPTConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
+        return build_loaded(lambda: cls(config), state, source=_source(model), dtype=dtype,
+                            quantize=quantize).eval()
+
+    def quantize(self, scheme: str = "int8") -> GPT:
+        """Hold every linear layer's weight as int8, in place (returns the model).
+
+        Weight-only, symmetric, llama.cpp's Q8_0 scheme: one float16 scale per block of
+        32 weights along each output's row (``attnlab.layouts.int8``), about 1.06 bytes a
+        weight. The decoding products multiply on the CPU's int8 dot product
+        (``vpdpbusd``) where it has one, each activation row quantised on the fly per
+        block of 32 (as llama.cpp's Q8_0 products do); norms, biases and an untied
+        embedding keep their dtype, a tied embedding reads the int8 output layer.
+        Logits stay within the tolerance ``docs/precision.md`` states of float32's.
+        """
+        check_precision(None, scheme)
+        quantized.quantize(self, scheme)
+        return self
 
     @classmethod
-    def from_gguf(cls, path) -> GPT:
+    def from_gguf(cls, path, *, dtype: torch.dtype | None = None,
+                  quantize: str | None = None) -> GPT:
         """A GPT with the weights of a GGUF file (llama.cpp's format): the ``llama``
         (Llama 2 and 3, SmolLM, TinyLlama, Mistral) and ``qwen2`` architectures, tensors
         of the types :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1,
-        K-quants...), dequantised to float32. ``path`` may also be an open
-        :class:`attnlab.io.gguf.GGUFFile`. The architecture, the tensor types and every
-        shape are checked before anything is allocated; a damaged or unsupported file
-        is one ValueError naming it. The tokenizer is
-        :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
+        K-quants...). ``path`` may also be an open :class:`attnlab.io.gguf.GGUFFile`. The
+        architecture, the tensor types and every shape are checked before anything is
+        allocated; a damaged or unsupported file is one ValueError naming it. The
+        tokenizer is :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
+
+        The file keeps its precision unless told otherwise (``layouts.gguf.file_precision``):
+        Q8_0 matrices become attnlab's int8 (the same scheme: their bytes are moved, no
+        float is computed; the file's other matrices are quantised to it), BF16 and F16
+        ones bf16 (F16 rounded to bf16), the rest float32. ``dtype=torch.float32`` expands
+        everything to float32, ``dtype=torch.bfloat16`` holds the matrices in bf16,
+        ``quantize="int8"`` quantises every linear layer.
         """
-        config, state, source = gguf_layout(path)
+        check_precision(dtype, quantize)
+        precision = ("int8" if quantize else "bfloat16" if dtype == torch.bfloat16
+                     else "float32" if dtype == torch.float32 else None)
+        config, state, source, int8 = gguf_layout(path, precision)
         config = GPTConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=source).eval()
+        return build_loaded(lambda: cls(config), state, source=source,
+                            quantize="int8" if int8 else None, int8=int8).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..io.files import CheckpointError
 from ..io.weights import CHUNK, SafetensorsState, read_into
+from ..modules import quantized
 
 __all__ = ["load_state", "state_mismatches", "check_fits", "build_loaded"]
 
@@ -109,7 +110,9 @@ def _set_param(model: nn.Module, name: str, value) -> None:
 
 
 def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor], *,
-                 source: str) -> nn.Module:
+                 source: str, dtype: torch.dtype | None = None,
+                 quantize: str | None = None,
+                 int8: Mapping[str, Callable[[], object]] | None = None) -> nn.Module:
     """``make()`` a model without allocating or initialising its weights, then fill it
     from the tensors of ``state``: the weights exist once, never beside a throwaway
     random copy, and the model owns every one of them.
@@ -125,37 +128,59 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     state lets go of each tensor as it is copied, so at no point are the weights held
     twice. Tied parameters (an output layer sharing the embedding) stay tied, whether
     the source stores them once or twice.
+
+    ``dtype``: floating-point tensors are stored in it (converted chunk by chunk as
+    they are read) instead of the source's dtype. ``quantize="int8"``: every linear
+    layer is stored as :class:`~attnlab.modules.quantized.Int8Linear`, quantised from
+    the source a few thousand rows at a time (a source value may also be a ready
+    ``(data, scales)`` pair in that layout: then it is copied), so the float weights
+    are never all in memory. ``int8`` maps a weight's name to a function giving its
+    int8 weight (a pair, or rows to quantise) in place of ``state``'s (a GGUF file's
+    Q8_0 tensors, whose ``state`` entries are then only placeholders of their shapes).
     """
     with torch.device("meta"):
         model = make()
     tied = _tied_groups(model)
     aliases = {name for names in tied for name in names[1:]}
     check_fits(model, state, source=source, allow_missing=aliases)
-    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():
-        blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
-    packed = {name for members in blocks.values()
-              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
     # One buffer for every chunk read from a file: a new one per tensor would leave
     # holes between the blocks that the allocator keeps.
     bounce = torch.empty(CHUNK, dtype=torch.uint8)
+    if quantize is not None:
+        primary = {alias: names[0] for names in tied for alias in names[1:]}
+        def source(layer: str):
+            name = primary.get(f"{layer}.weight", f"{layer}.weight")
+            return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
+        quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
+        tied = _tied_groups(model)
+        aliases = {name for names in tied for name in names[1:]}
+    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
+    packed = {name for members in blocks.values()
+              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
+    wanted = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
     # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
     # the given one would keep the user's file mapped (its pages read whenever used) or
     # share a live model's storage.
     own = {}
     with torch.no_grad():
-        for name in [n for n in state if n not in packed and n not in aliases]:
+        for name in [n for n in state if n in wanted and n not in packed and n not in aliases]:
             src = state[name]
-            own[name] = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            own[name] = torch.empty(src.shape, dtype=_stored(src.dtype, dtype), device=src.device)
             read_into(own[name], src, bounce)
             del src
             if isinstance(state, dict):
                 del state[name]  # freed now (unless a live model still holds it)
+        for name, p in model.named_parameters():  # made by quantize (biases): filled in place
+            if not p.is_meta and name in state:
+                read_into(p, state[name], bounce)
     model.load_state_dict(own, strict=False, assign=True)
     del own
     for members in blocks.values():
         if members[0][0] in packed:
-            _fill_block(model, members, state, bounce)
+            _fill_block(model, members, state, bounce, dtype)
     for names in tied:
         primary = model.get_parameter(names[0])
         for name in names[1:]:
@@ -167,10 +192,30 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     return model
 
 
+def _stored(given: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of dtype ``given`` is stored in when loading asks for ``dtype``."""
+    return dtype if dtype is not None and given.is_floating_point else given
+
+
+def _rows(state: Mapping, name: str, bounce: torch.Tensor):
+    """The row source :func:`~attnlab.modules.quantized.quantize` reads ``state[name]``
+    through: rows ``[a, b)`` as float32, read from the file in chunks; or the ``(data,
+    scales)`` pair a state already holds in the int8 layout."""
+    src = state[name]
+    if isinstance(src, tuple):
+        return src
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        out = torch.empty(b - a, src.shape[1], dtype=torch.float32)
+        read_into(out, src[a:b], bounce)
+        return out
+    return rows
+
+
 def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
-                state: Mapping, bounce: torch.Tensor) -> None:
+                state: Mapping, bounce: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     """Allocate the one tensor that ``members`` (meta parameters) are views of, in the
-    sources' dtype and device, and copy each source into its view."""
+    sources' dtype (or ``dtype``) and device, and copy each source into its view."""
     given = [state[n] for n, _ in members if n in state]
     if not given:
         return
@@ -179,7 +224,7 @@ def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
     meta = members[0][1]
     numel = meta.untyped_storage().nbytes() // meta.element_size()
     with torch.no_grad():
-        base = torch.empty(numel, dtype=first.dtype, device=first.device)
+        base = torch.empty(numel, dtype=_stored(first.dtype, dtype), device=first.device)
         del first
         views = []
         for name, p in members:

@@ -62,8 +62,9 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         )
         self.out = nn.Linear(config.d_model, config.vocab_size)
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
-        return [self.attn.new_cache(batch_size, max_seq_len)]
+    def new_cache(self, batch_size: int, max_seq_len: int, *,
+                  dtype: torch.dtype | None = None) -> list[KVCache]:
+        return [self.attn.new_cache(batch_size, max_seq_len, dtype=dtype)]
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:

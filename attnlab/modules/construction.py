@@ -60,7 +60,6 @@ def from_torch(cls: type, m: nn.MultiheadAttention):
         out.out_proj.weight.copy_(m.out_proj.weight)
         if m.out_proj.bias is not None:
             out.out_proj.bias.copy_(m.out_proj.bias)
-    fused.pack((out.W_query, out.W_key, out.W_value))  # .to() may have unpacked them
-    fused.pack((out.out_proj,))
+    fused.pack_groups(out)  # .to() may have unpacked them
     out.train(m.training)
     return out

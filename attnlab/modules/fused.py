@@ -38,8 +38,10 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from .. import _native
+from . import quantized
 
-__all__ = ["pack", "is_packed", "block", "joint", "apply", "split", "global_forward_hooks"]
+__all__ = ["pack", "pack_groups", "is_packed", "block", "joint", "apply", "split", "run", "takes",
+           "dtype_device", "global_forward_hooks"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -104,6 +106,31 @@ def pack(linears: Sequence[nn.Linear]) -> None:
                     m.bias.data = m.bias.detach().clone()
 
 
+def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype of a layer's weight and its device; float32 for int8 weights (their
+    activations' dtype) on the device of their data."""
+    w = linear._parameters.get("weight")
+    if w is None and type(linear) is quantized.Int8Linear:
+        return torch.float32, linear.data.device
+    return w.dtype, w.device
+
+
+def takes(dtype: torch.dtype, linear: nn.Module) -> bool:
+    """Whether the layer multiplies rows of ``dtype``: its weight's dtype, or float32 and
+    bf16 for float32, bf16 and int8 weights (each product converts the row)."""
+    w = linear._parameters.get("weight")
+    if w is None or w.dtype == dtype:
+        return True
+    return dtype in _native.PRODUCT_DTYPES and w.dtype in _native.PRODUCT_DTYPES
+
+
+def pack_groups(module: nn.Module) -> None:
+    """:func:`pack` each group of a module's ``product_groups`` (names of its layers that
+    multiply one input, as one product: q|k|v, gate|up; or a layer alone)."""
+    for names in module.product_groups:
+        pack([module._modules[name] for name in names])
+
+
 def global_forward_hooks() -> bool:
     """Whether forward hooks registered for every module are in force: they must see
     each module run, so the fused inference paths stand aside."""
@@ -125,41 +152,66 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     packed block, for inference on one row or a few (a prompt, a batch being decoded);
     or None where the layers should run one by one: with gradients, with hooks on a
     layer, for more rows than the native kernel takes (BLAS's own blocking then pays,
-    and multiplies a packed block slower than each layer's own weight)."""
+    and multiplies a packed block slower than each layer's own weight).
+
+    The weights may be float32 or bf16 (one row by the native streamed product either
+    way), or int8 (:class:`~.quantized.Int8Linear` layers, by the native int8 product);
+    ``x`` may have another float dtype than the weights: the result has ``x``'s."""
     if torch.is_grad_enabled() or global_forward_hooks():
         return None
+    for m in linears:  # a wrapped or parametrised layer, or one hooked: it runs itself
+        if (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                or type(m) is not type(linears[0])):
+            return None
+    if type(linears[0]) is quantized.Int8Linear:
+        return quantized.joint(x, linears)
+    if type(linears[0]) is not nn.Linear or any("weight" not in m._parameters for m in linears):
+        return None
     one_row = math.prod(x.shape[:-1]) == 1
-    ops = _native.for_inference(x)
+    ops = _native.for_inference(x, dtypes=_native.PRODUCT_DTYPES)
     if not one_row and ops is None:
         return None
-    for m in linears:  # a wrapped or parametrised layer, or one hooked: it runs itself
-        if (type(m) is not nn.Linear or "weight" not in m._parameters
-                or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__):
-            return None
     if not is_packed(linears):
         if any(m._parameters["bias"] is not None for m in linears) and not all(
                 m._parameters["bias"] is not None for m in linears):
             return None
         pack(linears)  # the layout was lost (a dtype change, an assigned parameter)
     weight, bias = block(linears)
-    if ops is not None and weight.dtype == torch.float32:
+    if ops is not None and weight.dtype in _native.PRODUCT_DTYPES:
         # One row streamed as fast as memory allows, a few by the tile kernel.
         out = ops.linear(x.contiguous(), weight, bias, None)
         if out is not None:
             return out
-    return F.linear(x, weight, bias) if one_row else None
+    return _linear(x, weight, bias) if one_row else None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in the weight's dtype, the result in ``x``'s."""
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def run(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """``linear(x)`` through the layer itself (its hooks see it), ``x`` given in the
+    weight's dtype where they differ (a float32 row through bf16 weights) and the result
+    returned in ``x``'s."""
+    w = linear._parameters.get("weight") if type(linear) is nn.Linear else None
+    if w is None or w.dtype == x.dtype or not x.is_floating_point():
+        return linear(x)
+    return linear(x.to(w.dtype)).to(x.dtype)
 
 
 def apply(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """``linear(x)``: by the packed inference product where :func:`joint` takes it,
     else by the layer itself (which its hooks then see)."""
     out = joint(x, (linear,))
-    return linear(x) if out is None else out
+    return run(x, linear) if out is None else out
 
 
 def split(x: torch.Tensor, linears: Sequence[nn.Linear]) -> list[torch.Tensor]:
     """``[m(x) for m in linears]``, as one product for one row (see :func:`joint`)."""
     out = joint(x, linears)
     if out is None:
-        return [m(x) for m in linears]
+        return [run(x, m) for m in linears]
     return list(out.split_with_sizes([m.out_features for m in linears], dim=-1))

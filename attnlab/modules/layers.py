@@ -117,12 +117,10 @@ class MLP(nn.Module):
             self.gate = nn.Linear(d_model, d_ff, bias=bias)
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
-        if gated:  # one (d_model, 2 * d_ff) tensor: gate and up in one product
-            fused.pack((self.gate, self.fc))
-        else:
-            fused.pack((self.fc,))
-        # Each stored (in, out) (modules.fused): the native products stream it faster.
-        fused.pack((self.proj,))
+        # Each stored (in, out) (modules.fused): the native products stream it faster;
+        # a gated MLP's gate and up in one (d_model, 2 * d_ff) tensor, one product.
+        self.product_groups = (("gate", "fc") if gated else ("fc",), ("proj",))
+        fused.pack_groups(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind in GATED_MLP_KINDS:
@@ -132,7 +130,7 @@ class MLP(nn.Module):
             if ops is not None:  # inference: silu(gate) * up in one pass
                 return fused.apply(ops.silu_mul(gate_up), self.proj)
             gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
-                        else (self.gate(x), self.fc(x)))
+                        else (fused.run(x, self.gate), fused.run(x, self.fc)))
             act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
             return fused.apply(act * up, self.proj)
         h = fused.apply(x, self.fc)

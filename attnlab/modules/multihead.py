@@ -34,6 +34,8 @@ def _shape(t: object) -> object:
 
 
 class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
+    product_groups = (("W_query", "W_key", "W_value"), ("out_proj",))  # (modules.fused)
+
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:
@@ -152,10 +154,9 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         self.out_proj = nn.Linear(inner, d_out, bias=out_bias)
         self._init_scores(num_heads, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
-        # One (d_in, q + k + v) tensor holds the three weights; W_query/W_key/W_value
-        # keep their names and shapes as views of it (see modules.fused).
-        fused.pack((self.W_query, self.W_key, self.W_value))
-        fused.pack((self.out_proj,))  # stored (in, out) too: streams faster
+        # One (d_in, q + k + v) tensor holds the three weights, views of it (see
+        # modules.fused); the output projection is stored (in, out) too: it streams faster.
+        fused.pack_groups(self)
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
         # them (after RoPE, before the cache), so ablations see the real scores.
@@ -175,10 +176,11 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         return ", ".join(parts)
 
     def new_cache(self, batch_size: int, max_seq_len: int, *, dtype=None, device=None) -> KVCache:
-        """An empty :class:`KVCache` shaped for this module (default: its weights' dtype/device)."""
-        w = self.W_key.weight
+        """An empty :class:`KVCache` shaped for this module (default: its weights' dtype,
+        float32 for int8, and device); a bf16 one is read back in the queries' dtype."""
+        w_dtype, w_device = fused.dtype_device(self.W_key)
         return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
-                       dtype=dtype or w.dtype, device=device or w.device)
+                       dtype=dtype or w_dtype, device=device or w_device)
 
     # ------------------------------------------------------------------ forward
 
@@ -297,9 +299,9 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
                 qk = rot.rotate(qk, cos, sin)
             q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
         else:
-            q = self.W_query(x).view(b, t, heads, head_dim).transpose(1, 2)
-            k = self.W_key(src).view(b, s, kv_heads, head_dim).transpose(1, 2)
-            v = self.W_value(src).view(b, s, kv_heads, head_dim).transpose(1, 2)
+            q = fused.run(x, self.W_query).view(b, t, heads, head_dim).transpose(1, 2)
+            k = fused.run(src, self.W_key).view(b, s, kv_heads, head_dim).transpose(1, 2)
+            v = fused.run(src, self.W_value).view(b, s, kv_heads, head_dim).transpose(1, 2)
             if rot is not None:
                 q = rot.rotate(q, cos, sin)
                 if kv is not None:  # the other sequence has its own positions 0..S-1
@@ -309,7 +311,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
             q, k, v = self.qkv_hook(q, k, v)
         mask = _masks.as_attention_mask(mask, b, past + s)
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, past + T, D) views
+            k, v = (t.to(q.dtype) for t in cache.update(k, v))  # (B, Hkv, past + T, D) views
         try:
             out = attention(
                 q, k, v, mask=mask, causal=self.causal and kv is None, window=self.window,
@@ -356,9 +358,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
             raise ValueError(
                 f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but d_in={self.d_in}"
             )
-        # Read directly: this runs for every layer of every decoded token.
-        weight = self.W_query._parameters["weight"]
-        if weight is not None and x.dtype != weight.dtype:
+        weight = self.W_query._parameters.get("weight")  # read directly: once a token
+        if not fused.takes(x.dtype, self.W_query):
             raise TypeError(f"x has dtype {x.dtype} but the module's weights are {weight.dtype}; "
                             f"expected a {weight.dtype} x (or convert the module with .to())")
         return x.shape[0], x.shape[1]

@@ -1,0 +1,209 @@
+// Rows times an int8 weight: the products of an int8 model (modules/quantized.py).
+//
+// The scheme is llama.cpp's Q8_0: along each output's row of W (out, in), blocks of 32
+// weights share one float16 scale d, and w = d * q with q = round(w / d) in [-127, 127],
+// d = max|w| / 127 (symmetric, no zero point). Padded to whole blocks (zeros) and to
+// whole bands of 16 outputs, W is stored for vpdpbusd (vec.h's Avx512Dot):
+//   data   (bands, blocks * 512) uint8: band b, block j, group k (inputs 4k..4k+3 of the
+//          block), output o of the band, input t of the group at
+//          [b][j * 512 + k * 64 + o * 4 + t] = q + 128 (the unsigned operand);
+//   scales (bands, blocks * 16) the float16 scales' bits, [b][j * 16 + o].
+// A band is contiguous, so a product's threads each stream whole bands, and the layout of
+// several products side by side (q|k|v) is their bands one after the other.
+//
+// x is quantised on the fly the same way, per block of 32 (llama.cpp quantises a row
+// for its Q8_0 products alike): x = dx * qx. Then y[o] = sum over blocks j of
+// d[o, j] * dx[j] * (sum over the block of q * qx), the inner sum exact in int32:
+// vpdpbusd sums four (q + 128) * qx a lane, and starting each block's lanes at
+// -128 * sum(qx) takes the 128 back out. The portable loop computes the same integers
+// and the same float operations in the same order: both paths give the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "row_product.h"
+
+namespace attnlab {
+
+constexpr int64_t Q8_BLOCK = 32, Q8_BAND = 16, Q8_BLOCK_BYTES = Q8_BLOCK * Q8_BAND;
+
+// One row of x quantised per block of 32: qx (blocks * 32), dx (blocks), and
+// corr[j] = -128 * sum of block j's qx.
+struct QuantRow {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> corr;
+};
+
+// llama.cpp's quantize_row_q8_0: d = max|x| / 127, q = round(x * 127 / max|x|) (ties to
+// even, as its vector code rounds), zeros past n. A block holding NaN or an infinity
+// gets d = NaN, so that every output it reaches is NaN (never a silent finite number).
+inline void quantize_row(const float* x, int64_t n, int64_t blocks, int8_t* q, float* d,
+                         int32_t* corr) {
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t lo = j * Q8_BLOCK, hi = std::min(n, lo + Q8_BLOCK);
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t i = lo; i < hi; ++i) {
+      amax = std::max(amax, std::fabs(x[i]));
+      finite &= std::isfinite(x[i]);
+    }
+    const float id = amax != 0.0f && finite ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = lo; i < lo + Q8_BLOCK; ++i) {
+      const int8_t v = i < hi ? static_cast<int8_t>(std::nearbyint(x[i] * id)) : 0;
+      q[i] = v;
+      sum += v;
+    }
+    d[j] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    corr[j] = -128 * sum;
+  }
+}
+
+// y[0, 16) of one band of W from a quantised row, the portable loop.
+ATTNLAB_PER_ISA static void q8_band(const uint8_t* w, const uint16_t* scales, int64_t blocks,
+                                   const int8_t* qx, const float* dx, const int32_t* corr,
+                                   float* y) {
+  float acc[Q8_BAND] = {};
+  for (int64_t j = 0; j < blocks; ++j) {
+    int32_t s[Q8_BAND];
+    for (int o = 0; o < Q8_BAND; ++o) s[o] = corr[j];
+    const uint8_t* wj = w + j * Q8_BLOCK_BYTES;
+    const int8_t* xj = qx + j * Q8_BLOCK;
+    for (int k = 0; k < 8; ++k)
+      for (int o = 0; o < Q8_BAND; ++o)
+        for (int t = 0; t < 4; ++t) s[o] += int32_t(wj[k * 64 + o * 4 + t]) * xj[4 * k + t];
+    for (int o = 0; o < Q8_BAND; ++o) {
+      const float d = float(c10::Half(scales[j * Q8_BAND + o], c10::Half::from_bits()));
+      acc[o] = std::fma(float(s[o]), d * dx[j], acc[o]);
+    }
+  }
+  for (int o = 0; o < Q8_BAND; ++o) y[o] = acc[o];
+}
+
+}  // namespace attnlab
+
+#if defined(ATTNLAB_X86)
+#include <immintrin.h>
+
+namespace attnlab {
+
+// y[0, 16 * NB) of NB consecutive bands (band_bytes, band_scales apart) on vpdpbusd:
+// per block, eight groups of four inputs, each broadcast to every lane, two int32
+// accumulators a band (even and odd groups: independent chains).
+template <int NB>
+ATTNLAB_AVX512_DOT inline void q8_bands_dot(const uint8_t* w, const uint16_t* scales,
+                                            int64_t band_bytes, int64_t band_scales,
+                                            int64_t blocks, const int8_t* qx, const float* dx,
+                                            const int32_t* corr, float* y) {
+  __m512 acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < blocks; ++j) {
+    __m512i s[NB][2];
+    for (int b = 0; b < NB; ++b) {
+      s[b][0] = _mm512_set1_epi32(corr[j]);
+      s[b][1] = _mm512_setzero_si512();
+    }
+    const int8_t* xj = qx + j * Q8_BLOCK;
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      int32_t group;
+      std::memcpy(&group, xj + 4 * k, 4);
+      const __m512i xv = _mm512_set1_epi32(group);
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b)
+        s[b][k & 1] = _mm512_dpbusd_epi32(
+            s[b][k & 1], _mm512_loadu_si512(w + b * band_bytes + j * Q8_BLOCK_BYTES + k * 64), xv);
+    }
+    const __m512 dxv = _mm512_set1_ps(dx[j]);
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(scales + b * band_scales + j * Q8_BAND)));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[b][0], s[b][1])),
+                               _mm512_mul_ps(d, dxv), acc[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) _mm512_storeu_ps(y + 16 * b, acc[b]);
+}
+
+// Bands [b0, b1) of one quantised row into y (16 floats a band).
+ATTNLAB_AVX512_DOT static void q8_rows_dot(const uint8_t* w, const uint16_t* scales,
+                                           int64_t blocks, int64_t b0, int64_t b1,
+                                           const int8_t* qx, const float* dx,
+                                           const int32_t* corr, float* y) {
+  const int64_t bb = blocks * Q8_BLOCK_BYTES, bs = blocks * Q8_BAND;
+  int64_t b = b0;
+  for (; b + 4 <= b1; b += 4)
+    q8_bands_dot<4>(w + b * bb, scales + b * bs, bb, bs, blocks, qx, dx, corr, y + 16 * (b - b0));
+  for (; b < b1; ++b)
+    q8_bands_dot<1>(w + b * bb, scales + b * bs, bb, bs, blocks, qx, dx, corr, y + 16 * (b - b0));
+}
+
+}  // namespace attnlab
+
+#else
+
+namespace attnlab {
+inline void q8_rows_dot(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                        const int8_t*, const float*, const int32_t*, float*) {}
+}  // namespace attnlab
+
+#endif
+
+namespace attnlab {
+
+// y (rows, n_out) = residual + bias + x (rows, n_in) W^T, W (n_out, n_in) in the layout
+// above; residual (rows, n_out) and bias (n_out) may be null, y may alias residual.
+// Threads take groups of four bands (64 outputs); each group runs every row, so its
+// weights are read from memory once.
+inline void int8_product(const float* x, int64_t rows, int64_t n_in, const uint8_t* w,
+                         const uint16_t* scales, int64_t n_out, const float* bias,
+                         const float* residual, float* y) {
+  const int64_t blocks = (n_in + Q8_BLOCK - 1) / Q8_BLOCK;
+  const int64_t bands = (n_out + Q8_BAND - 1) / Q8_BAND;
+  QuantRow qx;
+  qx.q.resize(rows * blocks * Q8_BLOCK);
+  qx.d.resize(rows * blocks);
+  qx.corr.resize(rows * blocks);
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row(x + r * n_in, n_in, blocks, qx.q.data() + r * blocks * Q8_BLOCK,
+                 qx.d.data() + r * blocks, qx.corr.data() + r * blocks);
+  const bool dot = dot_products_active();
+  const int64_t groups = (bands + 3) / 4;
+  const int64_t threads = std::min(product_threads(rows * n_in * n_out), groups);
+  const int64_t pieces = threads == 1 ? 1 : std::min(groups, ROW_PRODUCT_PIECES);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    float out[4 * Q8_BAND];
+    for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
+      for (int64_t g = groups * k / pieces; g < groups * (k + 1) / pieces; ++g) {
+        const int64_t b0 = 4 * g, b1 = std::min(bands, b0 + 4);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int8_t* q = qx.q.data() + r * blocks * Q8_BLOCK;
+          const float* d = qx.d.data() + r * blocks;
+          const int32_t* c = qx.corr.data() + r * blocks;
+          if (dot) {
+            q8_rows_dot(w, scales, blocks, b0, b1, q, d, c, out);
+          } else {
+            for (int64_t b = b0; b < b1; ++b)
+              q8_band(w + b * blocks * Q8_BLOCK_BYTES, scales + b * blocks * Q8_BAND, blocks,
+                      q, d, c, out + Q8_BAND * (b - b0));
+          }
+          const int64_t o1 = std::min(n_out, b1 * Q8_BAND);
+          const float* res = residual ? residual + r * n_out : nullptr;
+          for (int64_t o = b0 * Q8_BAND; o < o1; ++o)
+            y[r * n_out + o] = plus(out[o - b0 * Q8_BAND], bias, res, o);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace attnlab

@@ -1,0 +1,200 @@
+"""The bf16 and int8 one-row products of decoding (csrc/row_product.h, dot_bf16.h,
+int8_product.h) against float64 oracles, on both paths: the dot-product instructions
+(vdpbf16ps, vpdpbusd) where this CPU has them, and the portable loops; the int8 layout
+(attnlab.layouts.int8) against the gguf package's Q8_0 reference, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import _native
+from attnlab.layouts import int8 as layout
+
+ops = _native.load()
+needs_native = pytest.mark.skipif(ops is None, reason="native kernel not built")
+PATHS = ["dot", "portable"]
+
+
+@contextlib.contextmanager
+def path(name: str):
+    """Run the products on the dot-product instructions (where the CPU has them) or on the
+    portable loops."""
+    before = ops.set_dot_products(name == "dot")
+    try:
+        yield
+    finally:
+        ops.set_dot_products(before)
+
+
+def bf16_oracle(x, w, bias=None, residual=None):
+    """x rounded to bf16 times the bf16 weight, summed in float64."""
+    y = x.to(torch.bfloat16).double() @ w.double().t()
+    for t in (bias, residual):
+        if t is not None:
+            y = y + t.double().reshape(y.shape)
+    return y
+
+
+def q8_row(x: torch.Tensor) -> torch.Tensor:
+    """A row quantised as the kernel does (llama.cpp's x86 quantize_row_q8_0: 127 / max,
+    ties to even), back as floats."""
+    n = x.shape[-1]
+    blocks = -(-n // 32)
+    xp = torch.zeros(*x.shape[:-1], blocks * 32)
+    xp[..., :n] = x
+    xb = xp.view(*x.shape[:-1], blocks, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 127)).view(*x.shape[:-1], -1)[..., :n]
+
+
+def magnitude(x, w):
+    """The sum of |x| |w| per output: what rounding errors scale with."""
+    return x.abs().double() @ w.abs().double().t()
+
+
+@needs_native
+@pytest.mark.parametrize("kind", PATHS)
+@settings(max_examples=25, deadline=None)
+@given(n_in=st.integers(1, 200), n_out=st.integers(1, 150), by_rows=st.booleans(),
+       extras=st.booleans(), seed=st.integers(0, 2**31))
+def test_bf16_one_row_equals_the_oracle(kind, n_in, n_out, by_rows, extras, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, n_in, generator=g).to(torch.bfloat16)
+    if not by_rows:  # the packed (in, out) block of modules.fused
+        w = w.t().contiguous().t()
+    x = torch.randn(1, n_in, generator=g)
+    bias = torch.randn(n_out, generator=g) if extras else None
+    residual = torch.randn(1, n_out, generator=g) if extras else None
+    with path(kind):
+        y = ops.linear(x, w, bias, residual)
+    assert y.dtype == torch.float32 and y.shape == (1, n_out)
+    err = (y.double() - bf16_oracle(x, w, bias, residual)).abs()
+    assert bool((err <= 1e-6 * (magnitude(x, w) + 1)).all()), float(err.max())
+
+
+@needs_native
+def test_bf16_paths_agree_and_the_dot_path_is_there_where_the_cpu_has_it():
+    """Both paths compute bf16 x bf16 products summed in float32 (their sums differ in
+    order only); the switch really switches where the CPU has the instruction."""
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576).to(torch.bfloat16).t().contiguous().t()  # packed (in, out)
+    x = torch.randn(1, 576)
+    with path("dot"):
+        a = ops.linear(x, w, None, None)
+        active = ops.dot_products_active()
+    with path("portable"):
+        b = ops.linear(x, w, None, None)
+        assert not ops.dot_products_active()
+    assert float((a - b).abs().max()) <= 1e-5 * float(magnitude(x, w).max())
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    if " avx512_bf16" in flags and " avx512_vnni" in flags:
+        assert active
+
+
+@needs_native
+def test_bf16_row_in_bf16_gives_bf16():
+    w = torch.randn(64, 32).to(torch.bfloat16).t().contiguous().t()
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    y = ops.linear(x, w, None, None)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.double(), bf16_oracle(x.float(), w), rtol=1e-2, atol=1e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), blocks=st.integers(1, 4), seed=st.integers(0, 2**31),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_q8_0_equals_gguf_quantiser_bit_for_bit(rows, blocks, seed, scale):
+    w = np.random.default_rng(seed).standard_normal((rows, blocks * 32)).astype(np.float32)
+    w *= scale
+    w[0, :32] = 0  # an all-zero block: scale 0
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    q, d = layout.q8_0(torch.from_numpy(w))
+    want = torch.from_numpy(raw.reshape(rows, blocks, 34))
+    assert torch.equal(d.view(torch.uint8).view(rows, blocks, 2), want[..., :2])
+    assert torch.equal(q.view(torch.uint8).view(rows, blocks, 32), want[..., 2:])
+    data, scales = layout.from_gguf_q8_0(want.reshape(rows, -1), rows, blocks * 32)
+    assert torch.equal(data, layout.to_bands(q, d)[0])
+    assert torch.equal(scales, layout.to_bands(q, d)[1])
+
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(out=st.integers(1, 70), n=st.integers(1, 100), chunk=st.sampled_from([16, 32, 256]),
+       bf16=st.booleans(), seed=st.integers(0, 2**31))
+def test_the_native_quantiser_writes_the_reference_bits(out, n, chunk, bf16, seed):
+    """What loading uses (csrc/products.cpp, a chunk of rows at a time, into buffers that
+    held anything before) equals layouts.int8's q8_0 + to_bands, padding included."""
+    w = torch.randn(out, n, generator=torch.Generator().manual_seed(seed)) * 3
+    if bf16:
+        w = w.to(torch.bfloat16)
+    want_data, want_scales = layout.to_bands(*layout.q8_0(w))
+    data, scales = torch.full_like(want_data, 7), torch.full_like(want_scales, 7)
+    for a in range(0, out, chunk):
+        ops.quantize_rows(w[a:a + chunk].contiguous(), data, scales, a, out)
+    assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
+
+
+@settings(max_examples=10, deadline=None)
+@given(out=st.integers(1, 40), n=st.integers(1, 100), seed=st.integers(0, 2**31))
+def test_bands_round_trip_and_dequantise_within_half_a_step(out, n, seed):
+    w = torch.randn(out, n, generator=torch.Generator().manual_seed(seed))
+    data, scales = layout.quantize(w)
+    assert (data.shape, scales.shape) == layout.shapes(out, n)
+    q, d = layout.from_bands(data, scales, out)
+    assert torch.equal(layout.to_bands(q, d)[0], data)
+    back = layout.dequantize(data, scales, out, n)
+    # Half a step of the row's largest block, and the float16 rounding of its scale
+    # (2**-11 relative, over up to 127 steps).
+    step = w.abs().view(out, -1).amax(1, keepdim=True) / 127
+    assert bool(((back - w).abs() <= step * (0.5 + 127 * 2**-11) + 1e-6).all())
+
+
+@needs_native
+@pytest.mark.parametrize("kind", PATHS)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 5), n_in=st.integers(1, 130), n_out=st.integers(1, 90),
+       extras=st.booleans(), seed=st.integers(0, 2**31))
+def test_int8_product_equals_the_oracle(kind, rows, n_in, n_out, extras, seed):
+    """Products of the quantised row and the int8 weight, summed in float64: what the
+    kernel computes exactly in int32 per block, to float32 rounding across blocks."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, n_in, generator=g)
+    data, scales = layout.quantize(w)
+    x = torch.randn(rows, n_in, generator=g)
+    bias = torch.randn(n_out, generator=g) if extras else None
+    residual = torch.randn(rows, n_out, generator=g) if extras else None
+    with path(kind):
+        y = ops.int8_linear(x, data, scales, n_out, bias, residual)
+    wd = layout.dequantize(data, scales, n_out, n_in).double()
+    want = q8_row(x).double() @ wd.t()
+    for t in (bias, residual):
+        if t is not None:
+            want = want + t.double()
+    err = (y.double() - want).abs()
+    assert bool((err <= 1e-6 * (magnitude(x, w) + 1)).all()), float(err.max())
+
+
+@needs_native
+def test_int8_paths_give_the_same_bits_and_nan_reaches_the_outputs():
+    torch.manual_seed(1)
+    w = torch.randn(200, 300)
+    data, scales = layout.quantize(w)
+    x = torch.randn(3, 300)
+    with path("dot"):
+        a = ops.int8_linear(x, data, scales, 200, None, None)
+    with path("portable"):
+        b = ops.int8_linear(x, data, scales, 200, None, None)
+    assert torch.equal(a, b)
+    x[1, 7] = float("nan")
+    x[2, 299] = float("inf")
+    y = ops.int8_linear(x, data, scales, 200, None, None)
+    assert bool(y[0].isfinite().all()) and bool(y[1:].isnan().all())
