@@ -53,3 +53,58 @@ def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows):
         return out, None
     picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
     return out, picked.to(dtype)
+
+
+# --------------------------------------------------------------------------- block step
+
+
+def _work(t):  # the block steps' dtype: float64 stays, everything else is float32
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _block_scores(q, k, mask, causal, window, offset, scale):
+    """Masked scores ``(B, Hkv, G, Lq, Lk)`` of one block, query row ``i`` at position
+    ``i + offset`` among the keys (``masks.KeyRule``); forbidden pairs are ``-inf``."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    s = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
+    s = s.view(batch, kv_heads, group, q_len, k_len).mul_(scale)
+    rule = _masks.KeyRule(q_len, k_len, causal=causal, window=window, offset=offset)
+    if rule.structural:
+        s.masked_fill_(~rule.allowed(device=q.device), float("-inf"))
+    if mask is not None:
+        s.masked_fill_(~_masks.group_view(mask, kv_heads), float("-inf"))
+    return s
+
+
+def eager_block_forward(q, k, v, mask, causal, window, offset, scale):
+    """``backends.BlockStep.forward`` on the textbook path: ``(out, lse)``, ``lse`` ``+inf``
+    (and ``out`` zeros) for a row with no allowed key; float32 (float64 kept)."""
+    q, k, v = (_work(t) for t in (q, k, v))
+    s = _block_scores(q, k, mask, causal, window, offset, scale)
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Lq); -inf where nothing is allowed
+    empty = lse == float("-inf")
+    p = torch.exp(s - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    batch, kv_heads, group, q_len, k_len = p.shape
+    out = torch.matmul(p.view(batch, kv_heads, group * q_len, k_len), v)
+    return (out.view(batch, kv_heads * group, q_len, v.shape[-1]),
+            lse.masked_fill(empty, float("inf")).view(batch, kv_heads * group, q_len))
+
+
+def eager_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
+    """``backends.BlockStep.backward``: FlashAttention-2's backward of one block, the
+    weights rebuilt from the merged ``lse`` (``+inf``: a row with nothing, weights 0)."""
+    q, k, v, out, lse, grad_out = (_work(t) for t in (q, k, v, out, lse, grad_out))
+    s = _block_scores(q, k, mask, causal, window, offset, scale)
+    batch, kv_heads, group, q_len, k_len = s.shape
+    p = torch.exp(s - lse.view(batch, kv_heads, group, q_len, 1))
+    rows = (batch, kv_heads, group * q_len)
+    p2 = p.view(*rows, k_len)
+    do = grad_out.reshape(*rows, grad_out.shape[-1])
+    dv = p2.transpose(-1, -2) @ do
+    delta = (grad_out * out).sum(-1).view(batch, kv_heads, group, q_len, 1)
+    ds = p.mul_((do @ v.transpose(-1, -2)).view_as(p).sub_(delta)).view(*rows, k_len)
+    dq = (ds @ k).mul_(scale).view(q.shape)
+    dk = (ds.transpose(-1, -2) @ q.reshape(*rows, q.shape[-1])).mul_(scale)
+    return dq, dk, dv

@@ -133,3 +133,38 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
                                 offset, scale, float(dropout_p), seed)
     return out
+
+
+# --------------------------------------------------------------------------- block step
+
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the kernel's dtype: float64 stays, everything else is float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def block_forward(q, k, v, mask, causal, window, offset, scale):
+    """One block of queries against one block of keys, query row ``i`` at position
+    ``i + offset`` among them (``masks.KeyRule``): ``(out, lse)``, ``lse (B, Hq, Lq)``
+    (``+inf`` for a row with no allowed key, whose ``out`` is zeros), computed in float32
+    (float64 kept; ``backends.BlockStep`` has the contract); ``mask`` None or bool,
+    broadcastable to ``(B, Hq, Lq, Lk)``."""
+    q, k, v = _rows(_work(q)), _rows(_work(k)), _rows(_work(v))
+    if mask is not None:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    window = 0 if window is None else window
+    return _ops().flash_forward(q, k, v, mask, causal, window, offset, scale, 0.0, 0,
+                                *_blocks(q.shape[2], k.shape[2], causal, window))
+
+
+def block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
+    """The block's share of ``(dq, dk, dv)`` given the row's merged ``out`` and ``lse``
+    over every block it attends (the kernel's backward reads nothing else)."""
+    q, k, v, out, grad_out = (_rows(_work(t)) for t in (q, k, v, out, grad_out))
+    lse = _work(lse)
+    if mask is not None:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    window = 0 if window is None else window
+    return _ops().flash_backward(q, k, v, mask, out, lse.contiguous(), grad_out,
+                                 causal, window, offset, scale, 0.0, 0,
+                                 *_blocks(q.shape[2], k.shape[2], causal, window, backward=True))

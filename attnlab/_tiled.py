@@ -225,3 +225,27 @@ def tiled_weights(q, k, mask, causal, window, scale, rows):
     if not parts:
         return torch.zeros(batch, q_heads, 0, settings.k_len, dtype=q.dtype, device=q.device)
     return torch.cat(parts, dim=2).to(q.dtype)
+
+
+def _work(t):  # the block steps' dtype: float64 stays, everything else is float32
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def tiled_block_forward(q, k, v, mask, causal, window, offset, scale):
+    """``backends.BlockStep.forward`` in PyTorch: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``
+    of one block of queries (row ``i`` at position ``i + offset`` among the keys),
+    in float32 (float64 kept)."""
+    q, k, v = (_work(t) for t in (q, k, v))
+    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset)
+    out, lse = _forward(ctx, q, k, v, mask)
+    return (out.view(ctx.batch, ctx.q_heads, ctx.q_len, -1),
+            lse.view(ctx.batch, ctx.q_heads, ctx.q_len))
+
+
+def tiled_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
+    """``backends.BlockStep.backward``: the block's share of ``(dq, dk, dv)`` given the
+    merged ``out`` and ``lse (B, Hq, Lq)`` of every block its rows attend."""
+    q, k, v, out, lse, grad_out = (_work(t) for t in (q, k, v, out, lse, grad_out))
+    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset)
+    lse = lse.reshape(ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len)
+    return _backward(ctx, q, k, v, mask, out, lse, grad_out)

@@ -16,11 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _decode, _flash
-from ._eager import eager_attention
-from ._sdpa import sdpa_attention
-from ._tiled import tiled_attention, tiled_weights
+from ._eager import eager_attention, eager_block_backward, eager_block_forward
+from ._sdpa import sdpa_attention, sdpa_block_backward, sdpa_block_forward
+from ._tiled import tiled_attention, tiled_block_backward, tiled_block_forward, tiled_weights
 
-__all__ = ["Backend", "Request", "TABLE", "choose"]
+__all__ = ["Backend", "BlockStep", "Request", "TABLE", "choose", "choose_block"]
 
 
 @dataclass(slots=True)
@@ -47,6 +47,30 @@ def _always(request: Request) -> bool:
 
 
 @dataclass(frozen=True)
+class BlockStep:
+    """Attention of one block of queries against one block of keys that also returns the
+    log-sum-exp, so that blocks merge exactly: the local step of attention split across
+    processes (:mod:`attnlab.distributed`), where a rank meets the keys a block at a time.
+
+    ``forward(q, k, v, mask, causal, window, offset, scale) -> (out, lse)``: 4-D
+    ``q (B, Hq, Lq, D)``, ``k``/``v (B, Hkv, Lk, D/Dv)``; query row ``i`` sits at position
+    ``i + offset`` among the keys (``masks.KeyRule``: the causal and window rules of a
+    piece of a longer sequence; ALiBi-style variants read the same positions); ``mask``
+    None or a bool key mask broadcastable to ``(B, 1, 1, Lk)``; ``window`` None or >= 1.
+    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)`` (natural log) in float32 (float64 for
+    float64 inputs); a row with no allowed key gives zeros and ``lse = +inf``.
+
+    ``backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale) ->
+    (dq, dk, dv)``: this block's share of the gradients, given the row's ``out`` and
+    ``lse`` merged over every block it attends (FlashAttention-2's backward reads only
+    those), in float32 (float64).
+    """
+
+    forward: Callable
+    backward: Callable
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend and its capabilities.
 
@@ -56,7 +80,8 @@ class Backend:
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
     (``return_weights``), ``gradients`` (of q, k, v), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
-    cache, as :func:`attnlab._decode.step` takes it; None where there is none).
+    cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``block``
+    (a :class:`BlockStep`, reported as ``blocks``; None where there is none).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
     None; ``pays(request)`` whether ``auto`` should take it for a call it supports.
     """
@@ -72,6 +97,7 @@ class Backend:
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
+    block: BlockStep | None = None
     unavailable: Callable[[torch.Tensor], str | None] | None = None
     pays: Callable[[Request], bool] = _always
     label: str = ""  # how errors name it, after the name: " (the native kernel)"
@@ -84,10 +110,11 @@ class Backend:
 
     def capabilities(self) -> dict[str, object]:
         """The capability fields by name (``decoding`` for ``decode``)."""
-        skip = {"name", "run", "decode", "unavailable", "pays", "label", "no_weights",
+        skip = {"name", "run", "decode", "block", "unavailable", "pays", "label", "no_weights",
                 "instead"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["decoding"] = self.decoding
+        out["blocks"] = self.block is not None
         return out
 
     def supports(self, request: Request) -> str | None:
@@ -129,6 +156,36 @@ def choose(request: Request) -> Backend:
         if ((backend.mask_gradients or not learned)
                 and backend.pays(request) and backend.supports(request) is None):
             return backend
+    raise AssertionError("the eager backend takes every call")  # unreachable
+
+
+# The block steps auto prefers, best first: the native kernel, then torch's fused kernel,
+# then the textbook path (tiled, the readable statement of the same algorithm in Python
+# loops, only when named).
+_BLOCK_ORDER = ("flash", "sdpa", "eager")
+
+
+def choose_block(q: torch.Tensor, k: torch.Tensor, window: int | None,
+                 backend: str = "auto") -> Backend:
+    """The backend whose :class:`BlockStep` runs the local step of a split attention on
+    ``q``/``k`` (a bool key mask is taken by every block step); ``"auto"``: the first of
+    flash, sdpa, eager that supports the call. ValueError for a named backend that has no
+    block step or cannot take the call, saying why."""
+    request = Request(q, k, None, False, window, 0.0, None)
+    if backend != "auto":
+        chosen = TABLE.get(backend)
+        if chosen is None or chosen.block is None:
+            names = [b.name for b in TABLE.values() if b.block is not None]
+            raise ValueError(f"backend must be 'auto' or one with a block step {names}, "
+                             f"got {backend!r}")
+        why = chosen.supports(request)
+        if why is not None:
+            raise ValueError(why)
+        return chosen
+    with torch.no_grad():  # the block steps have their own backward
+        for name in _BLOCK_ORDER:
+            if TABLE[name].supports(request) is None:
+                return TABLE[name]
     raise AssertionError("the eager backend takes every call")  # unreachable
 
 
@@ -200,13 +257,17 @@ def _flash_pays(r: Request) -> bool:
 
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("eager", eager_attention),
+    Backend("eager", eager_attention,
+            block=BlockStep(eager_block_forward, eager_block_backward)),
     Backend("sdpa", _sdpa, weights=False,
+            block=BlockStep(sdpa_block_forward, sdpa_block_backward),
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays,
+            block=BlockStep(tiled_block_forward, tiled_block_backward)),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
+            block=BlockStep(_flash.block_forward, _flash.block_backward),
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}

@@ -1,0 +1,231 @@
+"""attnlab.distributed: ring and all-to-all attention across processes (gloo), exact.
+
+Spawning processes is the slow part, so each world size spawns ONE group that runs a
+whole hypothesis-drawn list of cases (lengths not divisible by the world size, causal
+or not, windows, GQA, padding, both layouts, every block step, both strategies) and
+reports each case's error against single-process ``attnlab.attention``.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab.distributed import (
+    ContextParallel,
+    RingError,
+    gather,
+    ring_attention,
+    shard,
+    shard_lengths,
+    shard_mask,
+    shard_positions,
+    shard_ranges,
+    ulysses_attention,
+    unshard,
+)
+
+import distributed_workers as workers
+
+TOL = 1e-5  # float32, relative to 1 + |expected|
+
+
+@st.composite
+def _case(draw, world: int) -> dict:
+    strategy = draw(st.sampled_from(["ring", "ring", "ring", "ulysses"]))
+    kv_heads = draw(st.sampled_from([1, 2])) if strategy == "ring" else world
+    q_len = draw(st.integers(1, 4 * world + 3))
+    same = strategy == "ulysses" or draw(st.booleans()) or draw(st.booleans())
+    return {
+        "strategy": strategy,
+        "batch": draw(st.integers(1, 2)),
+        "kv_heads": kv_heads,
+        "group": draw(st.sampled_from([1, 2, 3])),
+        "head_dim": draw(st.sampled_from([4, 8])),
+        "v_extra": draw(st.sampled_from([0, 0, 2])),
+        "q_len": q_len,
+        "k_len": q_len if same else draw(st.integers(1, 4 * world + 3)),
+        "causal": draw(st.booleans()),
+        "window": draw(st.sampled_from([None, None, 1, 2, 5])),
+        "padding": draw(st.booleans()),
+        "layout": draw(st.sampled_from(["contiguous", "zigzag"])),
+        "backend": draw(st.sampled_from(["auto", "flash", "sdpa", "tiled", "eager"])),
+        "block": draw(st.sampled_from([None, None, 1, 2, 3])),
+    }
+
+
+def _sweep(world: int, n: int):
+    """One hypothesis draw of ``n`` cases, run in one spawned group of ``world`` ranks."""
+
+    @settings(max_examples=1, deadline=None, phases=[Phase.generate], database=None)
+    @given(st.lists(_case(world), min_size=n, max_size=n))
+    def run(cases):
+        if world == 1:
+            errors = [workers.exactness(0, 1, cases)]
+        else:
+            results = workers.spawn(world, workers.exactness, cases)
+            bad = {r: res for r, res in results.items() if res[0] != "ok"}
+            assert not bad, bad
+            errors = [results[r][1] for r in range(world)]
+        worst = [max(per_rank[i] for per_rank in errors) for i in range(n)]
+        failing = [(cases[i], worst[i]) for i in range(n) if not worst[i] <= TOL]
+        assert not failing, failing
+
+    run()
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=20))
+    yield
+    dist.destroy_process_group()
+
+
+def test_world_size_1(one_rank):
+    _sweep(1, 40)
+
+
+def test_world_size_2():
+    _sweep(2, 28)
+
+
+def test_world_size_3():
+    _sweep(3, 24)
+
+
+@pytest.mark.slow
+def test_world_size_4():
+    _sweep(4, 24)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_step_stops_the_others_with_one_clear_error():
+    world, victim = 3, 1
+    results = workers.spawn(world, workers.die_mid_step, victim, 5.0, timeout=5.0, limit=60)
+    assert results[victim] == ("hung",)  # killed: it never reported
+    for rank in set(range(world)) - {victim}:
+        status, message = results[rank]
+        assert status == "ok", results
+        assert message.startswith("RingError after "), message
+        assert f"rank {rank} of {world} stopped while" in message
+        assert "another process of the group died" in message
+        assert float(message.split()[2].rstrip("s:")) < 20
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+@given(st.integers(0, 40), st.integers(1, 6), st.sampled_from(["contiguous", "zigzag"]))
+def test_shards_cover_the_sequence_once_and_come_back(seq_len, world, layout):
+    x = torch.arange(seq_len * 2).view(2, seq_len)
+    parts = [shard(x, world, r, layout=layout) for r in range(world)]
+    assert [p.shape[1] for p in parts] == shard_lengths(seq_len, world, layout)
+    assert torch.equal(unshard(parts, layout=layout), x)
+    positions = torch.cat([shard_positions(seq_len, world, r, layout) for r in range(world)])
+    assert sorted(positions.tolist()) == list(range(seq_len))
+    for r in range(world):
+        assert torch.equal(parts[r][0], shard_positions(seq_len, world, r, layout))
+    lengths = shard_lengths(seq_len, world, layout)
+    assert max(lengths) - min(lengths) <= (1 if layout == "contiguous" else 2)
+
+
+def test_zigzag_balances_causal_work():
+    """Each rank's (query, key) pairs under a causal rule: zig-zag keeps them within a
+    few percent of each other; contiguous gives the last rank ~7x the first (N=4)."""
+    def pairs(layout, r):
+        return sum(p + 1 for s, e in shard_ranges(4096, 4, r, layout) for p in range(s, e))
+
+    zig = [pairs("zigzag", r) for r in range(4)]
+    flat = [pairs("contiguous", r) for r in range(4)]
+    assert max(zig) / min(zig) < 1.01
+    assert flat[3] / flat[0] > 6
+
+
+def test_shard_helpers_refuse_bad_input():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        shard_ranges(8, 2, 0, "spiral")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\)"):
+        shard(torch.zeros(1, 8), 2, 2)
+    with pytest.raises(ValueError, match="key-padding mask"):
+        shard_mask(torch.ones(2, 3, 8, dtype=torch.bool), 2, 0)
+    with pytest.raises(ValueError, match=r"shards have lengths \[4, 2\] along dim 1; a "
+                       r"zigzag split of 6 tokens over 2 ranks has \[3, 3\]"):
+        unshard([torch.zeros(1, 4), torch.zeros(1, 2)], layout="zigzag")
+    assert shard_mask(torch.tensor([[1, 1, 0, 0]]), 2, 1, layout="zigzag").tolist() == [[1, 0]]
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_gather_and_context_parallel_in_one_process(one_rank):
+    x = torch.randn(2, 5, 3)
+    assert torch.equal(gather(x, layout="zigzag"), x)
+    cp = ContextParallel(layout="zigzag")
+    assert (cp.world_size, cp.rank) == (1, 0)
+    assert cp.positions(5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_split_attention_refuses_bad_calls(one_rank):
+    q = torch.randn(1, 4, 6, 8)
+    k = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"key-padding shard \(batch=1, k_len_rank=6\)"):
+        ring_attention(q, k, k, mask=torch.ones(6, 6, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be bool"):
+        ring_attention(q, k, k, mask=torch.zeros(1, 6))
+    with pytest.raises(ValueError, match="seq_len=9"):
+        ring_attention(q, k, k, seq_len=9)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one with a block step"):
+        ring_attention(q, k, k, backend="nope")
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ring_attention(q, k, k, window=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ulysses_attention(q, k, k, layout="spiral")
+    with pytest.raises(ValueError, match="timeout must be"):
+        ring_attention(q, k, k, timeout=-1)
+
+
+def test_split_attention_needs_a_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        ring_attention(*(torch.randn(1, 1, 2, 4) for _ in range(3)))
+
+
+def test_ring_profile_counts_the_work(one_rank):
+    q = torch.randn(1, 2, 64, 8)
+    profile = {}
+    out = ring_attention(q, q, q, causal=True, block=16, profile=profile)
+    torch.testing.assert_close(out, attnlab.attention(q, q, q, causal=True))
+    assert profile["ticks"] == 4 and profile["messages"] == 0 and profile["compute_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_is_given_up_on_after_the_timeout():
+    results = workers.spawn(2, workers.one_stalls, timeout=60.0, limit=60)
+    assert results[1] == ("ok", None)
+    status, message = results[0]
+    assert message.startswith("RingError after "), message
+    assert 2 <= float(message.split()[2].rstrip("s:")) < 10
+    assert "did not answer within 2 s" in message
+
+
+@pytest.mark.slow
+def test_every_rank_raises_the_same_error_when_the_ranks_disagree():
+    results = workers.spawn(2, workers.disagree)
+    assert results[0][:3] == results[1][:3]
+    assert results[0][:2] == ("error", "ValueError")
+    assert "the ranks disagree on causal: [0, 1]" in results[0][2]
+
+
+@pytest.mark.slow
+def test_a_group_of_two_gives_ring_error_not_a_hang_when_one_rank_raises():
+    results = workers.spawn(2, workers.one_raises, timeout=5.0, limit=60)
+    assert results[0][0] == "error" and results[0][1] == "ValueError"
+    assert results[1][0] == "error" and results[1][1] == "RingError", results[1]
