@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 
+import distributed_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ from hypothesis import strategies as st
 import attnlab
 from attnlab.distributed import (
     ContextParallel,
-    RingError,
     gather,
     ring_attention,
     shard,
@@ -30,8 +30,6 @@ from attnlab.distributed import (
     ulysses_attention,
     unshard,
 )
-
-import distributed_workers as workers
 
 TOL = 1e-5  # float32, relative to 1 + |expected|
 
