@@ -188,3 +188,48 @@ def one_stalls(rank: int, world: int) -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
     return "finished"
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_split(rank: int, world: int, cases: list[dict]) -> list[float]:
+    """GPT with ``context_parallel`` against the same GPT on the whole sequence: this
+    rank's logits and every parameter's gradient (summed over the ranks), as the largest
+    error relative to 1 + |expected|, per case."""
+    import torch.distributed as dist
+
+    from attnlab.distributed import ContextParallel, shard, shard_mask
+    from attnlab.models import GPT, GPTConfig
+
+    errors = []
+    for seed, case in enumerate(cases):
+        torch.manual_seed(seed)
+        config = GPTConfig(vocab_size=17, context_length=32, d_model=16, num_layers=2,
+                           num_heads=4, num_kv_heads=case["kv_heads"],
+                           positions=case["positions"], window=case["window"], mlp="swiglu",
+                           norm="rmsnorm")
+        whole = GPT(config)
+        split = GPT(config, context_parallel=ContextParallel(
+            layout=case["layout"], strategy=case["strategy"],
+            seq_len=case["seq"] if case["fixed"] else None))
+        split.load_state_dict(whole.state_dict())
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 17, (2, case["seq"]), generator=g)
+        mask = torch.ones(2, case["seq"], dtype=torch.long)
+        mask[1, -3:] = 0
+        weight = torch.randn(2, case["seq"], 17, generator=g)
+        want = whole(ids, attention_mask=mask)
+        (want * weight).sum().backward()
+
+        def cut(t):
+            return shard(t, world, rank, layout=case["layout"], dim=1)
+
+        got = split(cut(ids), attention_mask=shard_mask(mask, world, rank, layout=case["layout"]))
+        (got * cut(weight)).sum().backward()
+        worst = float(((got - cut(want)).abs() / (1 + cut(want).abs())).max())
+        for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+            dist.all_reduce(q.grad)
+            worst = max(worst, float(((q.grad - p.grad).abs() / (1 + p.grad.abs())).max()))
+        errors.append(worst)
+    return errors

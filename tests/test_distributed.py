@@ -227,3 +227,17 @@ def test_a_group_of_two_gives_ring_error_not_a_hang_when_one_rank_raises():
     results = workers.spawn(2, workers.one_raises, timeout=5.0, limit=60)
     assert results[0][0] == "error" and results[0][1] == "ValueError"
     assert results[1][0] == "error" and results[1][1] == "RingError", results[1]
+
+
+@pytest.mark.slow
+def test_gpt_split_across_two_processes_equals_the_whole():
+    cases = [dict(positions=p, kv_heads=kv, window=w, layout=lay, strategy=s, seq=seq, fixed=f)
+             for p, kv, w, lay, s, seq, f in [
+                 ("rope", 2, None, "zigzag", "ring", 13, True),
+                 ("learned", 4, None, "contiguous", "ring", 12, False),
+                 ("rope", 1, 4, "zigzag", "ring", 11, False),
+                 ("rope", 2, None, "zigzag", "ulysses", 9, True)]]
+    results = workers.spawn(2, workers.model_split, cases)
+    assert all(r[0] == "ok" for r in results.values()), results
+    for rank in range(2):
+        assert max(results[rank][1]) < TOL, results

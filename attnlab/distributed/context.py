@@ -66,11 +66,13 @@ class ContextParallel:
         comm = self._comm()
         return shard(x, comm.size, comm.rank, layout=self.layout, dim=dim)
 
-    def positions(self, local_len: int, *, device=None) -> torch.Tensor:
-        """The positions of this rank's ``local_len`` tokens in the whole sequence."""
+    def positions(self, local_len: int, *, seq_len: int | None = None,
+                  device=None) -> torch.Tensor:
+        """The positions of this rank's ``local_len`` tokens in the whole sequence (of
+        ``seq_len`` tokens when given, else :meth:`total`)."""
         comm = self._comm()
-        return shard_positions(self.total(local_len), comm.size, comm.rank, self.layout,
-                               device=device)
+        seq_len = self.total(local_len) if seq_len is None else seq_len
+        return shard_positions(seq_len, comm.size, comm.rank, self.layout, device=device)
 
     def attention(self, q, k, v, *, causal=False, window=None, mask=None, scale=None,
                   backend="auto") -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..checks import (
     probability,
 )
 from ..config import Config
+from ..distributed import ContextParallel
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
@@ -116,7 +117,7 @@ class GPTConfig(Config):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = MultiHeadAttention(
@@ -124,7 +125,7 @@ class Block(nn.Module):
             context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
             resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
             rope=cfg.positions == "rope", rope_base=cfg.rope_base, window=cfg.window,
-            backend=cfg.backend,
+            backend=cfg.backend, context_parallel=context_parallel,
         )
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.mlp, bias=cfg.mlp_bias)
@@ -144,18 +145,26 @@ class GPT(GenerationMixin, nn.Module):
     """Decoder-only language model.
 
     ``forward(ids)`` maps ``(batch, seq)`` token ids to logits ``(batch, seq, vocab)``.
+
+    ``context_parallel`` (an :class:`attnlab.distributed.ContextParallel`, also settable
+    later as ``model.context_parallel = cp``) splits one long sequence across processes:
+    ``forward`` then takes this rank's shard of the ids (``cp.shard(ids)``) and returns
+    the logits of those tokens, equal to the whole sequence's logits cut the same way.
     """
 
     model_type = "gpt"
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *,
+                 context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
+        self._context_parallel = context_parallel
         self.config = config
         self.context_length = config.context_length
         self.tok_emb = embedding(config.vocab_size, config.d_model)
         self.pos_emb = (embedding(config.context_length, config.d_model)
                         if config.positions == "learned" else None)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, context_parallel)
+                                    for _ in range(config.num_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -178,6 +187,17 @@ class GPT(GenerationMixin, nn.Module):
                 w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=0.02))
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """How the sequence is split across processes (None: it is not)."""
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, value: ContextParallel | None) -> None:
+        for block in self.blocks:
+            block.attn._split_context(value)
+        self._context_parallel = value
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> list[KVCache]:
         """One preallocated :class:`KVCache` per layer."""
@@ -228,10 +248,18 @@ class GPT(GenerationMixin, nn.Module):
         non_negative_int("logits_to_keep", logits_to_keep)
         batch, seq = ids.shape
         past = caches[0].seq_len if caches else 0
-        if past + seq > self.context_length:
+        split = self._context_parallel
+        if split is not None:  # ids: this rank's shard of the sequence
+            if caches is not None or output_attentions or logits_to_keep:
+                raise ValueError("caches, output_attentions and logits_to_keep are not "
+                                 "supported with context_parallel")
+            whole = split.total(seq)
+            if positions is None:
+                positions = split.positions(seq, seq_len=whole, device=ids.device)
+        if past + (seq if split is None else whole) > self.context_length:
             raise ValueError(
-                f"sequence of {past + seq} tokens is longer than context_length="
-                f"{self.context_length}"
+                f"sequence of {past + (seq if split is None else whole)} tokens is longer "
+                f"than context_length={self.context_length}"
             )
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "

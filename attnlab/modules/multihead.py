@@ -6,49 +6,23 @@ It projects, splits heads, rotates (RoPE), appends to the cache and calls
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
+from ..distributed import ContextParallel
 from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
-from . import fused, rows
+from . import fused, rows, split
+from .book import book_call, shape_of
 from .layers import dropout
 
 __all__ = ["MultiHeadAttention"]
 
 
-def _shape(t: object) -> object:
-    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _book_call(third: Any, rest: tuple, context_length: Any, dropout: Any, qkv_bias: Any,
-               causal: Any) -> tuple:
-    """``(num_heads, context_length, dropout, qkv_bias, causal)`` of the book's positional
-    call ``(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``: its third
-    argument is ``context_length``, and the module is causal, as the book's always is."""
-    if len(rest) not in (2, 3):
-        raise TypeError(
-            f"MultiHeadAttention takes (d_in, d_out, num_heads, *, context_length=..., "
-            f"dropout=..., ...) or the book's (d_in, d_out, context_length, dropout, "
-            f"num_heads, qkv_bias=False); got {3 + len(rest)} positional arguments")
-    if context_length is not None or dropout != 0.0:
-        raise TypeError("MultiHeadAttention: the book's positional call already gives "
-                        "context_length and dropout (3rd and 4th arguments); got them as "
-                        "keywords too")
-    if len(rest) == 3:
-        if qkv_bias is not False:
-            raise TypeError("MultiHeadAttention: qkv_bias given both as the 6th positional "
-                            "argument and as a keyword")
-        qkv_bias = rest[2]
-    return rest[1], third, rest[0], qkv_bias, True if causal is None else causal
-
-
-class MultiHeadAttention(rows.AttentionRows, nn.Module):
+class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:
@@ -71,6 +45,8 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
             ``p - W < j`` (and ``j <= p`` when causal, ``j < p + W`` otherwise).
         backend (str): backend of :func:`attnlab.attention`, one of ``attnlab.BACKENDS``.
         rope_base (float): RoPE frequency base.
+        context_parallel (ContextParallel | None): the sequence split across processes
+            (:mod:`.split`): ``forward`` takes and returns this rank's shard.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
     ``out_proj``), so under the same ``torch.manual_seed`` a
@@ -93,7 +69,7 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         d_in: int,
         d_out: int,
         num_heads: int,
-        *book_args: Any,
+        *book_args: object,
         num_kv_heads: int | None = None,
         context_length: int | None = None,
         causal: bool | None = None,
@@ -105,10 +81,11 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         window: int | None = None,
         backend: str = "auto",
         rope_base: float = 10000.0,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         if book_args:
-            num_heads, context_length, dropout, qkv_bias, causal = _book_call(
+            num_heads, context_length, dropout, qkv_bias, causal = book_call(
                 num_heads, book_args, context_length, dropout, qkv_bias, causal)
         causal = False if causal is None else causal
         positive_int("d_in", d_in)
@@ -140,6 +117,7 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         self.resid_dropout = probability("resid_dropout", resid_dropout)
         self.window = window
         self.backend = backend
+        self._split_context(context_parallel)
 
         kv_out = self.head_dim * num_kv_heads
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -255,6 +233,9 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         rot = self.rotary
         if rot is None and positions is not None:
             raise ValueError("positions is only used with rope=True; this module has rope=False")
+        if self.context_parallel is not None:
+            positions = self._split_positions(x, kv, cache, positions, return_weights,
+                                              rot is not None)
         # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
@@ -293,6 +274,9 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         if self.qkv_hook is not None:
             q, k, v = self.qkv_hook(q, k, v)
         mask = _masks.as_attention_mask(mask, b, past + s)
+        if self.context_parallel is not None:
+            out = self._split_attention(q, k, v, mask)
+            return self._project(out.transpose(1, 2).reshape(b, t, self.d_out))
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, past + T, D) views
         try:
@@ -315,7 +299,7 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         if kv is not None:
             if not isinstance(kv, torch.Tensor) or kv.ndim != 2:
                 raise ValueError(f"kv must be (k_seq, features={self.d_in}) with an unbatched "
-                                 f"(seq, features) x, got {_shape(kv)}")
+                                 f"(seq, features) x, got {shape_of(kv)}")
             kv = kv.unsqueeze(0)
         out = self(x.unsqueeze(0), kv=kv, return_weights=return_weights, **kw)
         if isinstance(out, tuple):
@@ -330,7 +314,7 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
             raise ValueError(
                 f"x must be (batch, seq, features={self.d_in}) (batch first) or one "
-                f"(seq, features={self.d_in}) sequence, got {_shape(x)}"
+                f"(seq, features={self.d_in}) sequence, got {shape_of(x)}"
             )
         if x.shape[-1] != self.d_in:
             raise ValueError(
@@ -346,7 +330,7 @@ class MultiHeadAttention(rows.AttentionRows, nn.Module):
     def _check_kv(self, kv, b: int) -> None:
         if not isinstance(kv, torch.Tensor) or kv.ndim != 3:
             raise ValueError(
-                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {_shape(kv)}"
+                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {shape_of(kv)}"
             )
         if kv.shape[0] != b or kv.shape[-1] != self.d_in:
             raise ValueError(
