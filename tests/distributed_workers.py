@@ -222,13 +222,16 @@ def model_split(rank: int, world: int, cases: list[dict]) -> list[float]:
         want = whole(ids, attention_mask=mask)
         (want * weight).sum().backward()
 
-        def cut(t):
-            return shard(t, world, rank, layout=case["layout"], dim=1)
+        layout = case["layout"]
 
-        got = split(cut(ids), attention_mask=shard_mask(mask, world, rank, layout=case["layout"]))
+        def cut(t, layout=layout):
+            return shard(t, world, rank, layout=layout, dim=1)
+
+        got = split(cut(ids), attention_mask=shard_mask(mask, world, rank, layout=layout))
         (got * cut(weight)).sum().backward()
-        worst = float(((got - cut(want)).abs() / (1 + cut(want).abs())).max())
-        for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+        want = want.detach()
+        worst = float(((got.detach() - cut(want)).abs() / (1 + cut(want).abs())).max())
+        for p, q in zip(whole.parameters(), split.parameters()):
             dist.all_reduce(q.grad)
             worst = max(worst, float(((q.grad - p.grad).abs() / (1 + p.grad.abs())).max()))
         errors.append(worst)

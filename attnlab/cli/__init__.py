@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
+    train.add_argument("--context-parallel", type=_positive_int, default=1, metavar="N",
+                       help="under torchrun: split each sequence over N processes (ring "
+                            "attention; --model gpt); N must divide the number of processes")
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import _mean_across
 from .settings import TrainConfig
 
 
@@ -43,20 +44,34 @@ def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator)
     return torch.stack([stream[s:s + context + 1] for s in starts.tolist()])
 
 
-def lm_loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+    """Mean next-token loss of ``rows (batch, context + 1)``. With ``split`` (a
+    :class:`~attnlab.distributed.ContextParallel`) the model sees this rank's shard of
+    each sequence, and the result is this rank's share of the mean times the split's
+    size: averaged over the split's ranks (as DistributedDataParallel averages the
+    gradients) it is the mean over the whole sequences."""
     rows = rows.to(next(model.parameters()).device)  # batches are drawn on the CPU
-    logits = model(rows[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    if split is None:
+        logits = model(rows[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    logits = model(split.shard(rows[:, :-1]))
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                            split.shard(rows[:, 1:]).reshape(-1), reduction="sum")
+    return total * split.world_size / rows[:, 1:].numel()
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig) -> float:
-    """Mean loss on fixed held-out windows (their own generator: training RNG untouched)."""
+def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig, split=None) -> float:
+    """Mean loss on fixed held-out windows (their own generator: training RNG untouched);
+    with ``split``, every rank of it gets the whole sequences' mean."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     was_training = model.training
     model.eval()
+    ranks = 1 if split is None else split.world_size
+    group = None if split is None else split.group
     try:
-        losses = [float(lm_loss(model, sample(stream, cfg.batch_size, cfg.context, gen)))
+        losses = [_mean_across(lm_loss(model, sample(stream, cfg.batch_size, cfg.context, gen),
+                                       split), ranks, group)
                   for _ in range(cfg.eval_batches)]
     finally:
         model.train(was_training)
