@@ -47,6 +47,7 @@ SUITES = {
     "modules": "attnlab.bench.modules",
     "generate": "attnlab.bench.generate",
     "encode": "attnlab.bench.encode",
+    "distributed": "attnlab.bench.distributed",
 }
 
 

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",
-                       choices=["attention", "modules", "generate", "encode"],
-                       help="suite to run, repeatable (default: all)")
+                       choices=["attention", "modules", "generate", "encode", "distributed"],
+                       help="suite to run, repeatable (default: all but distributed, "
+                            "which is run only when named)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
     bench.add_argument("--case", metavar="TEXT",
                        help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "

@@ -25,7 +25,7 @@ from ..checks import boolean, finite_float, one_of, optional_positive_int
 from .comm import Group
 from .pieces import Pieces, merge, work_dtype
 from .plan import Plan
-from .ring_backward import backward
+from .ring_backward import backward as backward_pass
 from .shards import LAYOUTS, shard_lengths
 
 __all__ = ["ring_attention"]
@@ -33,7 +33,7 @@ __all__ = ["ring_attention"]
 # About this many bytes of keys and values per message (and of partial output per
 # kernel call): a rank holds a few such pieces beside its own shard, never a whole
 # remote shard, and each message is still large enough for the network to run at speed.
-PIECE_BYTES = 2 << 20
+PIECE_BYTES = 1 << 20
 _INF = float("inf")
 
 
@@ -69,12 +69,38 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             ``PIECE_BYTES`` of keys and values per message).
         timeout: seconds to wait for a neighbour before raising
             :class:`~attnlab.distributed.RingError` (None: the group's timeout).
-        profile: a dict to fill with the forward's timings: ``compute_s``, ``wait_s``
-            (time blocked on messages), ``ticks``, ``messages``, ``bytes``.
+        profile: a dict to fill with timings: the forward's ``compute_s``, ``wait_s`` (time
+            blocked on messages), ``ticks``, ``messages``, ``bytes``; the backward's as
+            ``backward_compute_s``, ``backward_wait_s``.
 
     Returns:
         ``(batch, q_heads, q_len_rank, v_dim)``: this rank's shard of the output.
     """
+    call, mask = _prepare(q, k, v, group=group, causal=causal, window=window, mask=mask,
+                          scale=scale, layout=layout, backend=backend, seq_len=seq_len,
+                          block=block, timeout=timeout, profile=profile)
+    return _RingAttention.apply(q, k, v, mask, call)
+
+
+def messages_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  backward: bool = False, profile: dict | None = None, **options) -> dict:
+    """The messages of one :func:`ring_attention` call (with ``options``) and none of its
+    computation: the forward's (and with ``backward``, the backward's) exchange alone,
+    as its profile (``wait_s``: the time the messages take when nothing hides them),
+    filled into ``profile`` when given (``profile["events"]``: see ``_forward``).
+    What ``attnlab bench --suite distributed`` measures the overlap against."""
+    profile = {} if profile is None else profile
+    call, mask = _prepare(q, k, v, profile=profile, **options)
+    out, lse = _forward(call, q, k, v, mask, compute=False)
+    if backward:
+        backward_pass(call, q, k, v, mask, out, lse, torch.zeros_like(out), compute=False)
+    return profile
+
+
+def _prepare(q, k, v, *, group=None, causal=False, window=None, mask=None, scale=None,
+             layout="contiguous", backend="auto", seq_len=None, block=None, timeout=None,
+             profile=None):
+    """The checked arguments of a call as its ``_Setup``, and the key mask."""
     comm = Group(group, optional_timeout(timeout))
     mask = _key_mask(mask, q, k)
     window, scale = _check(q, k, v, causal, window, scale, layout, block)
@@ -83,8 +109,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     block = block or _default_block(q, k, v)
     step = choose_block(q, k, window, backend).block
     plan = _plan(q_len, k_len, comm.size, layout, causal, window, block)
-    call = _Setup(comm, plan, step, causal, window, scale, profile)
-    return _RingAttention.apply(q, k, v, mask, call)
+    return _Setup(comm, plan, step, causal, window, scale, profile), mask
 
 
 def optional_timeout(timeout) -> float | None:
@@ -215,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(ctx.call, q, k, v, mask, out, lse, grad_out)
+        dq, dk, dv = backward_pass(ctx.call, q, k, v, mask, out, lse, grad_out)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -230,6 +255,9 @@ def _forward(call, q, k, v, mask, compute: bool = True):
     incoming: dict[int, tuple] = {}
     sending: list = []
     clock = {"compute_s": 0.0, "wait_s": 0.0, "messages": 0, "bytes": 0, "ticks": plan.ticks}
+    # With profile["events"] a list: ("sent", uid, hop, t) when a piece is posted to the
+    # next rank, ("received", uid, hop, t_wait, t_done) when this rank waited for one.
+    events = None if call.profile is None else call.profile.get("events")
     for tick in range(plan.ticks):
         items = plan.items(rank, tick)
         start = time.perf_counter()
@@ -237,8 +265,12 @@ def _forward(call, q, k, v, mask, compute: bool = True):
         for it in items:
             if it.hop:
                 flat, work_ = incoming.pop(it.piece.uid)
+                waiting = time.perf_counter()
                 comm.wait(work_, "receiving keys and values from", rank - 1)
                 held[it.piece.uid] = flat
+                if events is not None:
+                    events.append(("received", it.piece.uid, it.hop, waiting,
+                                   time.perf_counter()))
         clock["wait_s"] += time.perf_counter() - start
         ops, kinds = [], []
         for it in items:
@@ -253,6 +285,9 @@ def _forward(call, q, k, v, mask, compute: bool = True):
                 ops.append(("recv", flat, rank - 1, plan.tag(it.piece, it.hop, 0)))
                 kinds.append(it.piece.uid)
         works = comm.post(ops)
+        if events is not None:
+            now = time.perf_counter()
+            events += [("sent", it.piece.uid, it.hop + 1, now) for it in items if it.send]
         clock["messages"] += len(ops)
         clock["bytes"] += sum(t.numel() * t.element_size() for kind, t, *_ in ops
                               if kind == "send")
@@ -277,8 +312,10 @@ def _forward(call, q, k, v, mask, compute: bool = True):
             comm.wait(w, "sending keys and values to", rank + 1)
         clock["wait_s"] += time.perf_counter() - start
         sending = sent
+    start = time.perf_counter()
     for w, _ in sending:
         comm.wait(w, "sending keys and values to", rank + 1)
+    clock["wait_s"] += time.perf_counter() - start
     if call.profile is not None:
         call.profile.update(clock)
     return out, lse.masked_fill_(lse == -_INF, _INF)

@@ -9,13 +9,16 @@ posted a tick ahead, as in the forward (``plan.py``).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .pieces import Pieces, work_dtype
 
 
-def backward(call, q, k, v, mask, out, lse, grad_out):
-    """``(dq, dk, dv)`` of this rank's shards, in the work dtype."""
+def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
+    """``(dq, dk, dv)`` of this rank's shards, in the work dtype (``compute`` False: the
+    messages alone, for the bench)."""
     plan, comm, rank = call.plan, call.comm, call.comm.rank
     work = work_dtype(q)
     qw, dout = q.to(work), grad_out.to(work)
@@ -25,13 +28,21 @@ def backward(call, q, k, v, mask, out, lse, grad_out):
     pieces = Pieces(k, v, mask, k.dtype)
     incoming: dict[tuple[int, int], tuple] = {}  # (uid, kind) -> (buffer, work)
     sending: list = []
+    clock = {"backward_compute_s": 0.0, "backward_wait_s": 0.0}
+    waited = time.perf_counter
+
+    def wait(w, what, peer):
+        start = waited()
+        comm.wait(w, what, peer)
+        clock["backward_wait_s"] += waited() - start
+
     for tick in range(plan.ticks):
         items = plan.items(rank, tick)
         held = {}
         for it in items:
             if it.hop:
                 flat, w = incoming.pop((it.piece.uid, 0))
-                comm.wait(w, "receiving keys and values from", rank - 1)
+                wait(w, "receiving keys and values from", rank - 1)
                 held[it.piece.uid] = flat
         ops = []
         for it in items:
@@ -55,7 +66,8 @@ def backward(call, q, k, v, mask, out, lse, grad_out):
             if it.hop:
                 acc, w = incoming.pop((it.piece.uid, 1))
             share = None
-            for c in it.calls:
+            start = waited()
+            for c in it.calls if compute else ():
                 rows = slice(c.q_local, c.q_local + c.q_len)
                 dq_c, dk_c, dv_c = call.step.backward(
                     qw[:, :, rows], kp, vp, mp, out[:, :, rows], lse[:, :, rows],
@@ -66,8 +78,9 @@ def backward(call, q, k, v, mask, out, lse, grad_out):
                 sk, sv = pieces.views(share, it.piece, True)
                 sk += dk_c
                 sv += dv_c
+            clock["backward_compute_s"] += waited() - start
             if it.hop:
-                comm.wait(w, "receiving key gradients from", rank - 1)
+                wait(w, "receiving key gradients from", rank - 1)
                 if share is not None:
                     acc += share
             else:
@@ -83,14 +96,15 @@ def backward(call, q, k, v, mask, out, lse, grad_out):
                 _add_home(dk, dv, pieces, acc, it.piece)
         for piece in plan.finals(rank, tick):
             flat, w = incoming.pop((piece.uid, 2))
-            comm.wait(w, "receiving the finished key gradients from",
-                      rank + plan.reach[piece.uid])
+            wait(w, "receiving the finished key gradients from", rank + plan.reach[piece.uid])
             _add_home(dk, dv, pieces, flat, piece)
         for w, peer, _ in sending:
-            comm.wait(w, "sending to", peer)
+            wait(w, "sending to", peer)
         sending = sent
     for w, peer, _ in sending:
-        comm.wait(w, "sending to", peer)
+        wait(w, "sending to", peer)
+    if call.profile is not None:
+        call.profile.update(clock)
     return dq, dk, dv
 
 
