@@ -86,6 +86,9 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
 # _scaled_dot_product_flash_attention_for_cpu (any rule, as an additive mask), on CUDA
 # _scaled_dot_product_flash_attention (fp16/bf16, no mask but its top-left causal rule).
 # Blocks the CUDA kernel cannot take run on the textbook block step, on the same device.
+# The CUDA calls were checked once by hand on an H100 (torch 2.11: two key blocks merged
+# by their lse, and each block's backward with the merged ones, equal SDPA on the whole
+# to bf16 precision); CI has no GPU, so no test runs them.
 
 _INF = float("inf")
 
@@ -125,9 +128,9 @@ def sdpa_block_forward(q, k, v, mask, causal, window, offset, scale):
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
-    elif _cuda_takes(q, k, is_causal, bias):  # untested here: no CUDA device in CI
+    elif _cuda_takes(q, k, is_causal, bias):  # not in CI (no CUDA device there)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+            q, k.contiguous(), v.contiguous(), 0.0, is_causal, False, scale=scale)[:2]
     else:
         from ._eager import eager_block_forward
 
@@ -154,13 +157,15 @@ def sdpa_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offse
             is_causal, attn_mask=bias, scale=scale)
         if group > 1:  # the repeated heads' gradients summed back onto their kv head
             dk, dv = (t.unflatten(1, (kv_heads, group)).sum(2) for t in (dk, dv))
-    elif _cuda_takes(q, k, is_causal, bias):  # untested here: no CUDA device in CI
-        b, h, n = q.shape[:3]
-        cum = torch.zeros(0, dtype=torch.int32, device=q.device)  # dense batch: unused
+    elif _cuda_takes(q, k, is_causal, bias):  # not in CI (no CUDA device there)
+        # A dense batch has no cumulative lengths (None), and without dropout the seed
+        # and offset are never read.
         seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+        offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), cum, cum,
-            n, k.shape[2], 0.0, is_causal, seed, seed, scale=scale)
+            grad_out.to(q.dtype), q, k.contiguous(), v.contiguous(), out.to(q.dtype),
+            lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+            seed, offset, scale=scale)
     else:
         from ._eager import eager_block_backward
 
