@@ -241,3 +241,49 @@ def test_gpt_split_across_two_processes_equals_the_whole():
     assert all(r[0] == "ok" for r in results.values()), results
     for rank in range(2):
         assert max(results[rank][1]) < TOL, results
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(q_len=st.integers(1, 40), k_extra=st.integers(-5, 5), world=st.integers(1, 5),
+       layout=st.sampled_from(["contiguous", "zigzag"]), causal=st.booleans(),
+       window=st.sampled_from([None, 1, 3, 8]), block=st.integers(1, 9))
+def test_the_plan_computes_every_allowed_pair_once_and_sends_no_more(q_len, k_extra, world,
+                                                                   layout, causal, window,
+                                                                   block):
+    """Summed over ranks, ticks and calls, the pairs computed are exactly the pairs the
+    rule allows on the whole sequence; a piece is sent on only while a later rank
+    still computes on it (no message is wasted)."""
+    from attnlab import masks
+    from attnlab.distributed.plan import Plan
+
+    k_len = max(1, q_len + k_extra)
+    plan = Plan(q_len, k_len, world, layout, causal, window, block)
+    want = masks.KeyRule(q_len, k_len, causal=causal, window=window).pairs()
+    got, held = 0, {}
+    for rank in range(world):
+        for tick in range(plan.ticks):
+            for it in plan.items(rank, tick):
+                assert tick == it.piece.index + it.hop
+                held[(it.piece.uid, it.hop)] = it
+                got += sum(masks.KeyRule(c.q_len, it.piece.size, causal=causal, window=window,
+                                         offset=c.offset).pairs() for c in it.calls)
+    assert got == want
+    for (uid, hop), it in held.items():
+        assert (uid, hop + 1) in held if it.send else (uid, hop + 1) not in held
+        if it.send:  # someone further on computes with it
+            assert any(held[(uid, h)].calls for h in range(hop + 1, world) if (uid, h) in held)
+
+
+def test_a_causal_contiguous_ring_never_sends_keys_backwards():
+    from attnlab.distributed.plan import Plan
+
+    plan = Plan(64, 64, 4, "contiguous", True, None, 8)
+    assert all(it.hop == 0 for t in range(plan.ticks) for it in plan.items(0, t))
+    sent = sum(it.send for r in range(4) for t in range(plan.ticks) for it in plan.items(r, t))
+    assert sent == 2 * (3 + 2 + 1)  # each rank's 2 pieces go only to the ranks after it
+    # A window of 4: only the last piece of ranks 0-2 is needed by the next rank, once.
+    window = Plan(64, 64, 4, "contiguous", True, 4, 8)
+    assert [window.reach[p.uid] for own in window.pieces for p in own] == [0, 1] * 3 + [0, 0]
