@@ -156,12 +156,20 @@ def die_mid_step(rank: int, world: int, victim: int, timeout: float) -> str:
     return "finished"
 
 
-def disagree(rank: int, world: int) -> None:
-    """Rank 1 asks for a causal rule, rank 0 does not."""
-    from attnlab.distributed import ring_attention
+def refusals(rank: int, world: int) -> list[str]:
+    """What every rank says to a call it must refuse: heads that do not divide over the
+    ranks (ulysses), and ranks that disagree (rank 1 asks for a causal rule, rank 0 not)."""
+    from attnlab.distributed import ring_attention, ulysses_attention
 
-    q = torch.randn(1, 1, 3, 4)
-    ring_attention(q, q, q, causal=rank == 1)
+    said = []
+    q = torch.randn(1, 3, 3, 4)
+    for call in (lambda: ulysses_attention(q, q, q),
+                 lambda: ring_attention(q, q, q, causal=rank == 1)):
+        try:
+            call()
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
 
 
 def one_raises(rank: int, world: int) -> None:

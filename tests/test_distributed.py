@@ -188,6 +188,9 @@ def test_split_attention_refuses_bad_calls(one_rank):
         ulysses_attention(q, k, k, layout="spiral")
     with pytest.raises(ValueError, match="timeout must be"):
         ring_attention(q, k, k, timeout=-1)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        ContextParallel(strategy="tree")
+    assert attnlab.distributed.ring_attention is ring_attention
 
 
 def test_split_attention_needs_a_group():
@@ -215,11 +218,12 @@ def test_a_rank_that_stops_answering_is_given_up_on_after_the_timeout():
 
 
 @pytest.mark.slow
-def test_every_rank_raises_the_same_error_when_the_ranks_disagree():
-    results = workers.spawn(2, workers.disagree)
-    assert results[0][:3] == results[1][:3]
-    assert results[0][:2] == ("error", "ValueError")
-    assert "the ranks disagree on causal: [0, 1]" in results[0][2]
+def test_every_rank_refuses_the_same_calls_with_the_same_error():
+    results = workers.spawn(2, workers.refusals)
+    assert results[0] == results[1] and results[0][0] == "ok", results
+    heads, disagree = results[0][1]
+    assert heads.startswith("ulysses_attention splits the heads over the 2 ranks: q_heads (3)")
+    assert "the ranks disagree on causal: [0, 1]" in disagree
 
 
 @pytest.mark.slow
