@@ -201,7 +201,7 @@ def test_auto_picks_only_backends_that_take_the_call(t, s, causal, window, rows,
 
 
 @pytest.mark.parametrize("name", [b.name for b in TABLE if b.block is not None])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(q_len=st.integers(1, 9), k_len=st.integers(1, 12), cut=st.floats(0, 1),
        causal=st.booleans(), window=st.sampled_from([None, 1, 3]), group=st.sampled_from([1, 2]),
        padding=st.booleans(), seed=st.integers(0, 99))
