@@ -44,7 +44,9 @@ class DecoderLayer:
     product (SwiGLU: gate and up side by side), ``down_weight`` its second. ``norm`` and
     ``mlp`` are the names ``modules.layers`` gives the kinds ("rmsnorm", "layernorm";
     "gelu", "gelu_tanh", "relu", "swiglu"); ``rotary`` the layer's RoPE or None;
-    ``window`` its sliding window or None.
+    ``window`` its sliding window or None; ``scale``, ``softcap``, ``alibi_slopes`` and
+    ``sinks`` as :func:`attnlab.attention` takes them; the post-norms (Gemma 2) norm each
+    branch again before it is added, both or neither.
     """
 
     norm: str
@@ -67,6 +69,14 @@ class DecoderLayer:
     head_dim: int
     window: int | None
     rotary: RotaryEmbedding | None
+    scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim)
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None  # (num_heads,)
+    sinks: torch.Tensor | None = None  # (num_heads,)
+    post_attn_norm_weight: torch.Tensor | None = None
+    post_attn_norm_bias: torch.Tensor | None = None
+    post_mlp_norm_weight: torch.Tensor | None = None
+    post_mlp_norm_bias: torch.Tensor | None = None
 
 
 def _reserved(caches: Sequence[KVCache], call):
@@ -94,7 +104,10 @@ def _tables(rotary: RotaryEmbedding | None, cache: KVCache, device):
 
 
 def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
-         window: int | None, num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
+         window: int | None, num_heads: int, num_kv_heads: int, *,
+         scale: float | None = None, softcap: float | None = None,
+         alibi_slopes: torch.Tensor | None = None,
+         sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attend from one new token, appending its key and value to ``cache``.
 
     Args:
@@ -103,6 +116,8 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
         cache: the layer's cache; the token takes position ``cache.seq_len``.
         rotary: the layer's RoPE, or None.
         window: sliding window W (the token sees its last W positions), or None.
+        scale, softcap, alibi_slopes ``(num_heads,)``, sinks ``(num_heads,)``: as
+            :func:`attnlab.attention` takes them (scale None: ``1 / sqrt(head_dim)``).
 
     Returns:
         ``(B, 1, num_heads * head_dim)`` (heads merged, ready for the output
@@ -117,9 +132,13 @@ def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
     if tables is None:
         return None
     cos, sin = tables
+    alibi, sink = (None if t is None else t.detach().to(torch.float64).reshape(-1).contiguous()
+                   for t in (alibi_slopes, sinks))
+    scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else float(scale)
     return _reserved([cache], lambda positions: ops.decode_step(
         qkv, cos, sin, cache.k, cache.v, positions[0], _window(window, positions[0]),
-        num_heads, num_kv_heads, 1.0 / math.sqrt(cache.head_dim)))
+        num_heads, num_kv_heads, scale, 0.0 if softcap is None else float(softcap), alibi,
+        sink))
 
 
 class Run:
@@ -149,9 +168,15 @@ class Run:
         (its dtype, device, shapes), keeping nothing."""
         fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
         rotary, window = fields.pop("rotary"), fields.pop("window")
+        scale, softcap = fields.pop("scale"), fields.pop("softcap")
+        fields["alibi"], fields["sinks"] = (
+            None if t is None else t.detach().to(torch.float64).contiguous()
+            for t in (fields.pop("alibi_slopes"), fields.pop("sinks")))
         # A window wider than every cache rules nothing out; 2**62 keeps it a C long.
         why = self._native.add(**fields, window=0 if window is None else min(window, 2**62),
-                               rope=rotary is not None, scale=1.0 / math.sqrt(layer.head_dim))
+                               rope=rotary is not None,
+                               scale=1.0 / math.sqrt(layer.head_dim) if scale is None else scale,
+                               softcap=0.0 if softcap is None else softcap)
         if why:
             return why
         self.rotaries.append(rotary)

@@ -90,28 +90,55 @@ def _ops():
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, window, offset, scale, dropout_p, seed):
+    def forward(ctx, q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed,
+                blocks, extras):
+        """``extras``: the variants as the op takes them (softcap, alibi, documents, the
+        block mask's three tensors); ``sinks`` is an input of its own (it has a gradient)."""
         ops = _ops()
         q, k, v = _rows(q), _rows(k), _rows(v)
-        blocks = _blocks(q.shape[2], k.shape[2], causal, window)
+        softcap, alibi, documents, kinds, index, partial = extras
+        sink_logits = None if sinks is None else sinks.detach().to(torch.float64).contiguous()
         out, lse = ops.flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p,
-                                     seed, *blocks)
-        ctx.settings = (causal, window, offset, scale, dropout_p, seed,
-                        _blocks(q.shape[2], k.shape[2], causal, window, backward=True))
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out
+                                     seed, *blocks[0], softcap, alibi, sink_logits, documents,
+                                     kinds, index, partial)
+        ctx.settings = (causal, window, offset, scale, dropout_p, seed, blocks[1], extras)
+        ctx.save_for_backward(q, k, v, sinks, mask, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        causal, window, offset, scale, dropout_p, seed, blocks = ctx.settings
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, sinks, mask, out, lse = ctx.saved_tensors
+        causal, window, offset, scale, dropout_p, seed, blocks, extras = ctx.settings
+        softcap, alibi, documents, kinds, index, partial = extras
+        grad_out = _rows(grad_out)
+        sink_logits = None if sinks is None else sinks.detach().to(torch.float64).contiguous()
         dq, dk, dv = _ops().flash_backward(
-            q, k, v, mask, out, lse, _rows(grad_out), causal, window, offset, scale, dropout_p,
-            seed, *blocks)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            q, k, v, mask, out, lse, grad_out, causal, window, offset, scale, dropout_p, seed,
+            *blocks, softcap, alibi, sink_logits, documents, kinds, index, partial)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d sink_h = -sum over rows of P(sink) * D_i, D_i = rowsum(dO_i * O_i): the
+            # sink takes weight exp(sink - lse) from every value the row weighs.
+            acc = lse.dtype
+            delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Lq)
+            share = torch.exp(sink_logits.to(acc).view(1, -1, 1) - lse)
+            dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None):
+def _block_mask_tensors(block_mask, device):
+    """The three tensors of a ``blockmask.BlockMask`` as the kernel reads them: kinds
+    (int8), each partial block's row in ``partial`` (int64, -1 elsewhere), the partial
+    blocks (bool, contiguous)."""
+    return (block_mask.kinds.to(device=device, dtype=torch.int8).contiguous(),
+            block_mask.index.to(device=device, dtype=torch.int64).contiguous(),
+            block_mask.partial.to(device=device, dtype=torch.bool).contiguous())
+
+
+def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None, *,
+                    softcap=None, alibi_slopes=None, sinks=None, documents=None,
+                    block_mask=None, with_lse=False):
     """Attention on 4-D CPU inputs ``q (B, Hq, Lq, D)``, ``k/v (B, Hkv, Lk, D/Dv)``.
 
     ``offset`` is query row 0's position among the keys (``masks.KeyRule``; default
@@ -121,21 +148,50 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     ``attention``), broadcastable to ``(B, Hq, Lq, Lk)``. bf16/fp16 inputs are read as
     they are stored and computed in float32, tile by tile (no float32 copy of them);
     the output and gradients come back in their dtype. Returns ``(B, Hq, Lq, Dv)``.
+
+    The variants, as ``attention`` defines them (None: not asked for): ``softcap``
+    (float), ``alibi_slopes`` ``(1 or B, Hq)``, ``sinks`` ``(Hq,)`` (differentiable),
+    ``documents`` (a ``masks.Documents``; the rule then places each row at its
+    document's end, and ``offset`` must be None), ``block_mask`` (a ``blockmask.BlockMask``:
+    the kernel tiles by its blocks, skips the empty ones and masks the partial ones).
+    ``with_lse``: return ``(out, lse)``, each row's log-sum-exp ``(B, Hq, Lq)`` in the
+    accumulation dtype (no gradient; ``+inf`` for a row with nothing to attend).
     """
     batch, q_heads, q_len, _ = q.shape
+    k_len = k.shape[-2]
     if mask is not None:
         if mask.dtype != torch.bool:  # added in the kernel's accumulation type
             mask = mask.to(_masks.additive_dtype(q.dtype))
         # Zero strides where the mask broadcasts: nothing is copied.
-        mask = mask.detach().expand(batch, q_heads, q_len, k.shape[-2])
+        mask = mask.detach().expand(batch, q_heads, q_len, k_len)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
-    offset = k.shape[-2] - q_len if offset is None else int(offset)
-    out = _FlashAttention.apply(q, k, v, mask, causal, 0 if window is None else window,
-                                offset, scale, float(dropout_p), seed)
-    return out
+    offset = k_len - q_len if offset is None else int(offset)
+    window = 0 if window is None else window
+    blocks, extras = _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents,
+                                  block_mask)
+    out, lse = _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
+                                     float(dropout_p), seed, blocks, extras)
+    return (out, lse) if with_lse else out
 
 
-# --------------------------------------------------------------------------- block step
+def _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents, block_mask):
+    """The tile shapes ``(forward, backward)`` and the variants as the op takes them
+    (softcap, alibi, documents, the block mask's three tensors)."""
+    q_len, k_len, q_heads = q.shape[2], k.shape[2], q.shape[1]
+    if block_mask is not None:  # the kernel's tiles are the mask's blocks
+        blocks = ((block_mask.block_q, block_mask.block_k),) * 2
+        kinds, index, partial = _block_mask_tensors(block_mask, q.device)
+    else:
+        blocks = (_blocks(q_len, k_len, causal, window),
+                  _blocks(q_len, k_len, causal, window, backward=True))
+        kinds = index = partial = None
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().to(torch.float64).reshape(-1, q_heads).contiguous()
+    if documents is not None:
+        documents = torch.stack([documents.starts, documents.ends,
+                                 documents.offsets]).to(device=q.device, dtype=torch.int64)
+    return blocks, (0.0 if softcap is None else float(softcap), alibi_slopes, documents, kinds,
+                    index, partial)
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -143,28 +199,22 @@ def _work(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def block_forward(q, k, v, mask, causal, window, offset, scale):
-    """One block of queries against one block of keys, query row ``i`` at position
-    ``i + offset`` among them (``masks.KeyRule``): ``(out, lse)``, ``lse (B, Hq, Lq)``
-    (``+inf`` for a row with no allowed key, whose ``out`` is zeros), computed in float32
-    (float64 kept; ``backends.BlockStep`` has the contract); ``mask`` None or bool,
-    broadcastable to ``(B, Hq, Lq, Lk)``."""
-    q, k, v = _rows(_work(q)), _rows(_work(k)), _rows(_work(v))
-    if mask is not None:
-        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    window = 0 if window is None else window
-    return _ops().flash_forward(q, k, v, mask, causal, window, offset, scale, 0.0, 0,
-                                *_blocks(q.shape[2], k.shape[2], causal, window))
-
-
-def block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
-    """The block's share of ``(dq, dk, dv)`` given the row's merged ``out`` and ``lse``
-    over every block it attends (the kernel's backward reads nothing else)."""
+def flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, offset=None, *,
+                       softcap=None, alibi_slopes=None, documents=None, block_mask=None):
+    """One block of keys' share of ``(dq, dk, dv)`` given each row's ``out`` and ``lse``
+    merged over every block it attends (the kernel's backward reads nothing else), query
+    row ``i`` at position ``i + offset`` among the keys; float32 (float64 kept). ``mask``
+    None or bool, broadcastable to ``(B, Hq, Lq, Lk)``; the variants as
+    :func:`flash_attention` takes them (a sink is already in ``lse``)."""
     q, k, v, out, grad_out = (_rows(_work(t)) for t in (q, k, v, out, grad_out))
-    lse = _work(lse)
+    lse = _work(lse).contiguous()
     if mask is not None:
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
     window = 0 if window is None else window
-    return _ops().flash_backward(q, k, v, mask, out, lse.contiguous(), grad_out,
-                                 causal, window, offset, scale, 0.0, 0,
-                                 *_blocks(q.shape[2], k.shape[2], causal, window, backward=True))
+    blocks, extras = _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents,
+                                  block_mask)
+    softcap, alibi, documents, kinds, index, partial = extras
+    return _ops().flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset,
+                                 scale, 0.0, 0, *blocks[1], softcap, alibi, None, documents,
+                                 kinds, index, partial)

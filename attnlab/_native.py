@@ -225,7 +225,8 @@ def _fakes(tiles: bool) -> dict:
     """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
 
     def flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed, block_q,
-                      block_k):
+                      block_k, softcap, alibi, sinks, documents, block_kinds, block_index,
+                      block_partial):
         batch, heads, q_len, _ = q.shape
         out = q.new_empty(batch, heads, q_len, v.shape[-1])
         # The log-sum-exp, one per row, in the accumulation dtype (float32 for bf16/fp16).
@@ -233,7 +234,8 @@ def _fakes(tiles: bool) -> dict:
         return out, q.new_empty(batch, heads, q_len, dtype=acc)
 
     def flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale,
-                       dropout_p, seed, block_q, block_k):
+                       dropout_p, seed, block_q, block_k, softcap, alibi, sinks, documents,
+                       block_kinds, block_index, block_partial):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def rms_norm(x, weight, eps):
@@ -244,6 +246,8 @@ def _fakes(tiles: bool) -> dict:
 
     def silu_mul(gate_up):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    gelu_mul = silu_mul  # the same shapes
 
     def usable(t) -> bool:
         return t.dtype == torch.float32 and t.device.type == "cpu"
@@ -278,11 +282,11 @@ def _fakes(tiles: bool) -> dict:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     def decode_step(qkv, cos, sin, k_cache, v_cache, pos, window, num_heads, num_kv_heads,
-                    scale):
+                    scale, softcap=0.0, alibi=None, sinks=None):
         return qkv.new_empty(k_cache.shape[0], 1, num_heads * k_cache.shape[3])
 
     return {"flash_forward": flash_forward, "flash_backward": flash_backward,
-            "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear,
+            "rms_norm": rms_norm, "silu_mul": silu_mul, "gelu_mul": gelu_mul, "linear": linear,
             "decode_step": decode_step}
 
 

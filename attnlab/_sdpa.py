@@ -10,23 +10,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _variants
 from . import masks as _masks
-from ._eager import eager_attention
+from ._eager import eager_attention, eager_lse, eager_lse_backward
 
 
-def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
-    """torch's fused kernel, with attnlab's causal alignment and empty-row rule."""
+def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
+    """torch's fused kernel, with attnlab's causal alignment and empty-row rule. Of the
+    variants it takes what a dense mask states exactly: documents and a ``mask_mod``
+    (a bool mask), ALiBi (an additive one); O(q_len x k_len) memory for them."""
     if (q.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))):
         # The fused kernel gives 0 for a row whose scores hold NaN (NaN in q or k, or
         # inf - inf from an infinite key entry) and a gradient of 0 to what such a row
         # weighs; the README's rule is IEEE's. On the CPU the check is free of a device
         # sync, and such rare inputs take the textbook path, which keeps the rule.
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, None)[0]
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, None,
+                               variants)[0]
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
-    struct = None
-    if causal and window is None and mask is None and q_len == k_len and scale > 0:
+    struct = bias = None
+    if variants is not None:
+        rule = _variants.rule(variants, q_len, k_len, causal, window)
+        struct = _masks.combine(
+            rule.allowed(device=q.device) if rule.structural else None,
+            None if variants.block_mask is None else variants.block_mask.dense())
+        if variants.alibi_slopes is not None:
+            rows = torch.arange(q_len, device=q.device)
+            bias = _variants.alibi(variants.alibi_slopes, rule, rows, 0, k_len, k.shape[1],
+                                   _masks.additive_dtype(q.dtype)).flatten(1, 2)
+    elif causal and window is None and mask is None and q_len == k_len and scale > 0:
         # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
         # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
         # explicit rule below.
@@ -35,7 +48,7 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p):
         pass  # end-aligned: the one query (the newest token) sees every key
     else:
         struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
-    attn_mask = _masks.combine(struct, mask)
+    attn_mask = _masks.combine(struct, mask, bias)
     empty = None
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
@@ -118,9 +131,21 @@ def _cuda_takes(q, k, is_causal, bias):
             and bias is None and q.shape[1] == k.shape[1])
 
 
-def sdpa_block_forward(q, k, v, mask, causal, window, offset, scale):
-    """``backends.BlockStep.forward`` on torch's fused kernels: ``(out, lse)`` in float32
-    (float64 for float64), ``lse`` ``+inf`` for a row with no allowed key."""
+def _takes(q, v, mask, dropout_p, variants) -> bool:
+    """Whether torch's kernels take the call: one head size for q, k and v, no variant,
+    no dropout, a bool mask or none (the rest goes to the textbook path)."""
+    return (variants is None and dropout_p == 0 and q.shape[-1] == v.shape[-1]
+            and (mask is None or mask.dtype == torch.bool))
+
+
+def sdpa_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None, offset=None):
+    """``backends.LseStep.forward`` on torch's fused kernels: ``(out, lse)``, ``out`` in q's
+    dtype, ``lse`` ``(B, Hq, Lq)`` float32 (float64 for float64), ``+inf`` for a row with
+    no allowed key; ``offset`` query row 0's position among the keys (None: end-aligned).
+    What the kernels cannot take runs on the textbook path."""
+    if not _takes(q, v, mask, dropout_p, variants):
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
     is_causal, bias, empty = _block_rule(q, k, mask, causal, window, offset)
     if q.device.type == "cpu":
         heads, kv_heads = q.shape[1], k.shape[1]
@@ -132,19 +157,22 @@ def sdpa_block_forward(q, k, v, mask, causal, window, offset, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k.contiguous(), v.contiguous(), 0.0, is_causal, False, scale=scale)[:2]
     else:
-        from ._eager import eager_block_forward
-
-        return eager_block_forward(q, k, v, mask, causal, window, offset, scale)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = out.to(work), lse.to(work)
+        return eager_lse(q, k, v, mask, causal, window, scale, 0.0, None, offset)
+    lse = lse.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     if empty is not None:  # the kernel gives such a row lse 0
         lse = lse.masked_fill(empty, _INF)
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+    return out.to(q.dtype), lse
 
 
-def sdpa_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
-    """``backends.BlockStep.backward`` on torch's fused backward kernels."""
+def sdpa_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants=None,
+                      offset=None):
+    """``backends.LseStep.backward`` on torch's fused backward kernels (the textbook
+    path's where they cannot take the call)."""
+    if not _takes(q, v, mask, 0.0, variants):
+        return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                  variants, offset)
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
     is_causal, bias, _ = _block_rule(q, k, mask, causal, window, offset)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     if q.device.type == "cpu":
@@ -161,14 +189,12 @@ def sdpa_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offse
         # A dense batch has no cumulative lengths (None), and without dropout the seed
         # and offset are never read.
         seed = torch.zeros(2, dtype=torch.int64, device=q.device)
-        offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out.to(q.dtype), q, k.contiguous(), v.contiguous(), out.to(q.dtype),
             lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
-            seed, offset, scale=scale)
+            seed, zero, scale=scale)
     else:
-        from ._eager import eager_block_backward
-
-        return eager_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset,
-                                    scale)
+        return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                  variants, offset)
     return dq.to(work), dk.to(work), dv.to(work)

@@ -11,13 +11,21 @@ saved log-sum-exp instead of storing the weights (FlashAttention-2, Dao 2023).
 
 Layout: queries are viewed as ``(B, Hkv, G, Lq, D)`` with the G query heads
 that share a kv head folded next to the rows, so K/V are never repeated.
+
+The variants (``_variants``): softcap, ALiBi, sinks, documents and ``mask_mod`` run in
+the same loops, forward and backward (the softcap's derivative ``1 - tanh^2`` and the
+sinks' gradient ``-sum_i P_sink,i D_i`` by hand); key tiles that the documents' rule or
+the block mask rule out are never visited. A ``score_mod`` is the user's Python, so it
+runs in ``_tiled_mod`` under autograd, recomputed per query block in the backward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _tiled_mod, _variants
 from . import masks as _masks
+from .blockmask import EMPTY
 
 BLOCK_Q = 256
 BLOCK_K = 512
@@ -42,14 +50,21 @@ def _slice_rows(mask, idx, kv_heads):
     return _masks.group_view(mask, kv_heads)
 
 
-def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
-    """Masked scores of one tile ``(B, Hkv, G, bq, bk)``.
+def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end, want_tanh=False):
+    """Masked scores of one tile ``(B, Hkv, G, bq, bk)``, and the softcap's
+    ``tanh(raw / softcap)`` (None without one) for its derivative.
 
     ``q_blk`` is ``(B, Hkv, G, bq, D)`` and pre-scaled; ``k_blk`` is ``(B, Hkv, bk, D)``.
     """
     b, hkv, g, bq, d = q_blk.shape
     s = torch.matmul(q_blk.reshape(b, hkv, g * bq, d), k_blk.transpose(-1, -2))
     s = s.view(b, hkv, g, bq, k_end - k_start)
+    if ctx.variants is not None:
+        m = None if mask is None else _masks.group_view(
+            _slice_mask(mask, q_start, q_end, k_start, k_end), hkv)
+        rows = torch.arange(q_start, q_end, device=s.device)
+        return _variants.score_tile(s, ctx.variants, ctx.rule, m, rows, k_start, k_end,
+                                    q_range=(q_start, q_end), want_tanh=want_tanh)
     if not ctx.rule.full(q_start, q_end, k_start, k_end):
         allowed = ctx.rule.allowed(q_start, q_end - q_start, k_start, k_end - k_start,
                                    device=s.device)
@@ -60,7 +75,7 @@ def _tile_scores(q_blk, k_blk, mask, ctx, q_start, q_end, k_start, k_end):
             s.masked_fill_(~m, _NEG_INF)
         else:
             s.add_(m.to(s.dtype))
-    return s
+    return s, None
 
 
 def _keep_mask(ctx, qi, ki, shape, device):
@@ -75,16 +90,29 @@ def _keep_mask(ctx, qi, ki, shape, device):
 class _Ctx:
     """Plain settings shared by the forward and backward loops."""
 
-    def __init__(self, q, k, causal, window, scale, dropout_p, seed, offset=None):
+    def __init__(self, q, k, causal, window, scale, dropout_p, seed, offset=None,
+                 variants=None):
         self.batch, self.q_heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.k_len = k.shape[1], k.shape[2]
         self.group = self.q_heads // self.kv_heads
-        self.rule = _masks.KeyRule(self.q_len, self.k_len, causal=causal, window=window,
-                                   offset=offset)
+        self.rule = _variants.rule(variants, self.q_len, self.k_len, causal, window, offset)
         self.scale = scale
         self.dropout_p, self.seed = dropout_p, seed
         low = q.dtype in (torch.float16, torch.bfloat16)
         self.compute = torch.float32 if low else q.dtype
+        self.variants = variants
+        self.blocks_mask = None if variants is None else variants.block_mask
+
+    def skip(self, q_start, q_end, k_start, k_end) -> bool:
+        """Whether the mask_mod's block mask rules the whole tile out."""
+        return self.blocks_mask is not None and self.blocks_mask.kind(
+            q_start, q_end, k_start, k_end) == EMPTY
+
+    def sinks(self, sinks):
+        """The sink logits ``(1, Hkv, G, 1, 1)`` in the compute dtype, or None."""
+        if sinks is None:
+            return None
+        return sinks.to(self.compute).reshape(1, self.kv_heads, self.group, 1, 1)
 
     def grouped(self, t):  # (B, Hq, L, D) -> (B, Hkv, G, L, D)
         return t.reshape(self.batch, self.kv_heads, self.group, t.shape[2], t.shape[3])
@@ -93,8 +121,9 @@ class _Ctx:
         return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _forward(ctx, q, k, v, mask):
+def _forward(ctx, q, k, v, mask, sinks=None):
     c = ctx.compute
+    sink = ctx.sinks(sinks)
     qg = ctx.grouped(q)
     out = torch.zeros(ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len, v.shape[-1],
                       dtype=c, device=q.device)
@@ -102,18 +131,23 @@ def _forward(ctx, q, k, v, mask):
                      dtype=c, device=q.device)
     for qi, (qs, qe) in enumerate(ctx.blocks(ctx.q_len, BLOCK_Q)):
         lo, hi = ctx.rule.block(qs, qe)
-        if hi <= lo:
-            continue  # every query here has nothing to attend: zeros
+        if hi <= lo:  # every query here has nothing to attend: zeros
+            if sink is not None:  # and the sink takes the whole row: lse = sink
+                lse[:, :, :, qs:qe] = sink.squeeze(-1)
+            continue
         q_blk = qg[:, :, :, qs:qe].to(c) * ctx.scale
         m = torch.full((*q_blk.shape[:-1], 1), _NEG_INF, dtype=c, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(*q_blk.shape[:-1], v.shape[-1], dtype=c, device=q.device)
         for ki, ks in enumerate(range(lo, hi, BLOCK_K)):
             ke = min(ks + BLOCK_K, hi)
-            s = _tile_scores(q_blk, k[:, :, ks:ke].to(c), mask, ctx, qs, qe, ks, ke)
+            if ctx.skip(qs, qe, ks, ke):
+                continue
+            s, _ = _tile_scores(q_blk, k[:, :, ks:ke].to(c), mask, ctx, qs, qe, ks, ke)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = m_new
-            if mask is not None or not ctx.rule.full(qs, qe, lo, ke):
+            if (mask is not None or ctx.variants is not None
+                    or not ctx.rule.full(qs, qe, lo, ke)):
                 m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows masked so far
             p = s.sub_(m_safe).exp_()
             alpha = (m - m_safe).exp_()
@@ -124,14 +158,22 @@ def _forward(ctx, q, k, v, mask):
             # in the scores; broadcasting V over G would copy it G times per tile.
             acc.mul_(alpha).add_((_fold(p) @ v[:, :, ks:ke].to(c)).view_as(acc))
             m = m_new
+        if sink is not None:  # the sink joins the denominator and weighs no value
+            m_new = torch.maximum(m, sink)
+            alpha = (m - m_new).exp_()
+            l.mul_(alpha).add_((sink - m_new).exp_())
+            acc.mul_(alpha)
+            m = m_new
         empty = l == 0
         out[:, :, :, qs:qe] = acc / l.masked_fill(empty, 1.0)
         lse[:, :, :, qs:qe] = (m + l.log()).masked_fill(empty, float("inf")).squeeze(-1)
     return out, lse
 
 
-def _backward(ctx, q, k, v, mask, out, lse, grad_out):
+def _backward(ctx, q, k, v, mask, out, lse, grad_out, sinks=None):
     c = ctx.compute
+    sink = ctx.sinks(sinks)
+    dsink = None if sink is None else torch.zeros_like(sink)
     qg, og, gg = ctx.grouped(q), ctx.grouped(out), ctx.grouped(grad_out)
     dq = torch.zeros(qg.shape, dtype=c, device=q.device)
     dk = torch.zeros(k.shape, dtype=c, device=q.device)
@@ -147,11 +189,16 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
         lse_blk = lse[:, :, :, qs:qe].unsqueeze(-1)
         d_blk = delta[:, :, :, qs:qe]
         dq_blk = torch.zeros_like(q_blk)
+        if sink is not None:  # d lse / d sink = P_sink; d out / d sink = -P_sink * out
+            dsink -= ((sink - lse_blk).exp() * d_blk).sum(dim=(0, 3), keepdim=True)
         for ki, ks in enumerate(range(lo, hi, BLOCK_K)):
             ke = min(ks + BLOCK_K, hi)
+            if ctx.skip(qs, qe, ks, ke):
+                continue
             k_blk = k[:, :, ks:ke].to(c)  # (B, Hkv, bk, D)
             v_blk = v[:, :, ks:ke].to(c)  # (B, Hkv, bk, Dv)
-            p = _tile_scores(q_blk, k_blk, mask, ctx, qs, qe, ks, ke).sub_(lse_blk).exp_()
+            s, tanh = _tile_scores(q_blk, k_blk, mask, ctx, qs, qe, ks, ke, want_tanh=True)
+            p = s.sub_(lse_blk).exp_()
             # Folded (B, Hkv, G*bq, .) products, as in the forward: no copies of K/V per head.
             dp = (do_blk @ v_blk.transpose(-1, -2)).view_as(p)  # (B, Hkv, G, bq, bk)
             p_used = p
@@ -162,10 +209,14 @@ def _backward(ctx, q, k, v, mask, out, lse, grad_out):
             # Sum over the group and the rows at once: (B, Hkv, bk, G*bq) @ (B, Hkv, G*bq, Dv)
             dv[:, :, ks:ke] += _fold(p_used).transpose(-1, -2) @ do_blk
             ds = p.mul_(dp.sub_(d_blk))
+            if tanh is not None:  # through softcap * tanh(s / softcap)
+                ds.mul_(1 - tanh * tanh)
             dq_blk += (_fold(ds) @ k_blk).view_as(dq_blk)
             dk[:, :, ks:ke] += _fold(ds).transpose(-1, -2) @ _fold(q_blk)
         dq[:, :, :, qs:qe] = dq_blk * ctx.scale
-    return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if dsink is not None:
+        dsink = dsink.reshape(-1).to(sinks.dtype)
+    return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
 def _fold(t):  # (B, Hkv, G, L, X) -> (B, Hkv, G*L, X)
@@ -174,39 +225,49 @@ def _fold(t):  # (B, Hkv, G, L, X) -> (B, Hkv, G*L, X)
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, window, scale, dropout_p, seed, offset):
-        settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset)
-        out, lse = _forward(settings, q, k, v, mask)
+    def forward(ctx, q, k, v, mask, sinks, causal, window, scale, dropout_p, seed, offset,
+                variants):
+        settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset, variants)
+        out, lse = _forward(settings, q, k, v, mask, sinks)
         out = out.view(settings.batch, settings.q_heads, settings.q_len, -1).to(q.dtype)
         ctx.settings = settings
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(q, k, v, mask, sinks, out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, mask, sinks, out, lse = ctx.saved_tensors
+        dq, dk, dv, dsink = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out, sinks)
+        return dq, dk, dv, None, dsink, None, None, None, None, None, None, None
 
 
-def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None):
-    """Flash-style attention on 4-D inputs; returns ``(out, lse)`` with lse ``(B, Hkv, G, Lq)``.
+def tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None,
+                    variants=None):
+    """Flash-style attention on 4-D inputs; returns ``(out, lse)`` with lse ``(B, Hkv, G, Lq)``
+    (natural log of each row's softmax denominator, sink included; ``+inf`` for a row
+    with nothing to attend, which carries no gradient).
     ``offset``: query row 0's position among the keys (``masks.KeyRule``; default
-    ``k_len - q_len``, end-aligned)."""
+    ``k_len - q_len``, end-aligned). ``variants``: a ``_variants.Variants`` or None."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    return _TiledAttention.apply(q, k, v, mask, causal, window, scale, dropout_p, seed, offset)
+    if variants is not None and variants.score_mod is not None:
+        settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset, variants)
+        return _tiled_mod.attention(settings, q, k, v, mask, variants.sinks, BLOCK_Q, BLOCK_K)
+    sinks = None if variants is None else variants.sinks
+    return _TiledAttention.apply(q, k, v, mask, sinks, causal, window, scale, dropout_p, seed,
+                                 offset, variants)
 
 
-def tiled_weights(q, k, mask, causal, window, scale, rows):
+def tiled_weights(q, k, mask, causal, window, scale, rows, variants=None):
     """Weights of the chosen query ``rows`` ``(B, Hq, R, Lk)``, BLOCK_Q rows at a time.
 
     A plain masked softmax of each block of full score rows, so memory stays
     O(BLOCK_Q x k_len) and gradients flow back into ``q`` and ``k`` (the saved
     log-sum-exp is not differentiable, so the weights are not rebuilt from it).
     """
-    settings = _Ctx(q, k, causal, window, scale, 0.0, 0)
+    settings = _Ctx(q, k, causal, window, scale, 0.0, 0, variants=variants)
     c = settings.compute
+    sink = settings.sinks(None if variants is None else variants.sinks)
     batch, q_heads, _, head_dim = q.shape
     qg = settings.grouped(q)
     parts = []
@@ -215,37 +276,24 @@ def tiled_weights(q, k, mask, causal, window, scale, rows):
         q_blk = qg.index_select(3, idx).to(c) * scale
         s = torch.matmul(_fold(q_blk), k.to(c).transpose(-1, -2))
         s = s.view(batch, settings.kv_heads, settings.group, len(idx), settings.k_len)
-        s.masked_fill_(~settings.rule.allowed(rows=idx), _NEG_INF)
-        if mask is not None:
-            m = _slice_rows(mask, idx, settings.kv_heads)
-            s = s.masked_fill(~m, _NEG_INF) if m.dtype == torch.bool else s + m.to(c)
-        empty = s.amax(dim=-1, keepdim=True) == _NEG_INF
-        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        m = None if mask is None else _slice_rows(mask, idx, settings.kv_heads)
+        s, _ = _variants.score_tile(s, variants, settings.rule, m, idx, 0, settings.k_len,
+                                    fresh=False)
+        p = _variants.softmax(s, sink)
         parts.append(p.reshape(batch, q_heads, len(idx), settings.k_len))
     if not parts:
         return torch.zeros(batch, q_heads, 0, settings.k_len, dtype=q.dtype, device=q.device)
     return torch.cat(parts, dim=2).to(q.dtype)
 
 
-def _work(t):  # the block steps' dtype: float64 stays, everything else is float32
-    return t if t.dtype == torch.float64 else t.float()
-
-
-def tiled_block_forward(q, k, v, mask, causal, window, offset, scale):
-    """``backends.BlockStep.forward`` in PyTorch: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``
-    of one block of queries (row ``i`` at position ``i + offset`` among the keys),
-    in float32 (float64 kept)."""
-    q, k, v = (_work(t) for t in (q, k, v))
-    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset)
-    out, lse = _forward(ctx, q, k, v, mask)
-    return (out.view(ctx.batch, ctx.q_heads, ctx.q_len, -1),
-            lse.view(ctx.batch, ctx.q_heads, ctx.q_len))
-
-
-def tiled_block_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale):
-    """``backends.BlockStep.backward``: the block's share of ``(dq, dk, dv)`` given the
-    merged ``out`` and ``lse (B, Hq, Lq)`` of every block its rows attend."""
-    q, k, v, out, lse, grad_out = (_work(t) for t in (q, k, v, out, lse, grad_out))
-    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset)
+def tiled_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants,
+                       offset=None):
+    """``backends.LseStep.backward`` in PyTorch: one block of keys' share of ``(dq, dk, dv)``
+    given each row's ``out`` and ``lse (B, Hq, Lq)`` merged over every block it attends
+    (query row ``i`` at position ``i + offset`` among the keys), in float32 (float64 kept).
+    A sink in ``variants`` is already in ``lse``; its own gradient is the caller's."""
+    q, k, v, out, lse, grad_out = (t if t.dtype == torch.float64 else t.float()
+                                   for t in (q, k, v, out, lse, grad_out))
+    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset, variants)
     lse = lse.reshape(ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len)
-    return _backward(ctx, q, k, v, mask, out, lse, grad_out)
+    return _backward(ctx, q, k, v, mask, out, lse, grad_out)[:3]

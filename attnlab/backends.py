@@ -16,11 +16,13 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _decode, _flash
-from ._eager import eager_attention, eager_block_backward, eager_block_forward
-from ._sdpa import sdpa_attention, sdpa_block_backward, sdpa_block_forward
-from ._tiled import tiled_attention, tiled_block_backward, tiled_block_forward, tiled_weights
+from . import masks as _masks
+from ._eager import eager_attention, eager_lse, eager_lse_backward
+from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
+from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
+from ._variants import Variants
 
-__all__ = ["Backend", "BlockStep", "Request", "TABLE", "choose", "choose_block"]
+__all__ = ["Backend", "LseStep", "Request", "TABLE", "choose", "resolve"]
 
 
 @dataclass(slots=True)
@@ -35,6 +37,8 @@ class Request:
     window: int | None
     dropout_p: float
     rows: torch.Tensor | None
+    variants: Variants | None = None
+    lse: bool = False  # the log-sum-exp of each row is wanted too (attention_with_lse)
 
     @property
     def learned_mask(self) -> bool:
@@ -47,23 +51,27 @@ def _always(request: Request) -> bool:
 
 
 @dataclass(frozen=True)
-class BlockStep:
-    """Attention of one block of queries against one block of keys that also returns the
-    log-sum-exp, so that blocks merge exactly: the local step of attention split across
-    processes (:mod:`attnlab.distributed`), where a rank meets the keys a block at a time.
+class LseStep:
+    """Attention that also returns each row's log-sum-exp, and the backward of one block of
+    keys given the rows' merged output and log-sum-exp: what :func:`attention_with_lse`
+    runs, and the local step of attention split across processes
+    (:mod:`attnlab.distributed`), where a rank meets the keys a block at a time and merges
+    the blocks exactly by their log-sum-exp.
 
-    ``forward(q, k, v, mask, causal, window, offset, scale) -> (out, lse)``: 4-D
-    ``q (B, Hq, Lq, D)``, ``k``/``v (B, Hkv, Lk, D/Dv)``; query row ``i`` sits at position
-    ``i + offset`` among the keys (``masks.KeyRule``: the causal and window rules of a
-    piece of a longer sequence; ALiBi-style variants read the same positions); ``mask``
-    None or a bool key mask broadcastable to ``(B, 1, 1, Lk)``; ``window`` None or >= 1.
-    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)`` (natural log) in float32 (float64 for
-    float64 inputs); a row with no allowed key gives zeros and ``lse = +inf``.
+    ``forward(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None) ->
+    (out, lse)``: 4-D inputs after ``attention``'s checks (``variants`` a
+    ``_variants.Variants`` or None); ``offset`` is query row 0's position among the keys
+    (``masks.KeyRule``: None is end-aligned, a piece of a longer sequence passes its own;
+    ALiBi reads the same positions). ``out (B, Hq, Lq, Dv)`` in q's dtype, differentiable;
+    ``lse (B, Hq, Lq)`` (natural log, the sink included) in float32 (float64 for float64
+    inputs), without gradient, ``+inf`` for a row with nothing to attend (its ``out``
+    zeros).
 
-    ``backward(q, k, v, mask, out, lse, grad_out, causal, window, offset, scale) ->
-    (dq, dk, dv)``: this block's share of the gradients, given the row's ``out`` and
+    ``backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants, offset)
+    -> (dq, dk, dv)``: this block's share of the gradients, given each row's ``out`` and
     ``lse`` merged over every block it attends (FlashAttention-2's backward reads only
-    those), in float32 (float64).
+    those), in float32 (float64); ``mask`` None or bool, no dropout. A sink is already in
+    ``lse``: its own gradient is the caller's.
     """
 
     forward: Callable
@@ -74,14 +82,18 @@ class BlockStep:
 class Backend:
     """One backend and its capabilities.
 
-    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows) -> (out, weights)``
-    takes 4-D inputs after ``attention``'s checks (``weights`` None unless ``rows``).
+    ``run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants) -> (out,
+    weights)`` takes 4-D inputs after ``attention``'s checks (``weights`` None unless
+    ``rows``; ``variants`` a ``_variants.Variants`` or None).
     Capabilities: ``masks`` (bool and additive), ``mask_gradients`` (differentiates an
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
-    (``return_weights``), ``gradients`` (of q, k, v), ``devices`` and ``dtypes``
+    (``return_weights``), ``gradients`` (of q, k, v), the variants of ``attention``
+    (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
+    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
-    cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``block``
-    (a :class:`BlockStep`, reported as ``blocks``; None where there is none).
+    cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
+    (an :class:`LseStep`: each row's log-sum-exp too, and the backward of one block of
+    keys; reported as ``log_sum_exp``; None where the backend does not form it).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
     None; ``pays(request)`` whether ``auto`` should take it for a call it supports.
     """
@@ -94,10 +106,16 @@ class Backend:
     dropout: bool = True
     weights: bool = True
     gradients: bool = True
+    softcap: bool = True
+    alibi: bool = True
+    sinks: bool = True
+    documents: bool = True
+    mask_mod: bool = True
+    score_mod: bool = True
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
-    block: BlockStep | None = None
+    lse: LseStep | None = None
     unavailable: Callable[[torch.Tensor], str | None] | None = None
     pays: Callable[[Request], bool] = _always
     label: str = ""  # how errors name it, after the name: " (the native kernel)"
@@ -110,16 +128,19 @@ class Backend:
 
     def capabilities(self) -> dict[str, object]:
         """The capability fields by name (``decoding`` for ``decode``)."""
-        skip = {"name", "run", "decode", "block", "unavailable", "pays", "label", "no_weights",
+        skip = {"name", "run", "decode", "lse", "unavailable", "pays", "label", "no_weights",
                 "instead"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["decoding"] = self.decoding
-        out["blocks"] = self.block is not None
+        out["log_sum_exp"] = self.lse is not None
         return out
 
     def supports(self, request: Request) -> str | None:
         """Why this backend cannot take ``request``, as the ValueError names it, or None."""
         q, name = request.q, self.name
+        if request.lse and self.lse is None:
+            return (f"backend={name!r}{self.label} does not return the log-sum-exp; use "
+                    "backend='auto', 'eager' or 'tiled'")
         if request.rows is not None and not self.weights:
             return f"backend={name!r} cannot return weights ({self.no_weights}); {self.instead}"
         if self.unavailable is not None and (why := self.unavailable(q)) is not None:
@@ -138,6 +159,12 @@ class Backend:
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
+        if request.variants is not None:
+            for cap in request.variants.present():
+                if not getattr(self, cap):
+                    arg = Variants.CAPABILITIES[cap].replace("block_mask", "mask_mod")
+                    return (f"backend={name!r}{self.label} does not take {arg}; "
+                            f"{self.instead or 'use backend=' + repr('auto')}")
         if not self.mask_gradients and request.learned_mask and torch.is_grad_enabled():
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
@@ -159,58 +186,76 @@ def choose(request: Request) -> Backend:
     raise AssertionError("the eager backend takes every call")  # unreachable
 
 
-# The block steps auto prefers, best first: the native kernel, then torch's fused kernel,
-# then the textbook path (tiled, the readable statement of the same algorithm in Python
-# loops, only when named).
-_BLOCK_ORDER = ("flash", "sdpa", "eager")
-
-
-def choose_block(q: torch.Tensor, k: torch.Tensor, window: int | None,
-                 backend: str = "auto") -> Backend:
-    """The backend whose :class:`BlockStep` runs the local step of a split attention on
-    ``q``/``k`` (a bool key mask is taken by every block step); ``"auto"``: the first of
-    flash, sdpa, eager that supports the call. ValueError for a named backend that has no
-    block step or cannot take the call, saying why."""
-    request = Request(q, k, None, False, window, 0.0, None)
-    if backend != "auto":
-        chosen = TABLE.get(backend)
-        if chosen is None or chosen.block is None:
-            names = [b.name for b in TABLE.values() if b.block is not None]
-            raise ValueError(f"backend must be 'auto' or one with a block step {names}, "
-                             f"got {backend!r}")
-        why = chosen.supports(request)
-        if why is not None:
-            raise ValueError(why)
-        return chosen
-    with torch.no_grad():  # the block steps have their own backward
-        for name in _BLOCK_ORDER:
-            if TABLE[name].supports(request) is None:
-                return TABLE[name]
-    raise AssertionError("the eager backend takes every call")  # unreachable
+def resolve(request: Request, backend: str) -> Backend:
+    """The backend that runs ``request``: ``"auto"``'s choice (:func:`choose`), or the named
+    one, ValueError saying why where it cannot take the call."""
+    if backend == "auto":
+        return choose(request)
+    chosen = TABLE.get(backend)
+    if chosen is None:
+        raise ValueError(f"backend must be one of {('auto', *TABLE)}, got {backend!r}")
+    if (why := chosen.supports(request)) is not None:
+        raise ValueError(why)
+    return chosen
 
 
 # --------------------------------------------------------------------------- runs
 
 
-def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p), None
+def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
+    return sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants), None
 
 
-def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows):
+def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
     if min(q.numel(), k.numel(), v.numel()) == 0:  # nothing to tile: an empty batch,
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows)  # head, seq
-    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows,  # head,
+                               variants)  # seq
+    out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                             variants=variants)
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
 
 
-def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows):
-    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p)
-    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows)
+def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None):
+    if min(q.numel(), k.numel(), v.numel()) == 0:
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
+    out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset,
+                               variants=variants)
+    return out, lse.reshape(q.shape[:3])
 
 
-def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads):
+def _flash_variants(variants: Variants | None) -> dict:
+    """The variants as the kernel's wrapper takes them (it has every one but score_mod)."""
+    if variants is None:
+        return {}
+    return dict(softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
+                sinks=variants.sinks, documents=variants.documents,
+                block_mask=variants.block_mask)
+
+
+def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
+    out = _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+                                 **_flash_variants(variants))
+    return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
+                                                        variants)
+
+
+def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None):
+    return _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset,
+                                  with_lse=True, **_flash_variants(variants))
+
+
+def _flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants,
+                        offset=None):
+    options = _flash_variants(variants)
+    options.pop("sinks", None)  # already in lse
+    return _flash.flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                     offset, **options)
+
+
+def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores):
     # Looked up at each call: tests count the steps by replacing _decode.step.
-    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads)
+    return _decode.step(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores)
 
 
 # --------------------------------------------------------------------------- when auto pays
@@ -232,12 +277,50 @@ _FLASH_MIN_LEN = {"tiles": 64, "blas": 128}
 _FLASH_MIN_LEN_TRAINING = 32
 
 
+# tiled, with variants: the textbook path alone takes softcap, sinks and score_mod; the
+# tiled one is faster from this many scores per (batch, head) (its causal rows beat
+# eager's from T=512 on the bench grid) and needs no q_len x k_len buffer.
+_VARIANT_MIN_SCORES = 512 * 512
+# tiled, with variants SDPA takes as a dense mask (documents, mask_mod, ALiBi): above
+# this many bytes of mask, O(T^2) memory per call is not worth SDPA's speed.
+_DENSE_MASK_MAX_BYTES = 1 << 30
+
+
 def _tiled_pays(r: Request) -> bool:
     k_len = r.k.shape[-2]
     if r.rows is not None:
         return len(r.rows) * k_len > _EAGER_MAX_SCORES
+    if r.variants is not None and _tiles_pay_for_variants(r):
+        return True
     return (r.window is not None and r.q.shape[-2] > 1 and k_len >= _WINDOW_MIN_LEN
             and k_len >= _WINDOW_RATIO * r.window)
+
+
+def _tiles_pay_for_variants(r: Request) -> bool:
+    """Where the tiled path beats the others on a call with variants: long rows where
+    only eager could take it; rows where documents or a mask_mod leave at most
+    1/_WINDOW_RATIO of the pairs (the tiles it skips), as for windows; and calls whose
+    dense mask for SDPA would be too large."""
+    v, (batch, heads, q_len, _) = r.variants, r.q.shape
+    k_len = r.k.shape[-2]
+    present = v.present()
+    if {"softcap", "sinks", "score_mod"} & set(present):
+        return q_len * k_len >= _VARIANT_MIN_SCORES
+    if q_len * k_len == 0:
+        return False
+    live = 1.0
+    if v.documents is not None:
+        rule = _masks.KeyRule(q_len, k_len, causal=r.causal, window=r.window,
+                              documents=v.documents)
+        live = rule.pairs() / (v.documents.batch * q_len * k_len)
+    if v.block_mask is not None:
+        live = min(live, float(v.block_mask.live_share()))
+    if live * _WINDOW_RATIO <= 1 and k_len >= _WINDOW_MIN_LEN and q_len > 1:
+        return True
+    mask_bytes = q_len * k_len * (batch if v.documents or v.block_mask else 1)
+    if v.alibi_slopes is not None:
+        mask_bytes *= 4 * heads * (batch if v.alibi_slopes.shape[0] > 1 else 1)
+    return mask_bytes > _DENSE_MASK_MAX_BYTES
 
 
 def _flash_pays(r: Request) -> bool:
@@ -257,17 +340,16 @@ def _flash_pays(r: Request) -> bool:
 
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("eager", eager_attention,
-            block=BlockStep(eager_block_forward, eager_block_backward)),
-    Backend("sdpa", _sdpa, weights=False,
-            block=BlockStep(sdpa_block_forward, sdpa_block_backward),
+    Backend("eager", eager_attention, lse=LseStep(eager_lse, eager_lse_backward)),
+    Backend("sdpa", _sdpa, weights=False, softcap=False, sinks=False, score_mod=False,
+            lse=LseStep(sdpa_lse, sdpa_lse_backward),
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
     Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays,
-            block=BlockStep(tiled_block_forward, tiled_block_backward)),
+            lse=LseStep(_tiled_lse, tiled_lse_backward)),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
-            block=BlockStep(_flash.block_forward, _flash.block_backward),
+            lse=LseStep(_flash_lse, _flash_lse_backward), score_mod=False,
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}

@@ -9,20 +9,25 @@ Conventions (DESIGN.md): bool masks are True where a query may attend, float
 masks are additive; causal and window rules are aligned to the end when
 ``q_len != k_len``; a row with nothing to attend gives zeros, never NaN;
 grouped-query attention never copies K/V; bf16/fp16 accumulate in float32.
+The variants (softcap, ALiBi, sinks, documents, mask_mod, score_mod) are defined in
+``attention``'s docstring and applied by ``_variants`` (checks and the score pipeline).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from . import _variants
 from . import masks as _masks
-from .backends import TABLE, Backend, Request, choose
+from .backends import TABLE, Backend, Request, choose, resolve
+from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
-__all__ = ["attention", "BACKENDS", "backend_table", "may_decode", "decode_step"]
+__all__ = ["attention", "attention_with_lse", "BACKENDS", "backend_table", "may_decode",
+           "decode_step"]
 
 # The names attention() takes: "auto" (backends.choose), then the table's.
 BACKENDS = ("auto", *TABLE)
@@ -45,8 +50,14 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool | Sequence[int] | torch.Tensor = False,
     backend: str = "auto",
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    mask_mod: Callable | BlockMask | None = None,
+    score_mod: Callable | None = None,
 ):
-    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``, and its variants.
 
     Args:
         q: ``(..., q_heads, q_len, head_dim)`` queries.
@@ -72,12 +83,94 @@ def attention(
             native kernel, CPU only; its weights come from the tiled path's rows).
             What each takes is in :func:`backend_table`; ``"auto"``'s rule is
             :func:`attnlab.backends.choose`. A named backend that cannot take the
-            call raises ValueError saying why.
+            call raises ValueError saying why (``backend_table()`` lists which variants
+            each takes; ``auto`` picks one that takes them all).
+
+    Variants (each composes with the others, with causal, window, masks, GQA and
+    dropout). The scores ``s = q k^T * scale`` go through, in this order:
+
+        softcap: a float > 0: ``s = softcap * tanh(s / softcap)`` on the scaled score
+            (Gemma 2's attention logit softcapping; FlashAttention's ``softcap``).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's
+            signature), called vectorised on whole tiles: ``score`` ``(B, Hkv, G, n, kn)``
+            (the G query heads of a kv head next to each other), the indices long
+            tensors broadcast against it (``h`` the query head, ``q_idx``/``kv_idx`` the
+            row and key numbers). It must be written with tensor operations and return
+            a tensor of the score's shape; autograd differentiates it (the tiled
+            backend recomputes it per query block in the backward: memory O(seq)).
+        alibi_slopes: ``(q_heads,)`` or ``(..., q_heads)`` (per batch element) floats:
+            ``s -= slope[h] * |p - j|``, with ``p`` the query's end-aligned position
+            (FlashAttention's ALiBi). Under a causal rule this equals BLOOM's
+            ``+ slope * j`` (the two differ by ``slope * p``, a constant per row, which
+            softmax ignores). Fixed: the slopes get no gradient.
+        mask: the additive float mask is added here (with sinks, as it is: elsewhere
+            each row is shifted by a constant first, which softmax ignores but a sink's
+            share would not); then every forbidden key gets
+            ``-inf``: the causal/window rule, ``document_ids``, a bool mask and
+            ``mask_mod``.
+        document_ids: packed sequences: a long tensor ``(..., seq)`` or ``(seq,)`` of
+            each position's document (when ``q_len == k_len``), or a pair
+            ``(q_ids, k_ids)`` of ``(..., q_len)`` and ``(..., k_len)``; non-decreasing
+            along each sequence. A query attends only the keys of its own document,
+            and within a document the causal/window rule and ALiBi's positions are
+            aligned to the document's end (FlashAttention varlen's per-sequence
+            bottom-right alignment; the global rule when each document has as many
+            queries as keys). ``masks.Documents`` is the rule.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
+            signature; True = may attend), or a block mask made from one
+            (``attnlab.blockmask.block_mask``, ``attnlab.compat.create_block_mask``).
+            Evaluated once per (function, shape) into a block mask and cached
+            (``attnlab.blockmask``: vectorised as there, pure); tiles it forbids are
+            skipped. Exceptions it raises come back as one ValueError naming it.
+        sinks: ``(q_heads,)`` floats, differentiable: gpt-oss's attention sinks, one
+            logit per head that joins each row's softmax denominator and weighs no
+            value: ``w_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik))``. The weights
+            (``return_weights``) then sum to less than 1; a row with no allowed key
+            still gives zeros.
 
     Returns:
         ``out`` of shape ``(..., q_heads, q_len, v_dim)``, or ``(out, weights)``.
     """
+    return _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
+                   dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        document_ids=document_ids, mask_mod=mask_mod, score_mod=score_mod))
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    mask_mod: Callable | BlockMask | None = None,
+    score_mod: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` (the same arguments, no weights) that also returns each query
+    row's log-sum-exp: ``(out, lse)`` with ``lse`` ``(..., q_heads, q_len)`` float32 (float64
+    for float64 inputs), the natural log of the row's softmax denominator over its
+    allowed keys (the sink included), ``+inf`` for a row with nothing to attend (as
+    FlashAttention returns it). The lse carries no gradient. Only the backends that
+    declare ``lse`` in :func:`backend_table` take it (``auto`` picks among them)."""
+    return _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend,
+                   dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        document_ids=document_ids, mask_mod=mask_mod, score_mod=score_mod),
+                   want_lse=True)
+
+
+def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
+            variant_args, want_lse=False):
+    """attention()'s body: checks, dispatch through the table, shapes back."""
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
+    variants = _variants.check(q, k, **variant_args)
     lead = q.shape[:-3]
     q4, k4, v4, mask4 = _to_4d(q, k, v, mask)
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
@@ -86,17 +179,23 @@ def attention(
     window = min(int(window), q4.shape[-2] + k4.shape[-2] + 1) if window is not None else None
     # Dispatch through the table (attnlab.backends): a named backend that cannot take
     # the call says why; auto takes the one its rule gives.
-    request = Request(q4, k4, mask4, causal, window, dropout_p, rows)
-    if backend == "auto":
-        chosen = choose(request)
-    elif (why := (chosen := TABLE[backend]).supports(request)) is not None:
-        raise ValueError(why)
-    if mask4 is not None and mask4.dtype != torch.bool:
+    request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants, want_lse)
+    chosen = resolve(request, backend)
+    if mask4 is not None and mask4.dtype != torch.bool and variants and variants.sinks is not None:
+        # A sink's share depends on the level of the scores: the mask is added as it is.
+        mask4 = mask4.to(torch.promote_types(mask4.dtype, _masks.additive_dtype(q4.dtype)))
+    elif mask4 is not None and mask4.dtype != torch.bool:
         # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
         # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
         mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
-                                  window=window, dtype=_masks.additive_dtype(q4.dtype))
-    out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows)
+                                  window=window, dtype=_masks.additive_dtype(q4.dtype),
+                                  documents=variants and variants.documents)
+    if want_lse:
+        out, lse = chosen.lse.forward(q4, k4, v4, mask4, causal, window, scale, dropout_p,
+                                      variants)
+        return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
+    out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows,
+                              variants)
 
     if q.ndim != 4:
         out = out.reshape(*lead, *out.shape[1:])
@@ -243,9 +342,9 @@ def _to_4d(q, k, v, mask):
     return q, k, v, mask
 
 
-def _choose(q, k, mask, window, rows, causal=False) -> str:
+def _choose(q, k, mask, window, rows, causal=False, variants=None) -> str:
     """The name of the backend ``auto`` takes for 4-D ``q``, ``k`` (backends.choose)."""
-    return choose(Request(q, k, mask, causal, window, 0.0, rows)).name
+    return choose(Request(q, k, mask, causal, window, 0.0, rows, variants)).name
 
 
 # --------------------------------------------------------------------------- the table
@@ -254,7 +353,8 @@ def _choose(q, k, mask, window, rows, causal=False) -> str:
 def backend_table() -> tuple[Backend, ...]:
     """The backends ``attention`` dispatches to, in the order of :data:`BACKENDS`, each
     with its capabilities (``Backend.capabilities()``: masks, mask gradients, windows,
-    dropout, weights, gradients, devices, dtypes, decoding) and ``supports(request)``.
+    dropout, weights, gradients, devices, dtypes, decoding, and the variants softcap,
+    alibi, sinks, documents, mask_mod, score_mod) and ``supports(request)``.
     ``backend="auto"`` takes the last one that supports a call and pays for it
     (:func:`attnlab.backends.choose`)."""
     return tuple(TABLE.values())
@@ -272,9 +372,12 @@ def may_decode(backend: str = "auto", *, dropout_p: float = 0.0, mask: object = 
 
 
 def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads: int,
-                num_kv_heads: int, *, backend: str = "auto") -> torch.Tensor | None:
+                num_kv_heads: int, *, backend: str = "auto", scale: float | None = None,
+                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of one new token: RoPE, cache append and attention over the cache in
-    one call of the decoding backend (:func:`attnlab._decode.step` has the arguments).
+    one call of the decoding backend (:func:`attnlab._decode.step` has the arguments;
+    ``scale``, ``softcap``, ``alibi_slopes`` and ``sinks`` as :func:`attention` takes them).
     Returns ``(B, 1, num_heads * head_dim)``, or None (the cache unchanged) where the
     backend stands aside for these tensors; the caller then runs :func:`attention`.
     ValueError for a ``backend`` with no decoding step (ask :func:`may_decode` first)."""
@@ -283,4 +386,5 @@ def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads:
         one_of("backend", backend, BACKENDS)
         raise ValueError(f"backend={backend!r} has no fused decoding step; use backend="
                          f"{' or '.join(map(repr, _DECODERS))} (ask may_decode first)")
-    return step(qkv, cache, rotary, window, num_heads, num_kv_heads)
+    return step(qkv, cache, rotary, window, num_heads, num_kv_heads, scale=scale,
+                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

@@ -7,17 +7,24 @@ converts what tokenizers return (1 = real token, 0 = padding).
 
 Causal masks with ``q_len != k_len`` are aligned to the end (bottom-right):
 query ``i`` sits at position ``p = i + (k_len - q_len)`` and sees keys
-``j <= p``. That is what decoding with a KV cache needs.
+``j <= p``. That is what decoding with a KV cache needs. With document ids (packed
+sequences, :class:`Documents`) a query sees only its document's keys, and the rules
+are aligned to each document's end.
+
+The key rule is written once, in :func:`key_bounds` and :class:`KeyRule`; the
+builders here derive from it. The conversions of other conventions live in
+``mask_forms`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from .checks import positive_int
+from .mask_forms import as_attention_mask, describe, from_attention_mask, padding
 
 __all__ = [
     "causal",
@@ -30,32 +37,37 @@ __all__ = [
     "as_attention_mask",
     "key_bounds",
     "KeyRule",
+    "Documents",
 ]
 
 
 def structural(q_len: int, k_len: int, *, causal: bool = False, window: int | None = None,
-               device=None) -> torch.Tensor | None:
-    """The ``(q_len, k_len)`` bool mask of the causal and window rules, or None if neither."""
-    if not causal and window is None:
+               device=None, documents: Documents | None = None) -> torch.Tensor | None:
+    """The bool mask of the causal, window and document rules, or None if none:
+    ``(q_len, k_len)``, or ``(B, 1, q_len, k_len)`` with ``documents``."""
+    if not causal and window is None and documents is None:
         return None
-    return KeyRule(q_len, k_len, causal=causal, window=window).allowed(device=device)
+    return KeyRule(q_len, k_len, causal=causal, window=window,
+                   documents=documents).allowed(device=device)
 
 
-def key_bounds(positions, k_len: int, *, causal: bool, window: int | None):
+def key_bounds(positions, k_len: int, *, causal: bool, window: int | None,
+               starts=None, ends=None):
     """THE key rule: the keys ``[lo, hi)`` a query at ``positions`` may see.
 
     The one place it is written in Python (its C++ twin is ``csrc/mask.h``, and a test
     holds the two equal): a query at position ``p`` (in key coordinates) may see key
     ``j`` when ``j <= p`` (``causal``) and ``p - window < j`` (``window``; also
-    ``j < p + window`` when not causal), ``0 <= j < k_len``. Every query's keys form
-    one interval, and both ends are non-decreasing in ``p``: a block of queries sees
-    the keys from its first query's ``lo`` to its last one's ``hi``, and a tile is
-    fully allowed when its last query's ``lo`` and its first query's ``hi`` cover it.
-    Everything else here (mask builders, tile ranges, the fully-allowed test) derives
-    from this function.
+    ``j < p + window`` when not causal), ``0 <= j < k_len``, and, with documents,
+    ``starts <= j < ends`` (the keys of the query's own document, see
+    :class:`Documents`). Every query's keys form one interval, and both ends are
+    non-decreasing in the query's row: a block of queries sees the keys from its first
+    query's ``lo`` to its last one's ``hi``, and a tile is fully allowed when its last
+    query's ``lo`` and its first query's ``hi`` cover it. Everything else here (mask
+    builders, tile ranges, the fully-allowed test) derives from this function.
 
-    ``positions`` is an int or an integer tensor; ``(lo, hi)`` come back alike, with
-    ``0 <= lo <= hi <= k_len`` (``hi == lo``: no key).
+    ``positions`` is an int or an integer tensor (``starts``/``ends`` alike, or None);
+    ``(lo, hi)`` come back alike, with ``0 <= lo <= hi <= k_len`` (``hi == lo``: no key).
     """
     lo, hi = 0, k_len
     if causal:
@@ -66,10 +78,65 @@ def key_bounds(positions, k_len: int, *, causal: bool, window: int | None):
             hi = positions + window
     if isinstance(positions, torch.Tensor):
         lo = torch.as_tensor(lo, device=positions.device).clamp(0, k_len)
-        hi = torch.maximum(torch.as_tensor(hi, device=positions.device).clamp(max=k_len), lo)
+        hi = torch.as_tensor(hi, device=positions.device).clamp(max=k_len)
+        if starts is not None:  # the query's document: its keys only
+            lo = torch.minimum(torch.maximum(lo, starts), ends)
+            hi = torch.minimum(hi, ends)
+        hi = torch.maximum(hi, lo)
         return lo.expand_as(positions), hi.expand_as(positions)
     lo = min(max(lo, 0), k_len)
-    return lo, max(min(hi, k_len), lo)
+    hi = min(hi, k_len)
+    if starts is not None:
+        lo = min(max(lo, starts), ends)
+        hi = min(hi, ends)
+    return lo, max(hi, lo)
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of one call (packed sequences): ``q_ids (B, q_len)`` and
+    ``k_ids (B, k_len)`` integer tensors, non-decreasing along each row (``B`` the batch,
+    or 1 for every batch element), as :func:`attnlab.attention` checks them.
+
+    A query sees only the keys of its own document (the keys whose id equals its id),
+    and within the document the causal/window rule (and ALiBi's distances) are aligned
+    to the document's end, as FlashAttention's varlen kernels align each sequence: the
+    ``r``-th of the ``n_q`` queries of a document whose ``n_k`` keys start at key ``s``
+    sits at position ``s + r + n_k - n_q``. When every document has as many queries as
+    keys, that is the global rule with no offset. Derived per query row (``(B, q_len)``
+    long): ``starts``/``ends``, its document's keys ``[starts, ends)``, and
+    ``offsets``, its position minus its row.
+    """
+
+    q_ids: torch.Tensor
+    k_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        q_ids, k_ids = self.q_ids, self.k_ids
+        batch = max(q_ids.shape[0], k_ids.shape[0])
+        q_ids = q_ids.expand(batch, -1).contiguous()
+        k_ids = k_ids.expand(batch, -1).contiguous()
+        starts = torch.searchsorted(k_ids, q_ids)
+        ends = torch.searchsorted(k_ids, q_ids, right=True)
+        q_ends = torch.searchsorted(q_ids, q_ids, right=True)
+        for name, value in (("starts", starts), ("ends", ends), ("offsets", ends - q_ends)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def batch(self) -> int:
+        return self.starts.shape[0]
+
+    @classmethod
+    def piece(cls, q_ids: torch.Tensor, k_ids: torch.Tensor, offset: int) -> Documents:
+        """The documents of a block of a longer self-attention (split attention's pieces):
+        queries with ids ``q_ids`` against keys with ids ``k_ids``, query row ``i`` at
+        position ``i + offset`` among the keys. In the whole sequence every document has
+        as many queries as keys, so its document-aligned positions are the sequence's:
+        the block keeps them (``offsets`` all ``offset``) instead of aligning each
+        document to the block's end."""
+        docs = cls(q_ids, k_ids)
+        object.__setattr__(docs, "offsets", torch.full_like(docs.offsets, int(offset)))
+        return docs
 
 
 @dataclass(frozen=True)
@@ -80,8 +147,11 @@ class KeyRule:
     ``offset`` defaults to ``k_len - q_len``: causal and window rules aligned to the
     end, what decoding with a KV cache needs (query ``i`` sees ``j <= i + k_len -
     q_len``). A piece of a longer sequence (a query or key block of ring attention)
-    passes its own. Tiled kernels ask :meth:`block` which keys a block of queries
-    visits and :meth:`full` whether a tile needs masking at all.
+    passes its own. With ``documents`` (:class:`Documents`) each query row sees only
+    its document's keys and sits at its document-aligned position instead, so the
+    bounds are per batch element: ``(B, n)`` tensors. Tiled kernels ask :meth:`block`
+    which keys a block of queries visits and :meth:`full` whether a tile needs masking
+    at all (both over every batch element).
     """
 
     q_len: int
@@ -89,52 +159,95 @@ class KeyRule:
     causal: bool = False
     window: int | None = None
     offset: int | None = None
+    documents: Documents | None = None
 
     def __post_init__(self) -> None:
+        if self.documents is not None and self.offset is not None:
+            raise ValueError("KeyRule takes an offset or documents (which place every "
+                             "query at its document's end), not both")
         if self.offset is None:
             object.__setattr__(self, "offset", self.k_len - self.q_len)
 
     @property
     def structural(self) -> bool:
         """Whether the rule rules anything out beyond the keys' range."""
-        return self.causal or self.window is not None
+        return self.causal or self.window is not None or self.documents is not None
+
+    def positions(self, rows):
+        """The positions (in key coordinates) of query ``rows`` (an int or an integer
+        tensor): ``rows + offset``, or ``(B, n)`` document-aligned ones with documents."""
+        if self.documents is None:
+            return rows + self.offset
+        return torch.as_tensor(rows) + self.documents.offsets[:, rows]
 
     def bounds(self, rows):
-        """``(lo, hi)`` of query ``rows`` (an int or an integer tensor of row indices)."""
-        return key_bounds(rows + self.offset, self.k_len, causal=self.causal,
-                          window=self.window)
+        """``(lo, hi)`` of query ``rows`` (an int or an integer tensor of row indices);
+        ``(B,)``/``(B, n)`` tensors with documents."""
+        if self.documents is None:
+            return key_bounds(rows + self.offset, self.k_len, causal=self.causal,
+                              window=self.window)
+        docs = self.documents
+        return key_bounds(self.positions(rows), self.k_len, causal=self.causal,
+                          window=self.window, starts=docs.starts[:, rows],
+                          ends=docs.ends[:, rows])
+
+    @cached_property
+    def _row_bounds(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every row's ``(lo, hi)`` per batch element, as lists (documents only): the
+        tile loops ask for a few of them per tile."""
+        lo, hi = self.bounds(torch.arange(self.q_len, device=self.documents.starts.device))
+        return lo.tolist(), hi.tolist()
 
     def block(self, q_start: int, q_end: int) -> tuple[int, int]:
-        """The keys ``[lo, hi)`` any query of ``[q_start, q_end)`` may see; ``hi == lo``
-        when none. Tiled kernels visit only these."""
-        lo, _ = self.bounds(q_start)
-        _, hi = self.bounds(q_end - 1)
+        """The keys ``[lo, hi)`` any query of ``[q_start, q_end)`` may see (in any batch
+        element); ``hi == lo`` when none. Tiled kernels visit only these."""
+        if self.documents is None:
+            lo, _ = self.bounds(q_start)
+            _, hi = self.bounds(q_end - 1)
+        elif q_end <= q_start:
+            return 0, 0
+        else:
+            los, his = self._row_bounds
+            lo = min(row[q_start] for row in los)
+            hi = max(row[q_end - 1] for row in his)
         return lo, max(lo, hi)
 
     def full(self, q_start: int, q_end: int, k_start: int, k_end: int) -> bool:
         """Whether every query of ``[q_start, q_end)`` may see every key of
-        ``[k_start, k_end)``, so that the tile needs no mask."""
-        last_lo, _ = self.bounds(q_end - 1)
-        _, first_hi = self.bounds(q_start)
-        return last_lo <= k_start and first_hi >= k_end
+        ``[k_start, k_end)`` (in every batch element), so that the tile needs no mask."""
+        if self.documents is None:
+            last_lo, _ = self.bounds(q_end - 1)
+            _, first_hi = self.bounds(q_start)
+            return last_lo <= k_start and first_hi >= k_end
+        if q_end <= q_start:
+            return True
+        los, his = self._row_bounds
+        return all(lo[q_end - 1] <= k_start and hi[q_start] >= k_end
+                   for lo, hi in zip(los, his))
 
     def allowed(self, q_start: int = 0, q_len: int | None = None, k_start: int = 0,
                 k_len: int | None = None, *, rows: torch.Tensor | None = None,
                 device=None) -> torch.Tensor:
-        """The bool tile ``(q_len, k_len)`` (True = may attend) of queries
-        ``q_start..`` (or of the query indices ``rows``) and keys ``k_start..``;
-        the whole ``(q_len, k_len)`` matrix by default."""
+        """The bool tile (True = may attend) of queries ``q_start..`` (or of the query
+        indices ``rows``) and keys ``k_start..``; the whole matrix by default.
+        ``(q_len, k_len)``, or ``(B, 1, q_len, k_len)`` with documents (broadcastable to
+        ``(batch, heads, q_len, k_len)`` either way)."""
         if rows is None:
             q_len = self.q_len - q_start if q_len is None else q_len
+            if self.documents is not None:
+                device = self.documents.starts.device
             rows = torch.arange(q_start, q_start + q_len, device=device)
         k_len = self.k_len - k_start if k_len is None else k_len
         lo, hi = self.bounds(rows)
         j = torch.arange(k_start, k_start + k_len, device=rows.device)
-        return (j >= lo.unsqueeze(-1)) & (j < hi.unsqueeze(-1))
+        allowed = (j >= lo.unsqueeze(-1)) & (j < hi.unsqueeze(-1))
+        return allowed if self.documents is None else allowed.unsqueeze(1)
 
     def pairs(self) -> int:
-        """How many (query, key) pairs the rule lets through."""
-        lo, hi = self.bounds(torch.arange(self.q_len))
+        """How many (query, key) pairs the rule lets through (over every batch element
+        with documents)."""
+        device = None if self.documents is None else self.documents.starts.device
+        lo, hi = self.bounds(torch.arange(self.q_len, device=device))
         return int((hi - lo).sum())
 
 
@@ -175,99 +288,6 @@ def sliding_window(q_len: int, k_len: int, window: int, *, device=None) -> torch
     k_len = positive_int("k_len", k_len)
     window = positive_int("window", window)
     return KeyRule(q_len, k_len, window=window).allowed(device=device)
-
-
-def padding(lengths: Sequence[int] | torch.Tensor, seq_len: int, *, device=None) -> torch.Tensor:
-    """Key padding mask ``(batch, 1, 1, seq_len)``: True for the first ``lengths[b]`` keys.
-
-    Broadcasts against ``(batch, heads, q_len, k_len)``.
-    """
-    seq_len = positive_int("seq_len", seq_len)
-    lengths = torch.as_tensor(lengths, device=device)
-    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(
-            f"lengths must be a 1-D sequence of ints, got shape {tuple(lengths.shape)} "
-            f"dtype {lengths.dtype}"
-        )
-    if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > seq_len):
-        raise ValueError(
-            f"lengths must lie in [0, seq_len={seq_len}], got {lengths.tolist()}"
-        )
-    keep = torch.arange(seq_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
-    return keep[:, None, None, :]
-
-
-def from_attention_mask(attention_mask: torch.Tensor, *, masked_is_true: bool = False
-                        ) -> torch.Tensor:
-    """Convert a mask of another convention to attnlab's.
-
-    - a tokenizer-style ``(batch, seq)`` 1/0 integer mask (1 = real token)
-      becomes a bool key mask ``(batch, 1, 1, seq)``;
-    - a bool mask with ``masked_is_true=True`` (PyTorch ``key_padding_mask``
-      style: True = ignore) is inverted; a 2-D one is treated as
-      ``(batch, seq)`` key padding;
-    - higher-rank masks keep their shape.
-    """
-    if not isinstance(attention_mask, torch.Tensor):
-        attention_mask = torch.as_tensor(attention_mask)
-    m = attention_mask
-    if m.dtype.is_floating_point:
-        raise TypeError(
-            "attention_mask must be an integer 1/0 or bool tensor, got "
-            f"{m.dtype}; float masks are additive and used as they are"
-        )
-    if m.dtype != torch.bool:
-        values = torch.unique(m)
-        if not bool(((values == 0) | (values == 1)).all()):
-            raise ValueError(
-                f"attention_mask must hold only 0 and 1, got values {values.tolist()[:8]}"
-            )
-        m = m == 1
-    if masked_is_true:
-        m = ~m
-    if m.ndim == 2:
-        m = m[:, None, None, :]
-    return m
-
-
-def as_attention_mask(mask: torch.Tensor | None, batch: int, k_len: int
-                      ) -> torch.Tensor | None:
-    """A mask as modules and models take it, in :func:`attnlab.attention`'s convention.
-
-    The one conversion at the module/model boundary:
-
-    - 2-D ``(batch, k_len)``: key padding, bool (True = real token) or 1/0
-      integers as tokenizers return them -> ``(batch, 1, 1, k_len)``;
-    - 3-D ``(batch, q_len, k_len)``: one mask per example shared by all heads ->
-      ``(batch, 1, q_len, k_len)`` (never read as per-head: that would silently
-      mix examples and heads whenever batch == heads);
-    - 4-D: as it is. Integer 1/0 masks become bool; float masks stay additive.
-
-    Bool and float 4-D masks pass through without any work, so a model converts
-    once and its layers pay nothing for the mask they are handed.
-    """
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.ndim == 2:
-        if mask.shape[1] != k_len or mask.shape[0] not in (1, batch):
-            raise ValueError(
-                f"a 2-D mask is a key-padding mask (batch={batch}, k_len={k_len}), got shape "
-                f"{tuple(mask.shape)}; give a per-query (q_len, k_len) mask as mask[None, None]"
-            )
-        if mask.dtype == torch.bool or mask.dtype.is_floating_point:
-            return mask[:, None, None, :]
-    elif mask.ndim == 3:
-        if mask.shape[0] not in (1, batch):
-            raise ValueError(
-                f"a 3-D mask is (batch={batch}, q_len, k_len), got shape {tuple(mask.shape)}; "
-                "give a per-head mask as (batch, heads, q_len, k_len)"
-            )
-        mask = mask[:, None]
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        return from_attention_mask(mask)  # 1/0 ints -> bool
-    return mask
 
 
 def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
@@ -311,13 +331,14 @@ _SHIFT_SCRATCH = 1 << 22
 
 
 def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = False,
-               window: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               window: int | None = None, dtype: torch.dtype = torch.float32,
+               documents: Documents | None = None) -> torch.Tensor:
     """An additive mask with each row's largest *allowed* entry moved to 0.
 
     Softmax ignores a constant added to a row, so this changes no weight, but it
     keeps large finite values (HF's ``finfo.min``, ``-1e9``, a BLOOM-style
     ``slope * j``) from swallowing the scores when added in float32. The maximum is
-    taken over the keys the causal/window rule allows (as ``reference.py`` does): a
+    taken over the keys the causal/window/document rule allows (as ``reference.py`` does): a
     big value on a key the rule forbids would otherwise push the allowed entries so
     far down that their differences are lost. The arithmetic runs in at least
     ``dtype`` (float32; the kernels add the mask in their compute dtype), never in
@@ -336,7 +357,7 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     if k_len == 0 or mask.shape[-1] == 0:
         return mask  # no keys: nothing to shift
     top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
-    rule = KeyRule(q_len, k_len, causal=causal, window=window)
+    rule = KeyRule(q_len, k_len, causal=causal, window=window, documents=documents)
     if not rule.full(0, q_len, 0, k_len):
         row_top = _allowed_max(mask.detach(), rule)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
@@ -360,29 +381,3 @@ def _allowed_max(mask: torch.Tensor, rule: KeyRule) -> torch.Tensor:
     if not tops:  # no query rows
         return mask.new_empty((*mask.shape[:-2], 0, 1))
     return torch.cat(tops, dim=-2)
-
-
-def describe(mask: torch.Tensor, *, max_size: int = 32) -> str:
-    """A small text picture of a 2-D mask (or the first matrix of a bigger one).
-
-    ``#`` = may attend, ``.`` = masked. Float masks: allowed where > -inf.
-    """
-    m = torch.as_tensor(mask)
-    if m.dtype.is_floating_point:
-        m = m > float("-inf")
-    m = m.bool()
-    while m.ndim > 2:
-        m = m[0]
-    if m.ndim != 2:
-        raise ValueError(f"mask must have at least 2 dimensions, got shape {tuple(m.shape)}")
-    q_len, k_len = m.shape
-    rows = [
-        f"q{i:<3d}" + "".join("#" if bool(m[i, j]) else "." for j in range(min(k_len, max_size)))
-        + (" ..." if k_len > max_size else "")
-        for i in range(min(q_len, max_size))
-    ]
-    if q_len > max_size:
-        rows.append("...")
-    allowed = int(m.sum())
-    header = f"mask {q_len}x{k_len}: {allowed}/{q_len * k_len} allowed (# = may attend)"
-    return "\n".join([header, *rows])

@@ -87,36 +87,59 @@ def _inputs(case, seed):
         mask = torch.rand(b, case["k_len"], generator=g) > 0.3
         mask[0, :] = mask[0, :] & (torch.arange(case["k_len"]) % 5 != 0)
     grad = torch.randn(b, hkv * group, case["q_len"], v.shape[-1], generator=g)
-    return q, k, v, mask, grad
+    return q, k, v, mask, grad, _variants(case, g, hkv * group)
+
+
+def _variants(case, g, heads) -> dict:
+    """The variants of ``case`` as ``attention`` takes them (whole-sequence document ids)."""
+    options = {}
+    names = case.get("variants", ())
+    if "softcap" in names:
+        options["softcap"] = 1.5
+    if "alibi" in names:
+        options["alibi_slopes"] = torch.rand(heads, generator=g) + 0.1
+    if "sinks" in names:
+        options["sinks"] = torch.randn(heads, generator=g).requires_grad_()
+    if "documents" in names and case["q_len"] == case["k_len"]:
+        ids = torch.randint(0, 4, (case["batch"], case["q_len"]), generator=g)
+        options["document_ids"] = ids.sort(dim=-1).values
+    return options
 
 
 def check_case(case: dict, rank: int, world: int, seed: int) -> float:
     """The largest error of this rank's output and q/k/v gradients against
     ``attnlab.attention`` on the whole sequence (float32), relative to 1 + |expected|."""
+    import torch.distributed as dist
+
     import attnlab
     from attnlab.distributed import ring_attention, shard, shard_mask, ulysses_attention
 
-    q, k, v, mask, grad = _inputs(case, seed)
+    q, k, v, mask, grad, options = _inputs(case, seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     whole_mask = None if mask is None else mask[:, None, None, :]
     want = attnlab.attention(q, k, v, mask=whole_mask, causal=case["causal"],
-                             window=case["window"])
-    wants = [want, *torch.autograd.grad(want, (q, k, v), grad)]
+                             window=case["window"], **options)
+    sinks = [options["sinks"]] if "sinks" in options else []
+    wants = [want, *torch.autograd.grad(want, (q, k, v, *sinks), grad)]
     layout = case["layout"]
 
-    def cut(t):
-        return shard(t.detach(), world, rank, layout=layout, dim=2)
+    def cut(t, dim=2):
+        return shard(t.detach(), world, rank, layout=layout, dim=dim)
 
     mine = [cut(t).requires_grad_() for t in (q, k, v)]
+    if "document_ids" in options:  # this rank's shard of the ids, cut like the sequence
+        options["document_ids"] = cut(options["document_ids"], dim=1)
     split = ring_attention if case["strategy"] == "ring" else ulysses_attention
     extra = {"block": case["block"]} if case["strategy"] == "ring" else {}
     out = split(*mine, causal=case["causal"], window=case["window"],
                 mask=None if mask is None else shard_mask(mask, world, rank, layout=layout),
-                layout=layout, backend=case["backend"], **extra)
-    got = [out, *torch.autograd.grad(out, mine, cut(grad))]
+                layout=layout, backend=case["backend"], **extra, **options)
+    got = [out, *torch.autograd.grad(out, (*mine, *sinks), cut(grad))]
+    if sinks:  # each rank has its rows' (or heads') share of the sinks' gradient
+        dist.all_reduce(got[-1])
     worst = 0.0
-    for g, w in zip(got, wants):
-        w = cut(w)
+    for i, (g, w) in enumerate(zip(got, wants)):
+        w = cut(w) if i < 4 else w
         if w.numel():
             worst = max(worst, float(((g.detach() - w).abs() / (1 + w.abs())).max()))
     return worst
@@ -135,7 +158,7 @@ def die_mid_step(rank: int, world: int, victim: int, timeout: float) -> str:
     from attnlab import backends
     from attnlab.distributed import ring_attention
 
-    step = backends.TABLE["eager"].block
+    step = backends.TABLE["eager"].lse
     calls = []
 
     def forward(*args):
@@ -145,7 +168,7 @@ def die_mid_step(rank: int, world: int, victim: int, timeout: float) -> str:
         return step.forward(*args)
 
     backends.TABLE["eager"] = backends.Backend(
-        "eager", backends.TABLE["eager"].run, block=backends.BlockStep(forward, step.backward))
+        "eager", backends.TABLE["eager"].run, lse=backends.LseStep(forward, step.backward))
     q = torch.randn(1, 2, 8, 4)
     start = time.monotonic()
     try:

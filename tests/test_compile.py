@@ -51,7 +51,9 @@ def _flash_args(causal: bool, dtype=torch.float32):
     q = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
     k = torch.randn(2, 2, 7, 8, generator=g).to(dtype)
     v = torch.randn(2, 2, 7, 6, generator=g).to(dtype)  # v_dim != head_dim: out takes v's
-    return q, k, v, None, causal, 0, 7 - 5, 0.35, 0.0, 0, 4, 4  # offset: end-aligned
+    # offset 2: end-aligned; then no softcap, ALiBi, sinks, documents or block mask
+    variants = (0.0, None, None, None, None, None, None)  # none of them
+    return (q, k, v, None, causal, 0, 7 - 5, 0.35, 0.0, 0, 4, 4, *variants)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

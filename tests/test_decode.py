@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from attnlab import _decode, _native
 from attnlab.cache import KVCache
 from attnlab.models import GPT, GPTConfig, decoding
-from attnlab.models.gpt import _CHOICES, Block
+from attnlab.models.gpt import Block
+from attnlab.models.gpt_config import _CHOICES
 from attnlab.modules import MultiHeadAttention
 from attnlab.modules.layers import RMSNorm
 
@@ -90,15 +91,24 @@ def _decode_one_by_one(mha, x, prompt_len):
 @given(kv_heads=st.sampled_from([1, 2, 4]), group=st.integers(1, 3),
        head_dim=st.sampled_from([2, 8, 14, 64]), rope=st.booleans(),
        window=st.one_of(st.none(), st.integers(1, 9)), prompt_len=st.integers(1, 6),
-       steps=st.integers(1, 8), seed=st.integers(0, 2**16))
+       steps=st.integers(1, 8), seed=st.integers(0, 2**16),
+       scores=st.fixed_dictionaries({}, optional=dict(
+           scale=st.sampled_from([0.05, 0.7]), softcap=st.sampled_from([0.3, 20.0]),
+           alibi=st.just(True), sinks=st.just(True))))
 def test_one_token_steps_equal_the_full_causal_attention(kv_heads, group, head_dim, rope,
-                                                         window, prompt_len, steps, seed):
+                                                         window, prompt_len, steps, seed,
+                                                         scores):
     """Decoding token by token through the cache (the fused step where the kernel is
-    built) gives the rows the eager backend computes over the whole sequence."""
+    built) gives the rows the eager backend computes over the whole sequence, with any
+    of the score variants (a scale, softcap, ALiBi, sinks) the step runs too."""
     heads = kv_heads * group
     torch.manual_seed(seed)
     mha = MultiHeadAttention(16, heads * head_dim, heads, num_kv_heads=kv_heads, causal=True,
-                             rope=rope, window=window, qkv_bias=bool(seed % 2)).eval()
+                             rope=rope, window=window, qkv_bias=bool(seed % 2),
+                             **scores).eval()
+    if mha.sinks is not None:
+        with torch.no_grad():
+            mha.sinks.normal_()
     x = torch.randn(1, prompt_len + steps, 16)
     with counting_fused_steps() as fused:
         got, cache = _decode_one_by_one(mha, x, prompt_len)
@@ -143,7 +153,8 @@ def _decode_logits(model, ids, prompt_len):
 @settings(max_examples=30, deadline=None)
 @given(positions=st.sampled_from(["learned", "rope"]),
        norm=st.sampled_from(["layernorm", "rmsnorm"]),
-       mlp=st.sampled_from(_CHOICES["mlp"]), kv_heads=st.sampled_from([1, 2, 4]),
+       mlp=st.sampled_from(_CHOICES["mlp"]),
+       kv_heads=st.sampled_from([1, 2, 4]),
        biases=st.booleans(), window=st.one_of(st.none(), st.integers(1, 5)),
        tie=st.booleans(), prompt_len=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_fused_layers_give_the_logits_and_caches_of_the_modules(

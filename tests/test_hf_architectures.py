@@ -103,20 +103,14 @@ def test_greedy_generation_is_transformers(decoder, batch):
     assert torch.equal(got, want), name
 
 
-def test_qwen2_with_a_window_on_some_layers_is_refused_naming_the_fields(tmp_path):
-    hf = qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    hf.save_pretrained(tmp_path / "q")
-    with pytest.raises(ValueError, match="use_sliding_window=True with max_window_layers=1"):
-        GPT.from_hf(tmp_path / "q")
-
-
 def test_unsupported_model_types_are_refused_naming_the_supported_ones(tmp_path):
     torch.manual_seed(0)
     T.GPTNeoXForCausalLM(T.GPTNeoXConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
                                          num_attention_heads=4, intermediate_size=64)
                          ).save_pretrained(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"'gpt_neox' is not supported by GPT \(expected one of "
-                                         r"\['gpt2', 'llama', 'mistral', 'qwen2'\]\)"):
+                                         r"\['bloom', 'gemma2', 'gpt2', 'llama', 'mistral', "
+                                         r"'qwen2'\]\)"):
         GPT.from_hf(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"not supported by Encoder .*'bert', 'distilbert', "
                                          r"'roberta'.*'llama' is a layout of GPT"):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import masks
 from ..functional import attention
-from . import machine
+from . import machine, variants
 from .runner import Case, Impl
 
 MOD = __name__
@@ -63,7 +63,7 @@ def allowed_pairs(q_len: int, k_len: int, causal: bool = False,
 
 def attention_flops(batch: int, heads: int, q_len: int, k_len: int, dim: int, *,
                     causal: bool = False, window: int | None = None,
-                    backward: bool = False) -> int:
+                    backward: bool = False, pairs: int | None = None) -> int:
     """The useful FLOPs of one attention call, counted as FlashAttention's papers do.
 
     Forward: ``QK^T`` and ``PV`` are ``2 * dim`` FLOPs (a multiply and an add) per
@@ -74,8 +74,11 @@ def attention_flops(batch: int, heads: int, q_len: int, k_len: int, dim: int, *,
     2.5x the forward, so forward+backward is 3.5x. Softmax and masking are not
     counted; a kernel that computes masked-out scores (eager) gets no credit for them.
     ``heads`` are the query heads (grouped-query attention does the same arithmetic).
+    ``pairs``: the allowed pairs where another rule decides them (documents, a mask_mod).
     """
-    forward = 4 * batch * heads * allowed_pairs(q_len, k_len, causal, window) * dim
+    if pairs is None:
+        pairs = allowed_pairs(q_len, k_len, causal, window)
+    forward = 4 * batch * heads * pairs * dim
     return forward * 7 // 2 if backward else forward
 
 
@@ -182,7 +185,8 @@ def annotate(records: list[dict], log=print) -> None:
     compile_s = iter(_FLEX_COMPILE_S.values())
     for r in records:
         if r["impl"] == "torch-flex" and r.get("median_ms") is not None:
-            r["compile_s"] = next(compile_s, None)
+            r["compile_s"] = (variants.COMPILE_S.pop(r["case"]) if r["case"] in variants.COMPILE_S
+                              else next(compile_s, None))
             if r["compile_s"] is not None:
                 log(f"    torch-flex compile ({r['case']}): {r['compile_s']:.1f} s")
     _FLEX_COMPILE_S.clear()
@@ -192,6 +196,37 @@ def _flash_skip() -> str | None:
     from .. import _native
 
     return None if _native.available() else f"native kernel: {_native.unavailable_reason()}"
+
+
+def _variant_cases(quick: bool) -> list[Case]:
+    """Issue 22's cases: each variant at B=1, 12 heads, head_dim 64, fp32, causal T=4096
+    (documents: 8 in T=8192), forward against FlexAttention compiled with the same
+    score_mod/mask_mod and SDPA given the materialised bias or mask, forward+backward
+    against the PyTorch paths that train (SDPA with the mask, the textbook path).
+    --quick: softcap and documents forward at T=1024/2048, no compiled peer."""
+    out = []
+    for backward in (False, True):
+        for variant in variants.VARIANTS:
+            if quick and (backward or variant not in ("softcap", "documents")):
+                continue
+            seq = (2048 if quick else 8192) if variant == "documents" else (
+                1024 if quick else 4096)
+            peers = [p for p in variants.peers(variant, backward)  # T x T buffers: not
+                     if not (quick and p == "torch-flex")  # beyond EAGER_MAX_T
+                     and not (p == "torch-eager" and seq > EAGER_MAX_T)]
+            impls = ["attnlab-auto", "attnlab-tiled", *peers]
+            if seq <= EAGER_MAX_T and not backward:
+                impls.append("attnlab-eager")
+            what = {"documents": f"causal, {variants.DOCUMENTS} documents",
+                    "prefix-lm": "prefix-LM mask_mod"}.get(variant, f"causal {variant}")
+            name = f"{'fwd+bwd' if backward else 'fwd'} T={seq} {what}"
+            kw = dict(variant=variant, seq=seq, backward=backward, case=name)
+            flop = attention_flops(1, 12, seq, seq, 64, backward=backward,
+                                   pairs=variants.pairs(variant, seq))
+            out.append(Case("attention", name,
+                            [Impl(i, ("attnlab.bench.variants", "make_step", {"impl": i, **kw}))
+                             for i in impls], repeats=3, extra={"flop": flop}))
+    return out
 
 
 def _case(name, impls, repeats, **kw):
@@ -261,4 +296,4 @@ def cases(quick: bool = False) -> list[Case]:
                          window=256, backward=True))
         out.append(_case("fwd+bwd H=4 T=8192 causal", fb, 3, batch=1, heads=4, seq=8192,
                          causal=True, backward=True))
-    return out
+    return out + _variant_cases(quick)

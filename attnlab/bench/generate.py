@@ -1,29 +1,39 @@
 """``attnlab bench --suite generate``: tokens per second and peak memory of greedy decoding,
-against ``transformers`` ``generate`` on the same weights, and against the practical
-ceiling of one-sequence decoding on this machine.
+attnlab against ``transformers`` and, where installed (``pip install 'attnlab[peers]'``),
+llama.cpp and OpenVINO at each precision, on the same weights; against the practical
+ceiling of one-sequence decoding on this machine and its read bandwidth.
 
-Greedy decoding of ``new_tokens`` (128) after a ``prompt_len`` (32) token prompt.
-Models: a tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads, vocab 1024),
-a GPT-2-small-shaped GPT (~124M) and a SmolLM-135M-shaped Llama (hidden 576,
-30 layers, 9 heads, 3 kv heads, vocab 49152, tied). Each shape is written once,
-randomly initialised, as a ``save_pretrained`` safetensors folder in the temp
-dir; attnlab (``GPT.from_hf(folder)``) and transformers (``from_pretrained``) both
-load that folder, in this process for timing and in a fresh process for memory.
+Greedy decoding of ``new_tokens`` (128) after a ``prompt_len`` (32) token prompt, and,
+as its own case, the prefill of a 512-token prompt (one token out: ``tokens_per_s`` is
+prompt tokens per second there). Models: a tiny Llama (hidden 256, 4 layers, 8 heads,
+2 kv heads, vocab 1024), a GPT-2-small-shaped GPT (~124M) and a SmolLM-135M-shaped Llama
+(hidden 576, 30 layers, 9 heads, 3 kv heads, vocab 49152, tied). Each shape is written
+once, randomly initialised, as a ``save_pretrained`` safetensors folder in the temp dir;
+attnlab (``GPT.from_hf(folder)``) and transformers (``from_pretrained``) load that
+folder, llama.cpp the GGUF files and OpenVINO the IRs the bench writes from it
+(:mod:`.gguf_files`, :mod:`.llamacpp`, :mod:`.openvino_lm`), in this process for timing
+and in a fresh process for memory. Every engine decodes the same prompt, and its greedy
+tokens are checked against attnlab float32's: ``tokens_agree`` counts the new tokens
+equal to attnlab's before the first that differs (bf16 and int8 may part after a while).
 
-The ceiling (``one-row ceiling``, batch 1): a loop that only multiplies a row by
-every weight matrix of the model once per token, each in whichever layout
-(``(in, out)`` or ``(out, in)``) and by whichever product (torch's matmul, or
-attnlab's streamed row product where the native kernel is built) is fastest here,
-timed in the same rounds as the models. Decoding must at least read every weight
-once per token, so ``of_ceiling`` (tokens/s over the loop's) says how much of the
-machine's speed a decoder reaches. It is the median over the rounds of each round's
-ratio: the two ran a second apart in that round, while this machine's speed drifts
-by 20-30% over minutes, which a ratio of the two medians would take in.
+Yardsticks, timed in the same rounds as the engines (batch 1):
+
+- ``one-row ceiling`` (:mod:`.ceiling`): a loop that only multiplies a row by every
+  weight matrix once per token, each by the fastest way this machine has. ``of_ceiling``
+  is a decoder's tokens/s over the loop's.
+- ``read bandwidth`` (:mod:`.bandwidth`): a sum over a buffer as large as the float32
+  weights. ``of_bound`` is a decoder's tokens/s over bandwidth / (bytes of its weights at
+  its precision read per token): the share of what reading the weights once allows.
+
+Both are the median over the rounds of each round's ratio: the two ran a second apart in
+that round, while this machine's speed drifts by 20-30% over minutes, which a ratio of
+the two medians would take in.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
-importing this module, which imports torch, transformers and attnlab's models.
-Whatever loading a model imports later (torch's Python decompositions, about
-70 MB, if a random initialisation runs on the meta device) counts against it.
+importing the factory's module, which imports torch, transformers and attnlab's models
+(and the peer's package). Whatever loading a model imports later (torch's Python
+decompositions, about 70 MB, if a random initialisation runs on the meta device)
+counts against it.
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ import os
 import shutil
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from .. import _native
+from . import bandwidth, engines, greedy
 from .runner import Case, Impl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,9 +58,14 @@ from ..models import GPT  # noqa: E402
 MOD = __name__
 # The peer whose time the Markdown table divides by.
 BASELINE = "transformers"
+# Whose greedy tokens every engine's are checked against, and whose speed the peers'
+# table divides by.
+REFERENCE = "attnlab"
 CEILING = "one-row ceiling"
+READ = "read bandwidth"
 PROMPT_LEN = 32
 NEW_TOKENS = 128
+PREFILL_LEN = 512
 
 SHAPES = {
     "tiny-llama": dict(kind="llama", vocab_size=1024, hidden_size=256, intermediate_size=688,
@@ -62,6 +78,12 @@ SHAPES = {
 }
 
 
+# The weights' standard deviation: transformers' default (0.02) gives models whose greedy
+# continuation is one token repeated (SmolLM's shape) or nearly (GPT-2's), so agreeing
+# tokens would mean little; at 0.1 each of the 32 tokens after the prompt differed.
+INIT_STD = 0.1
+
+
 def hf_model(shape: str):
     """A randomly initialised transformers model of the named shape (no download)."""
     spec = dict(SHAPES[shape])
@@ -69,17 +91,24 @@ def hf_model(shape: str):
     torch.manual_seed(0)
     if kind == "llama":
         cfg = T.LlamaConfig(max_position_embeddings=1024, bos_token_id=0, eos_token_id=0,
-                            pad_token_id=0, **spec)
+                            pad_token_id=0, initializer_range=INIT_STD, **spec)
         model = T.LlamaForCausalLM(cfg)
     else:
-        cfg = T.GPT2Config(n_positions=1024, bos_token_id=0, eos_token_id=0, **spec)
+        cfg = T.GPT2Config(n_positions=1024, bos_token_id=0, eos_token_id=0,
+                           initializer_range=INIT_STD, **spec)
         model = T.GPT2LMHeadModel(cfg)
     return model.eval()
 
 
+def folder_path(shape: str) -> Path:
+    """Where the shape's ``save_pretrained`` folder is (see :func:`folder`)."""
+    return (Path(tempfile.gettempdir())
+            / f"attnlab-bench-{shape}-std{INIT_STD}-tf{T.__version__}")
+
+
 def folder(shape: str) -> Path:
     """The shape's ``save_pretrained`` folder in the temp dir, written on first use."""
-    path = Path(tempfile.gettempdir()) / f"attnlab-bench-{shape}-tf{T.__version__}"
+    path = folder_path(shape)
     if not (path / "model.safetensors").is_file():
         part = Path(tempfile.mkdtemp(prefix=path.name + "-", dir=path.parent))
         hf_model(shape).save_pretrained(part)
@@ -104,14 +133,20 @@ def weight_bytes(shape: str) -> int:
     return total
 
 
+def prompt_ids(batch: int, prompt_len: int) -> torch.Tensor:
+    """The prompt every engine decodes from, ``(batch, prompt_len)`` token ids."""
+    return torch.randint(1, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+
+
 def make_step(impl: str, shape: str, batch: int, new_tokens: int = NEW_TOKENS,
               prompt_len: int = PROMPT_LEN):
     """A step generating ``new_tokens`` greedily for a batch of random prompts."""
     path = folder(shape)
-    prompt = torch.randint(1, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    prompt = prompt_ids(batch, prompt_len)
     if impl.startswith("attnlab"):
-        model = GPT.from_hf(path)
-        use_cache = impl == "attnlab"
+        precision = engines.ATTNLAB_PRECISIONS.get(engines.precision_of(impl), {})
+        model = GPT.from_hf(path, **precision)
+        use_cache = impl != "attnlab-nocache"
 
         def step():
             return model.generate(prompt, new_tokens, temperature=0, use_cache=use_cache)
@@ -129,7 +164,7 @@ def make_step(impl: str, shape: str, batch: int, new_tokens: int = NEW_TOKENS,
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def _matrix_shapes(shape: str) -> list[tuple[int, int]]:
+def matrix_shapes(shape: str) -> list[tuple[int, int]]:
     """(in, out) of every weight matrix a decoding step multiplies a row by."""
     spec = SHAPES[shape]
     if spec["kind"] == "gpt2":
@@ -142,110 +177,90 @@ def _matrix_shapes(shape: str) -> list[tuple[int, int]]:
     return layer * spec["num_hidden_layers"] + [(d, spec["vocab_size"])]
 
 
-# The ways to multiply a row by a matrix the ceiling chooses from: (product, layout).
-# "torch" is torch's matmul (the BLAS it links); "attnlab" is the native streamed
-# product (csrc/row_product.h) that attnlab's decoding uses where it is built.
-WAYS = [(product, layout) for product in ("torch", "attnlab")
-        for layout in ("(in, out)", "(out, in)")]
+def bytes_per_token(shape: str, precision: str) -> int:
+    """Bytes of weight matrices decoding one token reads at ``precision``."""
+    per = engines.BYTES_PER_WEIGHT[precision]
+    return round(sum(n_in * n_out * per(n_in) for n_in, n_out in matrix_shapes(shape)))
 
 
-def _product(way: tuple[str, str], n_in: int, n_out: int):
-    """A row times a new random ``n_in x n_out`` matrix, multiplied and stored ``way``."""
-    import torch.nn.functional as F
-
-    product, layout = way
-    w = torch.randn(n_out, n_in) * 0.02
-    if layout == "(in, out)":
-        wt = w.t().contiguous()
-        w = wt.t()  # the (out, in) weight as a view of the (in, out) storage
-        if product == "torch":
-            return lambda x: x @ wt
-    if product == "attnlab":
-        ops = _native.load()
-        return lambda x: ops.linear(x, w, None, None)
-    return lambda x: F.linear(x, w)
-
-
-def _faster(n_in: int, n_out: int, reps: int = 7) -> tuple[str, str]:
-    """The product and layout that multiply a row by an ``n_in x n_out`` matrix fastest
-    here, timed as decoding meets it: streamed from memory, not from a cache that holds
-    it. Each way is timed over enough distinct matrices to exceed the caches (64 MB)."""
-    import time
-
-    count = max(2, min(64, (64 << 20) // (4 * n_in * n_out)))
-    x = torch.randn(1, n_in)
-    best = {}
-    for way in WAYS:
-        if way[0] == "attnlab" and not _native.available():
+def _case(shape, batch, impls, repeats, new_tokens, *, peers=(), prompt_len=PROMPT_LEN):
+    args = {"shape": shape, "batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len}
+    out = [Impl(i, (MOD, "make_step", {"impl": i, **args})) for i in impls]
+    for e in peers:
+        if e.module == MOD:  # attnlab's own precisions, in this process
+            out.append(Impl(e.name, (MOD, "make_step", {"impl": e.name, **args})))
             continue
-        products, ts = [_product(way, n_in, n_out) for _ in range(count)], []
-        for _ in range(reps):
-            start = time.perf_counter()
-            for f in products:
-                f(x)
-            ts.append(time.perf_counter() - start)
-        best[way] = sorted(ts)[reps // 2]
-        del products
-    return min(best, key=best.get)
-
-
-def make_ceiling(shape: str, new_tokens: int = NEW_TOKENS, **_):
-    """The one-row ceiling: per token, a row times every weight matrix (random weights
-    of the model's shapes, one matrix each, each in its faster layout)."""
-    chosen: dict[tuple[int, int], tuple[str, str]] = {}
-    products = []
-    for n_in, n_out in _matrix_shapes(shape):
-        if (n_in, n_out) not in chosen:
-            chosen[(n_in, n_out)] = _faster(n_in, n_out)
-        products.append((_product(chosen[(n_in, n_out)], n_in, n_out), torch.randn(1, n_in)))
-
-    @torch.inference_mode()
-    def step():
-        for _ in range(new_tokens):
-            for f, x in products:
-                f(x)
-    return step
-
-
-def _case(shape, batch, impls, repeats, new_tokens):
-    out = [Impl(i, (MOD, "make_step", {"impl": i, "shape": shape, "batch": batch,
-                                        "new_tokens": new_tokens})) for i in impls]
-    if batch == 1:
-        out.append(Impl(CEILING, (MOD, "make_ceiling", {"shape": shape,
-                                                         "new_tokens": new_tokens}),
-                        memory=False))
-    return Case("generate", f"{shape} B={batch} +{new_tokens} tokens", out, repeats=repeats,
-                extra={"batch": batch, "new_tokens": new_tokens, "shape": shape})
+        # A peer runs in a process of its own and imports no torch: everything it
+        # needs comes in its arguments (the folder is written by attnlab's step, built
+        # before it in the case).
+        out.append(Impl(e.name, (e.module, "make_step", {
+            "folder": str(folder_path(shape)), "precision": e.precision,
+            "prompt": prompt_ids(1, prompt_len)[0].tolist(), "new_tokens": new_tokens,
+            "threads": torch.get_num_threads()}), isolated=True))
+    prefill = prompt_len == PREFILL_LEN
+    if batch == 1 and not prefill:
+        out.append(Impl(CEILING, ("attnlab.bench.ceiling", "make_ceiling",
+                                  {"shape": shape, "new_tokens": new_tokens}), memory=False))
+        out.append(Impl(READ, ("attnlab.bench.bandwidth", "make_read",
+                               {"nbytes": bytes_per_token(shape, "f32")}), memory=False))
+    name = (f"{shape} prefill {prompt_len} tokens" if prefill
+            else f"{shape} B={batch} +{new_tokens} tokens")
+    return Case("generate", name, out, repeats=repeats,
+                extra={"batch": batch, "new_tokens": new_tokens, "shape": shape,
+                       "prompt_len": prompt_len, "prefill": prefill},
+                check=partial(greedy.check, reference=REFERENCE, new_tokens=new_tokens)
+                if batch == 1 else None)
 
 
 def cases(quick: bool = False) -> list[Case]:
+    others = engines.available(quick)
     if quick:
-        return [_case("tiny-llama", 1, ["attnlab", "attnlab-nocache", "transformers"], 3, 32)]
+        return [_case("tiny-llama", 1, ["attnlab", "attnlab-nocache", "transformers"], 3, 32,
+                      peers=others)]
     out = []
     for batch in (1, 8):  # a second each: nine repeats steady the median on a busy machine
         out.append(_case("tiny-llama", batch, ["attnlab", "attnlab-nocache", "transformers"],
-                         9, NEW_TOKENS))
+                         9, NEW_TOKENS, peers=others if batch == 1 else ()))
     # (no-cache decoding of GPT-2 is left out: about half a minute a step, the tiny
     # model shows what the cache is worth)
     # Batch 1 is what the one-row ceiling bounds: five rounds for a steadier median.
-    out.append(_case("gpt2-124m", 1, ["attnlab", "transformers"], 5, NEW_TOKENS))
+    out.append(_case("gpt2-124m", 1, ["attnlab", "transformers"], 5, NEW_TOKENS,
+                     peers=others))
     out.append(_case("gpt2-124m", 8, ["attnlab", "transformers"], 2, NEW_TOKENS))
     for batch in (1, 8):
         out.append(_case("smollm-135m", batch, ["attnlab", "transformers"], 5 if batch == 1 else 3,
-                         NEW_TOKENS))
+                         NEW_TOKENS, peers=others if batch == 1 else ()))
+    out.append(_case("smollm-135m", 1, ["attnlab", "transformers"], 5, 1, peers=others,
+                     prompt_len=PREFILL_LEN))
     return out
 
 
+def prologue(log=print) -> None:
+    """One line for each engine that cannot run here (left out of every case)."""
+    for line in engines.skip_lines():
+        log(line)
+
+
 def annotate(records: list[dict], log=print) -> None:
-    """Add ``tokens_per_s`` to every record, ``weight_mb`` (the weights as stored) and
-    ``peak_x_weights`` beside each peak, and for batch 1 ``of_ceiling``: tokens/s as a
-    share of the one-row ceiling's in the same case."""
+    """Add ``tokens_per_s`` to every record (prompt tokens per second in a prefill case),
+    ``weight_mb`` (the float32 weights as stored) and ``peak_x_weights`` beside each peak;
+    for batch 1 ``of_ceiling``: tokens/s as a share of the one-row ceiling's in the same
+    case; with the read-bandwidth yardstick, ``gb_per_s`` on its record and on every
+    other ``precision``, ``bytes_per_token`` (its weights read per token) and
+    ``of_bound``: tokens/s as a share of bandwidth / bytes_per_token."""
     weights: dict[str, int] = {}
     ceilings = {r["case"]: r for r in records if r["impl"] == CEILING and r.get("median_ms")}
+    reads = {r["case"]: r for r in records if r["impl"] == READ and r.get("median_ms")}
     for r in records:
         if "new_tokens" not in r or not r.get("median_ms"):
             continue
-        r["tokens_per_s"] = r["batch"] * r["new_tokens"] / (r["median_ms"] / 1000.0)
+        if r["impl"] == READ:
+            r["gb_per_s"] = bandwidth.gb_per_s(bytes_per_token(r["shape"], "f32"),
+                                               bandwidth.PASSES, r["median_ms"])
+            log(f"    {r['case']:<34s} {READ:<16s} {r['gb_per_s']:9.1f} GB/s")
+            continue
+        tokens = r["prompt_len"] if r.get("prefill") else r["batch"] * r["new_tokens"]
+        r["tokens_per_s"] = tokens / (r["median_ms"] / 1000.0)
         if r["shape"] not in weights:
             weights[r["shape"]] = weight_bytes(r["shape"])
         r["weight_mb"] = weights[r["shape"]] / 2**20
@@ -258,6 +273,17 @@ def annotate(records: list[dict], log=print) -> None:
         if ceiling is not None and r is not ceiling:
             r["of_ceiling"] = _paired_ratio(ceiling, r)
             line += f"  ({r['of_ceiling']:.0%} of the one-row ceiling)"
+        read = reads.get(r["case"])
+        if read is not None:
+            r["precision"] = engines.precision_of(r["impl"])
+            r["bytes_per_token"] = bytes_per_token(r["shape"], r["precision"])
+            r["of_bound"] = bandwidth.paired_share(
+                read.get("times_ms") or [read["median_ms"]],
+                bandwidth.PASSES * bytes_per_token(r["shape"], "f32"),
+                r.get("times_ms") or [r["median_ms"]], tokens, r["bytes_per_token"])
+            line += f"  ({r['of_bound']:.0%} of the {r['precision']} read bound)"
+        if r.get("tokens_agree") is not None and r["impl"] != REFERENCE:
+            line += f"  tokens = attnlab's: {r['tokens_agree']}/{r['tokens_checked']}"
         log(line)
 
 
@@ -273,7 +299,11 @@ def _paired_ratio(ceiling: dict, r: dict) -> float:
 def summary_table(records: list[dict]) -> str:
     """Markdown: per case, attnlab's and transformers' tokens/s, their peaks over the
     weights' bytes, and attnlab's share of the ceiling and of transformers' speed
-    (empty where no case has both)."""
+    (empty where no case has both); then :func:`engines_table` where it has rows."""
+    return "\n\n".join(t for t in (_attnlab_table(records), engines_table(records)) if t)
+
+
+def _attnlab_table(records: list[dict]) -> str:
     lines = ["| case | attnlab | transformers | peak / weights (attnlab, transformers) "
              "| attnlab: share of the ceiling, x transformers' tokens/s |",
              "|---|---:|---:|---:|---:|"]
@@ -289,4 +319,38 @@ def summary_table(records: list[dict]) -> str:
         lines.append(f"| {name} | {ours['tokens_per_s']:.1f} tok/s | {peer['tokens_per_s']:.1f} "
                      f"tok/s | {peaks} ({ours['weight_mb']:.0f} MB) | {share}, "
                      f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def engines_table(records: list[dict]) -> str:
+    """Markdown: a row per engine and precision in every batch-1 case that has one beyond
+    attnlab and transformers (a peer, attnlab's bf16 or int8, the read bandwidth):
+    tokens/s, x attnlab float32's, its greedy tokens equal to attnlab's, peak memory, the
+    weights it reads per token, its share of the one-row ceiling and of the read bound."""
+    lines = ["| case | engine | tokens/s | x attnlab | tokens = attnlab's | peak MB "
+             "| weights read per token | of the one-row ceiling | of the read bound |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    plain = {REFERENCE, BASELINE, CEILING, "attnlab-nocache"}
+    for case in dict.fromkeys(r["case"] for r in records):
+        rows = [r for r in records if r["case"] == case]
+        if all(r["impl"] in plain for r in rows):
+            continue
+        ours = next((r for r in rows if r["impl"] == REFERENCE), {})
+        for r in rows:
+            if r.get("gb_per_s") is not None:
+                lines.append(f"| {case} | {r['impl']} | {r['gb_per_s']:.1f} GB/s "
+                             "| | | | | | |")
+            if not r.get("tokens_per_s"):
+                continue
+            speed = (f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}x"
+                     if ours.get("tokens_per_s") else "-")
+            agree = (f"{r['tokens_agree']}/{r['tokens_checked']}"
+                     if r.get("tokens_agree") is not None else "-")
+            peak = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
+            per_token = (f"{r['bytes_per_token'] / 2**20:.0f} MB"
+                         if r.get("bytes_per_token") else "-")
+            shares = ["-" if r.get(k) is None else f"{r[k]:.0%}"
+                      for k in ("of_ceiling", "of_bound")]
+            lines.append(f"| {case} | {r['impl']} | {r['tokens_per_s']:.1f} | {speed} | {agree} "
+                         f"| {peak} | {per_token} | {' | '.join(shares)} |")
     return "\n".join(lines) if len(lines) > 2 else ""

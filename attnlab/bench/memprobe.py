@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     module, function, kwargs = json.loads(argv[0])
     import importlib
 
-    from .runner import build
+    from .factory import build
 
     importlib.import_module(module)  # imports are not part of the step's memory
 

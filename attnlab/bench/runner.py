@@ -17,6 +17,10 @@ builds the step and runs it once; ``peak_mb`` is its RSS high-water mark
 (``VmHWM``) minus its RSS after imports, so it includes the inputs and
 outputs the step holds.
 
+Peers (``Impl.isolated``) are timed in a worker process of their own
+(:mod:`.worker`), called from the same rounds: they run as they do in use, not beside
+this process's torch threads.
+
 Under load (``under_load=True``): after the quiet rounds, the same warm steps run
 the same rounds again beside one spinning process per core (:mod:`.load`), started
 before and stopped after them; the records get ``median_ms_under_load``,
@@ -36,10 +40,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from . import load
-
-Factory = tuple[str, str, dict]
+from . import load, worker
+from .factory import Factory, build
 
 # Suite name -> the module whose ``cases(quick)`` lists its cases.
 SUITES = {
@@ -60,6 +64,9 @@ class Impl:
     skip: str | None = None
     # False for a yardstick whose memory means nothing (a loop over bare matrices).
     memory: bool = True
+    # True: timed in a process of its own (:mod:`.worker`), as a peer runs in use, not
+    # beside torch's thread pool in this one.
+    isolated: bool = False
 
 
 @dataclass
@@ -74,11 +81,11 @@ class Case:
     # A reference measurement other cases are read against (memory bandwidth): it
     # runs even when ``--case`` selects other cases.
     always: bool = False
-
-
-def build(factory: Factory) -> Callable[[], object]:
-    module, function, kwargs = factory
-    return getattr(importlib.import_module(module), function)(**kwargs)
+    # Checks the implementations' results against each other: called with what each
+    # step returned at its first (warm-up) call, ``{impl: output}``; returns
+    # ``{impl: {field: value}}``, fields added to those records (e.g. how many greedy
+    # tokens agree with a reference). The outputs are kept only for cases that check.
+    check: Callable[[dict[str, Any]], dict[str, dict]] | None = None
 
 
 def _time_once(step: Callable[[], object]) -> float:
@@ -94,21 +101,30 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
     """
     steps: dict[str, Callable[[], object]] = {}
     results: dict[str, dict] = {}
+    outputs: dict[str, Any] = {}
     for impl in case.impls:
         if impl.skip:
             results[impl.name] = {"skipped": impl.skip}
             continue
         try:
-            steps[impl.name] = build(impl.factory)
-            for _ in range(warmup):
-                steps[impl.name]()
+            steps[impl.name] = _build_for_timing(impl)
+            for i in range(max(warmup, 1 if case.check else 0)):
+                out = steps[impl.name]()
+                if i == 0 and case.check:
+                    outputs[impl.name] = out
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
-            steps.pop(impl.name, None)
+            step = steps.pop(impl.name, None)
+            if hasattr(step, "close"):
+                step.close()
+            outputs.pop(impl.name, None)
             results[impl.name] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
     try:
+        checked = case.check(outputs) if case.check else {}
+        outputs.clear()
         times = _rounds(case, steps)
         for name, ts in times.items():
-            results[name] = {"median_ms": statistics.median(ts), "times_ms": ts}
+            results[name] = {"median_ms": statistics.median(ts), "times_ms": ts,
+                             "checked": checked.get(name, {})}
         if under_load and steps:
             with load.busy():
                 loaded = _rounds(case, steps)
@@ -116,9 +132,16 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
                 results[name].update(median_ms_under_load=statistics.median(ts),
                                      times_ms_under_load=ts)
     finally:
+        for step in steps.values():
+            if hasattr(step, "close"):
+                step.close()
         steps.clear()
         gc.collect()
     return results
+
+
+def _build_for_timing(impl: Impl) -> Callable[[], object]:
+    return worker.spawn(impl.factory) if impl.isolated else build(impl.factory)
 
 
 def _rounds(case: Case, steps: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
@@ -166,6 +189,7 @@ def run_cases(cases: Iterable[Case], *, memory: bool = True,
             if "median_ms_under_load" in s:
                 record["median_ms_under_load"] = s["median_ms_under_load"]
                 record["times_ms_under_load"] = s["times_ms_under_load"]
+            record.update(s.get("checked", {}))
             if "skipped" in s:
                 record["skipped"] = s["skipped"]
             elif memory and case.memory and impl.memory:

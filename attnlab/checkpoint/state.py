@@ -73,10 +73,15 @@ def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Opti
 # continue the run it claims to.
 RESUMABLE_CHANGES = frozenset({"steps", "checkpoint_every", "eval_every"})
 
+# Settings added after checkpoints were first written, with the value a run that predates
+# them trained with (its checkpoint does not name them).
+ADDED_SETTINGS = {"pack": False}
+
 
 def _check_same_settings(saved, now: dict, out: Path) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"train_config must be a JSON object, got {type(saved).__name__}")
+    saved = {**ADDED_SETTINGS, **saved}
     changed = [f"--{name.replace('_', '-')} {saved.get(name, 'missing')!r} in the checkpoint, "
                f"{value!r} now" for name, value in now.items()
                if name not in RESUMABLE_CHANGES and saved.get(name, "missing") != value]

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--context-parallel", type=_positive_int, default=1, metavar="N",
                        help="under torchrun: split each sequence over N processes (ring "
                             "attention; --model gpt); N must divide the number of processes")
+    train.add_argument("--pack", action="store_true",
+                       help="train on the text's documents (separated by blank lines) packed "
+                            "into each row with document ids: no token attends across "
+                            "documents; prints the padding tokens this saves against one "
+                            "document per row")
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "

@@ -71,10 +71,19 @@ def _train(args: argparse.Namespace) -> int:
     every = args.checkpoint_every or default_checkpoint_every(args.steps)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,
                       lr=args.lr, seed=args.seed, checkpoint_every=every,
-                      eval_every=max(1, min(100, args.steps // 5)))
+                      eval_every=max(1, min(100, args.steps // 5)), pack=args.pack)
     tokenizer = load_checkpoint_tokenizer(args.out) if args.resume else None
     tokenizer = tokenizer or CharTokenizer.from_text(text)
-    tokens = torch.tensor(tokenizer.encode(text))
+    if args.pack:
+        from ..training.packing import split_documents
+
+        documents = split_documents(text)
+        if len(documents) < 2:
+            raise ValueError(f"--pack: the text holds {len(documents)} document(s); documents "
+                             "are separated by blank lines, and training needs two or more")
+        tokens = [tokenizer.encode(doc) for doc in documents]
+    else:
+        tokens = torch.tensor(tokenizer.encode(text))
     torch.manual_seed(args.seed)
     sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,
              **_TRAIN_MODELS[args.model]}
@@ -113,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
-                         "Mistral or Qwen2 folder or GGUF file)")
+                         "Mistral, Qwen2, Gemma 2 or BLOOM folder, or a GGUF file)")
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(shown)
     sys.stdout.flush()

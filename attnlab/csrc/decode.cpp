@@ -76,12 +76,31 @@ ATTNLAB_PER_ISA static void silu_mul_row(float* out, const float* gate, const fl
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// gelu_mul: GeGLU's gelu_tanh(gate) * up, the tanh approximation
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's gelu(approximate="tanh").
+ATTNLAB_PER_ISA static void gelu_mul_row(float* out, const float* gate, const float* up,
+                                         int64_t n) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const f8 g = load8(gate + i);
+    const f8 t = tanh8(k * (g + 0.044715f * g * g * g));
+    store8(out + i, 0.5f * g * (1.0f + t) * load8(up + i));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
+  }
+}
+
 }  // namespace
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// act(gate) * up from the joint (..., 2F) product [gate | up] to (..., F), a row at a time.
+template <typename Row>
+at::Tensor gated(const at::Tensor& gate_up, const char* name, Row row) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat &&
                   gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-              "attnlab silu_mul: CPU float32 (..., 2F)");
+              "attnlab ", name, ": CPU float32 (..., 2F)");
   const at::Tensor gu = gate_up.contiguous();
   const int64_t n = gu.size(-1) / 2, rows = n == 0 ? 0 : gu.numel() / (2 * n);
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
@@ -91,10 +110,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   float* dst = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(dst + r * n, src + r * 2 * n, src + r * 2 * n + n, n);
+    for (int64_t r = begin; r < end; ++r) row(dst + r * n, src + r * 2 * n, src + r * 2 * n + n, n);
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated(gate_up, "silu_mul", silu_mul_row); }
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return gated(gate_up, "gelu_mul", gelu_mul_row); }
 
 // Rows of x (..., in): the product of its leading sizes (x.numel() / in fails for in = 0).
 int64_t leading_rows(const at::Tensor& x) {
@@ -194,11 +216,13 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_mul(Tensor gate_up) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor?");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("rms_norm", &attnlab::rms_norm);
   m.impl("silu_mul", &attnlab::silu_mul);
+  m.impl("gelu_mul", &attnlab::gelu_mul);
   m.impl("linear", &attnlab::linear);
 }

@@ -122,12 +122,25 @@ static void rotate(float* dst, const float* x, const float* cos, const float* si
   for (int64_t i = half; i < n; ++i) dst[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+// The factor that normalises a head's output accumulated under the maximum `top` with
+// the sum `sum` of its weights: 1 / sum, or with a sink logit (which joins the
+// denominator and adds no value) exp(top - M) / (sum exp(top - M) + exp(sink - M)),
+// M = max(top, sink).
+float normaliser(float top, float sum, const double* sink, int64_t h) {
+  if (sink == nullptr) return 1.0f / sum;
+  const float s = static_cast<float>(sink[h]), M = std::max(top, s);
+  const float kept = std::exp(top - M);
+  return kept / (sum * kept + std::exp(s - M));
+}
+
 }  // namespace
 
 at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_table,
                        const c10::optional<at::Tensor>& sin_table, at::Tensor& k_cache,
                        at::Tensor& v_cache, int64_t pos, int64_t window, int64_t num_heads,
-                       int64_t num_kv_heads, double scale) {
+                       int64_t num_kv_heads, double scale, double softcap,
+                       const c10::optional<at::Tensor>& alibi,
+                       const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat,
               "attnlab decode_step: CPU float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -154,9 +167,17 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
     cos = cos_table->data_ptr<float>() + pos * D;
     sin = sin_table->data_ptr<float>() + pos * D;
   }
+  for (const auto* t : {&alibi, &sinks})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kDouble && (*t)->dim() == 1 &&
+                                    (*t)->size(0) == Hq && (*t)->is_contiguous()),
+                "attnlab decode_step: alibi slopes and sinks are (num_heads,) float64");
+  TORCH_CHECK(softcap >= 0, "attnlab decode_step: softcap must be > 0 (0: none)");
+  // What mask.h does to the scores (softcap, ALiBi), and each head's sink logit.
+  const Scores terms{softcap, alibi.has_value() ? alibi->data_ptr<double>() : nullptr, 0};
+  const double* sink = sinks.has_value() ? sinks->data_ptr<double>() : nullptr;
   const int64_t G = Hq / Hkv, row = qkv.stride(0);
   int64_t lo, hi;  // the keys the new token sees (mask.h): it sits last, at pos
-  Rule{pos + 1, pos, true, window}.bounds(0, lo, hi);
+  Rule{pos + 1, pos, true, window}.bounds(0, 0, lo, hi);
   const int64_t n = hi - lo;
   const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
@@ -208,11 +229,12 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
       const float* vals = vc + ((b * Hkv + hk) * Lmax + lo + j0) * D;
       for (int64_t g = 0; g < G; ++g) {
         scores(s.data(), q.data() + g * D, keys, m, D);
+        if (terms.any()) terms.apply(0, hk * G + g, pos, lo + j0, s.data(), m, (float*)nullptr);
         const float top = row_max(s.data(), m), sum = exp_shift_sum(s.data(), m, top);
         if (chunks == 1) {  // the group's G heads lie side by side in the output
           float* od = o + b * Hq * D + (hk * G + g) * D;
           weighted_rows(od, s.data(), vals, m, D);
-          scale_row(od, D, 1.0f / sum);
+          scale_row(od, D, normaliser(top, sum, sink, hk * G + g));
         } else {
           float* pd = part.data() + (item * G + g) * stride;
           weighted_rows(pd, s.data(), vals, m, D);
@@ -235,7 +257,7 @@ at::Tensor decode_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& c
         sum += w * piece(c)[D + 1];
         axpy(od, piece(c), w, D);
       }
-      scale_row(od, D, 1.0f / sum);
+      scale_row(od, D, normaliser(top, sum, sink, hk * G + g));
     }
   }
   return out;
@@ -246,7 +268,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def(
       "decode_step(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, int pos, int window, int num_heads, int num_kv_heads, "
-      "float scale) -> Tensor");
+      "float scale, float softcap=0., Tensor? alibi=None, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

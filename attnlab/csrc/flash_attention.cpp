@@ -28,10 +28,76 @@ at::ScalarType acc_type(const Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The rule's documents from a (3, B or 1, Lq) int64 tensor (starts, ends, offsets).
+void set_documents(Rule& rule, const Tensor& doc, int64_t B, int64_t Lq) {
+  TORCH_CHECK(doc.scalar_type() == at::kLong && doc.dim() == 3 && doc.size(0) == 3 &&
+                  (doc.size(1) == B || doc.size(1) == 1) && doc.size(2) == Lq && doc.is_contiguous(),
+              "attnlab flash: documents must be a contiguous (3, B or 1, Lq) int64 tensor");
+  rule.doc = doc.data_ptr<int64_t>();
+  rule.doc_sb = doc.size(1) == 1 ? 0 : Lq;
+  rule.doc_plane = doc.size(1) * Lq;
+}
+
+// The variants of one call (mask.h), each None where not asked for.
+struct Variants {
+  double softcap;
+  const std::optional<Tensor>& alibi;  // (B or 1, Hq) float64 (tiny: the kernels' own type)
+  const std::optional<Tensor>& sinks;  // (Hq,) float64
+  const std::optional<Tensor>& documents;
+  const std::optional<Tensor>& block_kinds;    // (Bm, Hm, nq, nk) int8
+  const std::optional<Tensor>& block_index;    // same shape, int64
+  const std::optional<Tensor>& block_partial;  // (P, block_q, block_k) bool
+};
+
+void set_variants(Problem& P, const Variants& V) {
+  TORCH_CHECK(V.softcap >= 0, "attnlab flash: softcap must be > 0 (0: none)");
+  P.scores.softcap = V.softcap;
+  if (V.alibi.has_value()) {
+    const Tensor& a = *V.alibi;
+    TORCH_CHECK(a.scalar_type() == at::kDouble && a.dim() == 2 && a.size(1) == P.Hq &&
+                    (a.size(0) == P.B || a.size(0) == 1) && a.is_contiguous(),
+                "attnlab flash: alibi slopes must be a contiguous (B or 1, Hq) float64 tensor");
+    P.scores.alibi = a.data_ptr<double>();
+    P.scores.alibi_sb = a.size(0) == 1 ? 0 : P.Hq;
+  }
+  if (V.sinks.has_value()) {
+    const Tensor& t = *V.sinks;
+    TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == P.Hq &&
+                    t.is_contiguous(),
+                "attnlab flash: sinks must be a contiguous (Hq,) float64 tensor");
+    P.sinks = t.data_ptr<double>();
+  }
+  if (V.documents.has_value()) set_documents(P.rule, *V.documents, P.B, P.Lq);
+  if (V.block_kinds.has_value()) {
+    TORCH_CHECK(V.block_index.has_value() && V.block_partial.has_value(),
+                "attnlab flash: a block mask needs kinds, index and partial");
+    const Tensor &kinds = *V.block_kinds, &index = *V.block_index, &part = *V.block_partial;
+    TORCH_CHECK(kinds.scalar_type() == at::kChar && kinds.dim() == 4 && kinds.is_contiguous() &&
+                    index.scalar_type() == at::kLong && index.sizes() == kinds.sizes() &&
+                    index.is_contiguous() && part.scalar_type() == at::kBool &&
+                    part.dim() == 3 && part.is_contiguous(),
+                "attnlab flash: block mask tensors of the wrong type or shape");
+    BlockMask& M = P.blocks;
+    M.block_q = part.size(1), M.block_k = part.size(2);
+    M.nq = kinds.size(2), M.nk = kinds.size(3);
+    TORCH_CHECK((kinds.size(0) == 1 || kinds.size(0) == P.B) &&
+                    (kinds.size(1) == 1 || kinds.size(1) == P.Hq) &&
+                    M.nq == (P.Lq + M.block_q - 1) / M.block_q &&
+                    M.nk == (P.Lk + M.block_k - 1) / M.block_k && P.bq == M.block_q &&
+                    P.bk == M.block_k,
+                "attnlab flash: the block mask does not cover this problem in its tiles");
+    M.kinds = kinds.data_ptr<int8_t>();
+    M.index = index.data_ptr<int64_t>();
+    M.partial = part.data_ptr<bool>();
+    M.sb = kinds.size(0) == 1 ? 0 : kinds.stride(0);
+    M.sh = kinds.size(1) == 1 ? 0 : kinds.stride(1);
+  }
+}
+
 Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
                      const std::optional<Tensor>& mask, bool causal, int64_t window,
                      int64_t offset, double scale, double dropout_p, int64_t seed,
-                     int64_t block_q, int64_t block_k) {
+                     int64_t block_q, int64_t block_k, const Variants& variants) {
   for (const Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu(), "attnlab flash: CPU tensors only");
     TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "attnlab flash: 4-D rows of unit stride");
@@ -60,6 +126,7 @@ Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
     P.mask_is_bool = m.scalar_type() == at::kBool;
     P.m_sb = m.stride(0), P.m_sh = m.stride(1), P.m_sq = m.stride(2), P.m_sk = m.stride(3);
   }
+  set_variants(P, variants);
   return P;
 }
 
@@ -67,9 +134,13 @@ std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const
                                          const std::optional<Tensor>& mask, bool causal,
                                          int64_t window, int64_t offset, double scale,
                                          double dropout_p, int64_t seed, int64_t block_q,
-                                         int64_t block_k) {
-  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p,
-                                 seed, block_q, block_k);
+                                         int64_t block_k, double softcap, const std::optional<Tensor>& alibi,
+                                         const std::optional<Tensor>& sinks, const std::optional<Tensor>& documents, const std::optional<Tensor>& block_kinds,
+                                         const std::optional<Tensor>& block_index, const std::optional<Tensor>& block_partial) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p, seed,
+                                 block_q, block_k,
+                                 {softcap, alibi, sinks, documents, block_kinds, block_index,
+                                  block_partial});
   Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
   Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(acc_type(q)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
@@ -82,9 +153,12 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
     const Tensor& out, const Tensor& lse, const Tensor& grad_out, bool causal, int64_t window,
     int64_t offset, double scale, double dropout_p, int64_t seed, int64_t block_q,
-    int64_t block_k) {
-  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p,
-                                 seed, block_q, block_k);
+    int64_t block_k, double softcap, const std::optional<Tensor>& alibi, const std::optional<Tensor>& sinks, const std::optional<Tensor>& documents, const std::optional<Tensor>& block_kinds,
+    const std::optional<Tensor>& block_index, const std::optional<Tensor>& block_partial) {
+  const Problem P = make_problem(q, k, v, mask, causal, window, offset, scale, dropout_p, seed,
+                                 block_q, block_k,
+                                 {softcap, alibi, sinks, documents, block_kinds, block_index,
+                                  block_partial});
   TORCH_CHECK(grad_out.stride(3) == 1 && out.stride(3) == 1 && lse.is_contiguous() &&
                   lse.scalar_type() == acc_type(q) && out.scalar_type() == q.scalar_type() &&
                   grad_out.scalar_type() == q.scalar_type(),
@@ -122,22 +196,34 @@ std::string set_gemm_path(const std::string& path) {
 // mask.h's rule over a whole problem, for tests/test_rule.py: each query row's keys
 // [lo, hi) (Lq,), each block of bq rows' keys (nqb,), and whether each bq x bk tile
 // needs no mask (nqb, nkb).
+// mask.h's rule over a whole problem (B batch elements: 1 without documents), for
+// tests/test_rule.py: each query row's keys [lo, hi) (B, Lq), each block of bq rows' keys
+// (B, nqb), and whether each bq x bk tile needs no mask (B, nqb, nkb).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rule_tiles(int64_t q_len, int64_t k_len,
                                                               int64_t offset, bool causal,
                                                               int64_t window, int64_t bq,
-                                                              int64_t bk) {
+                                                              int64_t bk, const std::optional<Tensor>& documents) {
   TORCH_CHECK(q_len >= 0 && k_len >= 0 && bq > 0 && bk > 0 && window >= 0, "rule_tiles: sizes");
-  const Rule rule{k_len, offset, causal, window};
+  Rule rule{k_len, offset, causal, window};
+  int64_t B = 1;
+  if (documents.has_value()) {
+    B = documents->size(1);
+    set_documents(rule, *documents, B, q_len);
+  }
   const int64_t nqb = (q_len + bq - 1) / bq, nkb = (k_len + bk - 1) / bk;
-  Tensor lo = at::empty({q_len}, at::kLong), hi = at::empty({q_len}, at::kLong);
-  Tensor blo = at::empty({nqb}, at::kLong), bhi = at::empty({nqb}, at::kLong);
-  Tensor full = at::empty({nqb, nkb}, at::kBool);
-  for (int64_t i = 0; i < q_len; ++i) rule.bounds(i, lo.data_ptr<int64_t>()[i], hi.data_ptr<int64_t>()[i]);
-  for (int64_t qb = 0; qb < nqb; ++qb) {
-    const int64_t qs = qb * bq, qe = std::min(qs + bq, q_len);
-    rule.block(qs, qe, blo.data_ptr<int64_t>()[qb], bhi.data_ptr<int64_t>()[qb]);
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      full.data_ptr<bool>()[qb * nkb + kb] = rule.full(qs, qe, kb * bk, std::min(kb * bk + bk, k_len));
+  Tensor lo = at::empty({B, q_len}, at::kLong), hi = at::empty({B, q_len}, at::kLong);
+  Tensor blo = at::empty({B, nqb}, at::kLong), bhi = at::empty({B, nqb}, at::kLong);
+  Tensor full = at::empty({B, nqb, nkb}, at::kBool);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < q_len; ++i)
+      rule.bounds(b, i, lo.data_ptr<int64_t>()[b * q_len + i], hi.data_ptr<int64_t>()[b * q_len + i]);
+    for (int64_t qb = 0; qb < nqb; ++qb) {
+      const int64_t qs = qb * bq, qe = std::min(qs + bq, q_len);
+      rule.block(b, qs, qe, blo.data_ptr<int64_t>()[b * nqb + qb], bhi.data_ptr<int64_t>()[b * nqb + qb]);
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        full.data_ptr<bool>()[(b * nqb + qb) * nkb + kb] =
+            rule.full(b, qs, qe, kb * bk, std::min(kb * bk + bk, k_len));
+    }
   }
   return {lo, hi, blo, bhi, full};
 }
@@ -151,16 +237,19 @@ bool tile_kernel_active() { return use_tile_kernel<float>(); }
 TORCH_LIBRARY(attnlab_native, m) {
   m.def(
       "flash_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, int window, "
-      "int offset, float scale, float dropout_p, int seed, int block_q, int block_k) -> "
-      "(Tensor, Tensor)");
+      "int offset, float scale, float dropout_p, int seed, int block_q, int block_k, "
+      "float softcap, Tensor? alibi, Tensor? sinks, Tensor? documents, Tensor? block_kinds, "
+      "Tensor? block_index, Tensor? block_partial) -> (Tensor, Tensor)");
   m.def(
       "flash_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
       "Tensor grad_out, bool causal, int window, int offset, float scale, float dropout_p, "
-      "int seed, int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
+      "int seed, int block_q, int block_k, float softcap, Tensor? alibi, Tensor? sinks, "
+      "Tensor? documents, Tensor? block_kinds, Tensor? block_index, Tensor? block_partial) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def("set_gemm_path(str path) -> str", &attnlab::set_gemm_path);
   m.def(
-      "rule_tiles(int q_len, int k_len, int offset, bool causal, int window, int bq, int bk) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+      "rule_tiles(int q_len, int k_len, int offset, bool causal, int window, int bq, int bk, "
+      "Tensor? documents=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &attnlab::rule_tiles);
   m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
 }

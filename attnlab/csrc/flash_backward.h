@@ -13,10 +13,11 @@ namespace attnlab {
 
 template <typename A>
 struct BackwardScratch {
-  std::vector<A> p, dp, kept, kt, vt, krows, vrows, q, dout, delta, dk, dv;
+  std::vector<A> p, dp, kept, t, kt, vt, krows, vrows, q, dout, delta, dk, dv;
   BackwardScratch(const Problem& P)
       : p(P.bq * P.bk), dp(P.bq * P.bk), kept(P.dropout_p > 0 ? P.bq * P.bk : 0),
-        delta(P.bq), dk(P.bk * P.D), dv(P.bk * P.Dv) {}
+        t(P.scores.softcap > 0 ? P.bq * P.bk : 0), delta(P.bq), dk(P.bk * P.D),
+        dv(P.bk * P.Dv) {}
 };
 
 template <typename S>
@@ -57,8 +58,10 @@ void backward_block(const Problem& P, const BackwardArgs<S>& X, int64_t b, int64
     for (int64_t qs = 0; qs < P.Lq; qs += P.bq) {
       const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs;
       int64_t lo, hi;
-      P.rule.block(qs, qe, lo, hi);
+      P.rule.block(b, qs, qe, lo, hi);
       if (hi <= ks || lo >= ks + nc) continue;  // this query block never sees these keys
+      const BlockMask::Kind kind = block_kind(P, b, h, qs, ks);
+      if (kind == BlockMask::EMPTY) continue;
       int64_t ldq, ldo;
       const A* qb = rows_as_acc(X.q + X.qr.at(b, h, qs), X.qr.sl, nr, P.D, w.q, ldq);
       const A* dob = rows_as_acc(X.dout + X.dr.at(b, h, qs), X.dr.sl, nr, P.Dv, w.dout, ldo);
@@ -68,7 +71,7 @@ void backward_block(const Problem& P, const BackwardArgs<S>& X, int64_t b, int64
       for (int64_t r = 0; r < nr; ++r) {
         A* row = T + r * nc;
         int64_t rlo, rhi;
-        P.rule.bounds(qs + r, rlo, rhi);
+        P.rule.bounds(b, qs + r, rlo, rhi);
         const int64_t a = std::clamp<int64_t>(rlo - ks, 0, nc);
         const int64_t e = std::clamp<int64_t>(rhi - ks, a, nc);
         if (e == a || std::isinf(lse[qs + r])) {  // no key here, or an empty row
@@ -76,6 +79,10 @@ void backward_block(const Problem& P, const BackwardArgs<S>& X, int64_t b, int64
           continue;
         }
         any = true;
+        if (P.scores.any())
+          P.scores.apply(b, h, P.rule.position(b, qs + r), ks + a, row + a, e - a,
+                         w.t.empty() ? (A*)nullptr : w.t.data() + r * nc + a);
+        if (kind == BlockMask::PARTIAL) apply_block_row(P, b, h, qs + r, ks + a, row + a, e - a);
         if (P.mask != nullptr) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
         zero_outside(row, a, e, nc);
         exp_shift_sum(row + a, e - a, lse[qs + r]);
@@ -100,7 +107,16 @@ void backward_block(const Problem& P, const BackwardArgs<S>& X, int64_t b, int64
         used = w.kept.data();
       }
       product<A>(tiles, true, nc, P.Dv, nr, A(1), used, nc, dob, ldo, true, dv, P.Dv);
-      for (int64_t r = 0; r < nr; ++r) softmax_grad_row(T + r * nc, dP + r * nc, nc, w.delta[r]);
+      for (int64_t r = 0; r < nr; ++r) {
+        softmax_grad_row(T + r * nc, dP + r * nc, nc, w.delta[r]);
+        if (!w.t.empty()) {  // through the softcap, on the row's allowed keys (0 elsewhere)
+          int64_t rlo, rhi;
+          P.rule.bounds(b, qs + r, rlo, rhi);
+          const int64_t a = std::clamp<int64_t>(rlo - ks, 0, nc);
+          const int64_t e = std::clamp<int64_t>(rhi - ks, a, nc);
+          softcap_grad_row(T + r * nc + a, w.t.data() + r * nc + a, e - a);
+        }
+      }
       product<A>(tiles, true, nc, P.D, nr, scale, T, nc, qb, ldq, true, dk, P.D);
       product<A>(tiles, false, nr, P.D, nc, scale, T, nc, krows, ldk, true,
                  dq + ((h - hk * P.G) * P.Lq + qs) * P.D, P.D);
@@ -118,18 +134,26 @@ template <typename S>
 void backward_impl(const Problem& P, const BackwardArgs<S>& X, int64_t workers) {
   using A = Acc<S>;
   const int64_t nkb = P.key_blocks(), nqb = P.query_blocks(), pairs = P.B * P.Hkv;
-  std::vector<int64_t> per_block(nkb, 0);  // query rows x keys each key block meets
-  for (int64_t qi = 0; qi < nqb; ++qi) {
-    const int64_t qs = qi * P.bq, qe = std::min(qs + P.bq, P.Lq);
-    int64_t lo, hi;
-    P.rule.block(qs, qe, lo, hi);
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      const int64_t ks = kb * P.bk, ke = std::min(ks + P.bk, P.Lk);
-      per_block[kb] += std::max<int64_t>(0, std::min(hi, ke) - std::max(lo, ks)) * (qe - qs);
+  // Query rows x keys each key block meets, per batch element (documents differ by it).
+  const int64_t rule_batches = P.rule.doc == nullptr ? 1 : P.B;
+  std::vector<int64_t> per_block(rule_batches * nkb, 0);
+  for (int64_t b = 0; b < rule_batches; ++b) {
+    for (int64_t qi = 0; qi < nqb; ++qi) {
+      const int64_t qs = qi * P.bq, qe = std::min(qs + P.bq, P.Lq);
+      int64_t lo, hi;
+      P.rule.block(b, qs, qe, lo, hi);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t ks = kb * P.bk, ke = std::min(ks + P.bk, P.Lk);
+        per_block[b * nkb + kb] +=
+            std::max<int64_t>(0, std::min(hi, ke) - std::max(lo, ks)) * (qe - qs);
+      }
     }
   }
   std::vector<int64_t> cost(pairs * nkb);
-  for (size_t item = 0; item < cost.size(); ++item) cost[item] = per_block[item % nkb];
+  for (size_t item = 0; item < cost.size(); ++item) {
+    const int64_t b = rule_batches == 1 ? 0 : static_cast<int64_t>(item) / (P.Hkv * nkb);
+    cost[item] = per_block[b * nkb + item % nkb];
+  }
   DqParts<A> parts;
   parts.workers = workers;
   parts.slice = P.G * P.Lq * P.D;

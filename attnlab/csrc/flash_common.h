@@ -35,7 +35,10 @@ struct Rows {
 
 struct Problem {
   int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv;
-  Rule rule;  // which keys each query row sees (mask.h)
+  Rule rule;          // which keys each query row sees (mask.h)
+  Scores scores;      // softcap, ALiBi (mask.h)
+  BlockMask blocks;   // a mask_mod's blocks, or none (mask.h)
+  const double* sinks = nullptr;  // (Hq,) sink logits joining each row's softmax, or none
   double scale, dropout_p;
   uint64_t seed;
   int64_t bq, bk;
@@ -67,6 +70,25 @@ void apply_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, A
       for (int64_t c = 0; c < n; ++c) s[c] += m[c * P.m_sk];
     }
   }
+}
+
+// A partial block's bool row on keys j0..j0+n of row i of (b, h) (block mask present).
+template <typename A>
+void apply_block_row(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, A* s,
+                     int64_t n) {
+  const BlockMask& M = P.blocks;
+  const int64_t qb = i / M.block_q, kb = j0 / M.block_k;
+  const bool* m = M.row(b, h, qb, kb, i - qb * M.block_q) + (j0 - kb * M.block_k);
+  constexpr A NEG = -std::numeric_limits<A>::infinity();
+  for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : NEG;
+}
+
+// The block mask's kind of the tile of rows [qs, ..) and keys [ks, ..) of (b, h): tiles are
+// the mask's blocks whenever one is given. FULL where there is none.
+inline BlockMask::Kind block_kind(const Problem& P, int64_t b, int64_t h, int64_t qs, int64_t ks) {
+  const BlockMask& M = P.blocks;
+  if (!M.present()) return BlockMask::FULL;
+  return M.kind(b, h, qs / M.block_q, ks / M.block_k);
 }
 
 // Multiply the weights of keys j0..j0+n of row (b, h, i) by keep / (1 - p).

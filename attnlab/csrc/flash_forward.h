@@ -35,17 +35,22 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   std::fill(o, o + nr * P.Dv, A(0));
   A* L = lse + (b * P.Hq + h) * P.Lq + qs;
   int64_t lo, hi;
-  P.rule.block(qs, qe, lo, hi);
+  P.rule.block(b, qs, qe, lo, hi);
   for (int64_t r = 0; r < nr; ++r) {
     w.m[r] = NEG;
     w.l[r] = A(0);
-    P.rule.bounds(qs + r, w.lo[r], w.hi[r]);
+    P.rule.bounds(b, qs + r, w.lo[r], w.hi[r]);
   }
   int64_t ldq;
   const A* qb = hi > lo ? rows_as_acc(q + qr.at(b, h, qs), qr.sl, nr, P.D, w.q, ldq) : nullptr;
   RightT<A> keys;
-  for (int64_t ks = lo; ks < hi; ks += P.bk) {
+  // With a block mask the tiles are its blocks: they start on a block boundary (the
+  // columns before lo are left out by every row's [a, e) below).
+  const int64_t start = hi <= lo ? hi : P.blocks.present() ? lo - lo % P.bk : lo;
+  for (int64_t ks = start; ks < hi; ks += P.bk) {
     const int64_t nc = std::min(ks + P.bk, hi) - ks;
+    const BlockMask::Kind kind = block_kind(P, b, h, qs, ks);
+    if (kind == BlockMask::EMPTY) continue;
     keys.load(k + kr.at(b, hk, ks), kr.sl, nc, P.D, tiles, w.kt, w.rows);
     A* T = w.s.data();
     times_transposed<A>(nr, nc, A(P.scale), qb, ldq, keys, T, nc);
@@ -53,7 +58,12 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
       A* row = T + r * nc;
       const int64_t a = std::clamp<int64_t>(w.lo[r] - ks, 0, nc);
       const int64_t e = std::clamp<int64_t>(w.hi[r] - ks, a, nc);
-      if (P.mask != nullptr && e > a) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
+      if (e > a) {
+        if (P.scores.any())
+          P.scores.apply(b, h, P.rule.position(b, qs + r), ks + a, row + a, e - a, (A*)nullptr);
+        if (kind == BlockMask::PARTIAL) apply_block_row(P, b, h, qs + r, ks + a, row + a, e - a);
+        if (P.mask != nullptr) apply_mask(P, b, h, qs + r, ks + a, row + a, e - a);
+      }
       const A m_new = std::max(w.m[r], row_max(row + a, e - a));
       if (m_new == NEG) {  // nothing allowed in this row so far, or only NaN scores
         // The max skips NaN, so a row of NaN scores (a NaN query, NaN keys) lands here
@@ -77,14 +87,23 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
     const A* vb = rows_as_acc(v + vr.at(b, hk, ks), vr.sl, nc, P.Dv, w.v, ldv);
     product<A>(tiles, false, nr, P.Dv, nc, A(1), T, nc, vb, ldv, true, o, P.Dv);
   }
+  const A sink = P.sinks == nullptr ? NEG : A(P.sinks[h]);
   for (int64_t r = 0; r < nr; ++r) {
-    if (w.l[r] == A(0)) {  // a row with nothing to attend: zeros, and lse = +inf
+    A m = w.m[r], l = w.l[r];
+    if (sink != NEG) {  // the sink joins the denominator and adds no value
+      const A top = std::max(m, sink);  // (NaN m stays NaN through the max and below)
+      const A kept = m == NEG ? A(0) : std::exp(m - top);
+      l = l * kept + std::exp(sink - top);
+      if (kept != A(1)) scale_row(o + r * P.Dv, P.Dv, kept);
+      m = top;
+    }
+    if (l == A(0)) {  // a row with nothing to attend: zeros, and lse = +inf
       // (l is NaN, not 0, for a row that met a NaN score: it stays NaN below)
       std::fill(o + r * P.Dv, o + (r + 1) * P.Dv, A(0));
       L[r] = std::numeric_limits<A>::infinity();
     } else {
-      scale_row(o + r * P.Dv, P.Dv, A(1) / w.l[r]);
-      L[r] = w.m[r] + std::log(w.l[r]);
+      scale_row(o + r * P.Dv, P.Dv, A(1) / l);
+      L[r] = m + std::log(l);
     }
   }
   if constexpr (!std::is_same_v<S, A>) from_acc(o, dst, nr * P.Dv);
@@ -100,7 +119,7 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   for (size_t item = 0; item < cost.size(); ++item) {
     const int64_t qs = static_cast<int64_t>(item % nqb) * P.bq;
     int64_t lo, hi;
-    P.rule.block(qs, std::min(qs + P.bq, P.Lq), lo, hi);
+    P.rule.block(static_cast<int64_t>(item) / (P.Hq * nqb), qs, std::min(qs + P.bq, P.Lq), lo, hi);
     cost[item] = hi - lo;
   }
   const Rows qr(q), kr(k), vr(v);

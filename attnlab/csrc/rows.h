@@ -61,6 +61,49 @@ ATTNLAB_PER_ISA static void softmax_grad_row(float* p, const float* dp, int64_t 
   for (int64_t j = 0; j < n; ++j) p[j] *= dp[j] - d;
 }
 
+// x = cap * tanh(x / cap) (Gemma 2's softcap), keeping tanh(x / cap) in t (or not: null).
+ATTNLAB_PER_ISA static void softcap_row(float* x, int64_t n, float cap, float* t) {
+  const float inv = 1.0f / cap;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const f8 th = tanh8(load8(x + j) * inv);
+    if (t != nullptr) store8(t + j, th);
+    store8(x + j, th * cap);
+  }
+  for (; j < n; ++j) {
+    const float th = std::tanh(x[j] * inv);
+    if (t != nullptr) t[j] = th;
+    x[j] = th * cap;
+  }
+}
+
+// x[c] -= slope * |p - (j0 + c)| (ALiBi: the distance of key j0 + c from position p).
+ATTNLAB_PER_ISA static void alibi_row(float* x, int64_t n, float slope, int64_t p, int64_t j0) {
+  const float d0 = static_cast<float>(p - j0);
+  for (int64_t c = 0; c < n; ++c) x[c] -= slope * std::fabs(d0 - static_cast<float>(c));
+}
+
+// dS = dS' * (1 - t^2): through the softcap, t = tanh(raw / cap) as softcap_row kept it.
+ATTNLAB_PER_ISA static void softcap_grad_row(float* ds, const float* t, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) ds[j] *= 1.0f - t[j] * t[j];
+}
+
+static inline void softcap_row(double* x, int64_t n, double cap, double* t) {
+  for (int64_t j = 0; j < n; ++j) {
+    const double th = std::tanh(x[j] / cap);
+    if (t != nullptr) t[j] = th;
+    x[j] = th * cap;
+  }
+}
+
+static inline void alibi_row(double* x, int64_t n, double slope, int64_t p, int64_t j0) {
+  for (int64_t c = 0; c < n; ++c) x[c] -= slope * std::fabs(static_cast<double>(p - j0 - c));
+}
+
+static inline void softcap_grad_row(double* ds, const double* t, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) ds[j] *= 1.0 - t[j] * t[j];
+}
+
 static inline double row_max(const double* x, int64_t n) {
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);

@@ -108,4 +108,15 @@ ATTNLAB_INLINE f8 exp8(f8 x) {
   return x < lo ? f8{} : e;
 }
 
+// tanh(x) = (e^2x - 1) / (e^2x + 1), through exp8; |x| > 9 is +-1 in float anyway.
+// Absolute error about 1e-7 (the relative error grows as x nears 0, where the scores
+// it caps are small).
+ATTNLAB_INLINE f8 tanh8(f8 x) {
+  const f8 lim = splat8(9.0f);
+  f8 xc = x > lim ? lim : x;
+  xc = xc < -lim ? -lim : xc;
+  const f8 e = exp8(xc + xc);
+  return (e - 1.0f) / (e + 1.0f);
+}
+
 }  // namespace attnlab

@@ -86,3 +86,17 @@ class Group:
             raise self.error("gathering the shapes of", (self.rank + 1), exc) from exc
         self.wait(work, "gathering the shapes of", self.rank + 1)
         return [p.tolist() for p in parts]
+
+    def all_gather(self, x: torch.Tensor, lengths: Sequence[int], what: str) -> list:
+        """Every rank's ``x`` ``(B, lengths[r])`` (the same ``B`` and dtype on each), as a
+        list by rank: one ``all_gather`` of the shards padded to the longest."""
+        dist = _dist()
+        padded = x.new_zeros(x.shape[0], max(lengths))
+        padded[:, :x.shape[1]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        try:
+            work = dist.all_gather(parts, padded, group=self.group, async_op=True)
+        except Exception as exc:
+            raise self.error(what, self.rank + 1, exc) from exc
+        self.wait(work, what, self.rank + 1)
+        return [p[:, :n] for p, n in zip(parts, lengths)]

@@ -75,10 +75,12 @@ class ContextParallel:
         return shard_positions(seq_len, comm.size, comm.rank, self.layout, device=device)
 
     def attention(self, q, k, v, *, causal=False, window=None, mask=None, scale=None,
-                  backend="auto") -> torch.Tensor:
-        """``q``, ``k``, ``v`` shards ``(B, H, L_rank, D)`` -> this rank's output shard."""
+                  backend="auto", **variants) -> torch.Tensor:
+        """``q``, ``k``, ``v`` shards ``(B, H, L_rank, D)`` -> this rank's output shard;
+        ``variants``: those :func:`ring_attention` takes (softcap, alibi_slopes, sinks,
+        this rank's shard of document_ids)."""
         split = ring_attention if self.strategy == "ring" else ulysses_attention
         seq_len = None if self.seq_len is None else self.seq_len
         return split(q, k, v, group=self.group, causal=causal, window=window, mask=mask,
                      scale=scale, layout=self.layout, backend=backend, seq_len=seq_len,
-                     timeout=self.timeout)
+                     timeout=self.timeout, **variants)

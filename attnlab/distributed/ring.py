@@ -3,9 +3,10 @@
 Each rank holds a shard of the queries, keys and values (``shards.py``'s layouts). The
 keys and values travel around the ring in pieces (``plan.py``'s schedule) with
 ``isend``/``irecv``; while the next pieces are on the way, the rank attends its queries
-to the pieces in hand with a backend's block step (``backends.BlockStep``: the native
-kernel on the CPU, torch's fused kernel, the textbook path), which returns each block's
-log-sum-exp, and merges the partial outputs exactly by it. The backward sends the pieces
+to the pieces in hand with a backend's log-sum-exp step (``backends.LseStep``: the
+native kernel on the CPU, torch's fused kernel, the textbook path), which returns each
+block's log-sum-exp, and merges the partial outputs exactly by it (``variants.py``: the
+variants across shards). The backward sends the pieces
 around again; each rank adds its share of a piece's key and value gradients to the
 running sum that travels with the piece, and the sum comes home to the piece's owner
 (ring-flash-attention's scheme: a block's backward with the merged output and
@@ -20,13 +21,14 @@ import time
 
 import torch
 
-from ..backends import choose_block
+from ..backends import Request, choose, resolve
 from ..checks import boolean, finite_float, one_of, optional_positive_int
 from .comm import Group
 from .pieces import Pieces, merge, work_dtype
 from .plan import Plan
 from .ring_backward import backward as backward_pass
 from .shards import LAYOUTS, shard_lengths
+from .variants import check as check_variants
 
 __all__ = ["ring_attention"]
 
@@ -42,7 +44,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
                    mask: torch.Tensor | None = None, scale: float | None = None,
                    layout: str = "contiguous", backend: str = "auto",
                    seq_len: int | tuple[int, int] | None = None, block: int | None = None,
-                   timeout: float | None = None, profile: dict | None = None) -> torch.Tensor:
+                   timeout: float | None = None, profile: dict | None = None,
+                   softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                   sinks: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                   mask_mod=None, score_mod=None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys, which are split
     across the ranks of ``group``; the result equals :func:`attnlab.attention` on the
     whole sequence, sharded the same way (forward and backward).
@@ -60,8 +65,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             (:func:`~attnlab.distributed.shard_mask` cuts one). It travels with the keys.
         layout: how the sequence was split: ``"contiguous"`` or ``"zigzag"`` (balances the
             work under a causal rule); see :mod:`attnlab.distributed.shards`.
-        backend: the local step, ``"auto"`` or a backend with a block step (flash, sdpa,
-            tiled, eager; see ``attnlab.backends.choose_block``).
+        backend: the local step, ``"auto"`` or a backend with a log-sum-exp step (flash,
+            sdpa, tiled, eager: ``log_sum_exp`` in ``attnlab.backend_table()``).
         seq_len: the whole sequence's length (``(q_len, k_len)`` when they differ). None:
             gathered from the ranks, one small all-gather per call that also checks that
             they agree on the shapes and options.
@@ -72,14 +77,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         profile: a dict to fill with timings: the forward's ``compute_s``, ``wait_s`` (time
             blocked on messages), ``ticks``, ``messages``, ``bytes``; the backward's as
             ``backward_compute_s``, ``backward_wait_s``.
+        softcap, alibi_slopes, sinks: as :func:`attnlab.attention`, over the whole
+            sequence's positions (ALiBi's distances are global); ``sinks`` join each
+            row's softmax once, and their gradient is this rank's rows' share (sum it
+            over the group, as for any replicated parameter).
+        document_ids: this rank's shard of the ids ``(seq_shard,)`` or ``(batch,
+            seq_shard)``, split like the sequence (self-attention only); gathered once.
+        mask_mod, score_mod: refused (ValueError): their functions see positions and
+            heads no shard can give them.
 
     Returns:
         ``(batch, q_heads, q_len_rank, v_dim)``: this rank's shard of the output.
     """
     call, mask = _prepare(q, k, v, group=group, causal=causal, window=window, mask=mask,
                           scale=scale, layout=layout, backend=backend, seq_len=seq_len,
-                          block=block, timeout=timeout, profile=profile)
-    return _RingAttention.apply(q, k, v, mask, call)
+                          block=block, timeout=timeout, profile=profile, softcap=softcap,
+                          alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
+                          mask_mod=mask_mod, score_mod=score_mod)
+    return _RingAttention.apply(q, k, v, mask, call.variants.sinks, call)
 
 
 def messages_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -99,7 +114,7 @@ def messages_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def _prepare(q, k, v, *, group=None, causal=False, window=None, mask=None, scale=None,
              layout="contiguous", backend="auto", seq_len=None, block=None, timeout=None,
-             profile=None):
+             profile=None, **variants):
     """The checked arguments of a call as its ``_Setup``, and the key mask."""
     comm = Group(group, optional_timeout(timeout))
     mask = _key_mask(mask, q, k)
@@ -107,9 +122,13 @@ def _prepare(q, k, v, *, group=None, causal=False, window=None, mask=None, scale
     q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout)
     window = None if window is None else min(window, q_len + k_len + 1)
     block = block or _default_block(q, k, v)
-    step = choose_block(q, k, window, backend).block
+    split = check_variants(comm, q, k, q_len, k_len, layout, **variants)
+    request = Request(q, k, None if mask is None else mask[:, None, None, :], causal, window,
+                      0.0, None, split.request(q.shape[2], k.shape[2]), lse=True)
+    with torch.no_grad():  # the steps have their own backward
+        step = (choose(request) if backend == "auto" else resolve(request, backend)).lse
     plan = _plan(q_len, k_len, comm.size, layout, causal, window, block)
-    return _Setup(comm, plan, step, causal, window, scale, profile), mask
+    return _Setup(comm, plan, step, causal, window, scale, profile, split, k_len - q_len), mask
 
 
 def optional_timeout(timeout) -> float | None:
@@ -119,10 +138,26 @@ def optional_timeout(timeout) -> float | None:
 class _Setup:
     """What the forward and backward passes of one call share."""
 
-    def __init__(self, comm, plan, step, causal, window, scale, profile):
+    def __init__(self, comm, plan, step, causal, window, scale, profile, variants, shift):
         self.comm, self.plan, self.step = comm, plan, step
         self.causal, self.window, self.scale = causal, window, scale
         self.profile = profile
+        self.variants, self.shift = variants, shift  # shift: k_len - q_len
+
+    def forward(self, q, kp, vp, mp, piece, c):
+        """The step of call ``c`` (rows of ``q``) on ``piece`` (keys ``kp``, ``vp``)."""
+        variants, offset = self._variants(piece, c)
+        return self.step.forward(q, kp, vp, mp, self.causal, self.window, self.scale, 0.0,
+                                 variants, offset)
+
+    def backward(self, q, kp, vp, mp, out, lse, grad_out, piece, c):
+        variants, offset = self._variants(piece, c)
+        return self.step.backward(q, kp, vp, mp, out, lse, grad_out, self.causal, self.window,
+                                  self.scale, variants, offset)
+
+    def _variants(self, piece, c):
+        position = c.offset + piece.start - self.shift  # of the call's first query
+        return self.variants.for_call(position, c.q_len, piece.start, piece.size, c.offset)
 
 
 @functools.lru_cache(maxsize=64)
@@ -231,7 +266,7 @@ def _lengths(comm, q, k, v, mask, seq_len, causal, window, layout) -> tuple[int,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, call):
+    def forward(ctx, q, k, v, mask, sinks, call):
         out, lse = _forward(call, q, k, v, mask)
         ctx.call = call
         ctx.save_for_backward(q, k, v, mask, out, lse)
@@ -241,7 +276,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
         dq, dk, dv = backward_pass(ctx.call, q, k, v, mask, out, lse, grad_out)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsinks = ctx.call.variants.sink_grad(out, lse, grad_out) if ctx.needs_input_grad[4] \
+            else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None
 
 
 def _forward(call, q, k, v, mask, compute: bool = True):
@@ -303,8 +340,7 @@ def _forward(call, q, k, v, mask, compute: bool = True):
                 kp, vp, mp = pieces.views(held.get(it.piece.uid), it.piece)
                 for c in it.calls:
                     rows = slice(c.q_local, c.q_local + c.q_len)
-                    part, part_lse = call.step.forward(qw[:, :, rows], kp, vp, mp, call.causal,
-                                                       call.window, c.offset, call.scale)
+                    part, part_lse = call.forward(qw[:, :, rows], kp, vp, mp, it.piece, c)
                     merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         clock["compute_s"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -318,4 +354,5 @@ def _forward(call, q, k, v, mask, compute: bool = True):
     clock["wait_s"] += time.perf_counter() - start
     if call.profile is not None:
         call.profile.update(clock)
+    call.variants.add_sinks(out, lse)
     return out, lse.masked_fill_(lse == -_INF, _INF)

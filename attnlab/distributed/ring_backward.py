@@ -69,9 +69,9 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
             start = waited()
             for c in it.calls if compute else ():
                 rows = slice(c.q_local, c.q_local + c.q_len)
-                dq_c, dk_c, dv_c = call.step.backward(
+                dq_c, dk_c, dv_c = call.backward(
                     qw[:, :, rows], kp, vp, mp, out[:, :, rows], lse[:, :, rows],
-                    dout[:, :, rows], call.causal, call.window, c.offset, call.scale)
+                    dout[:, :, rows], it.piece, c)
                 dq[:, :, rows] += dq_c
                 if share is None:
                     share = pieces.empty(it.piece.size, True, work).zero_()

@@ -17,6 +17,7 @@ from ..functional import attention
 from .comm import Group
 from .ring import _check, _key_mask, _lengths, optional_timeout
 from .shards import shard, shard_lengths, unshard
+from .variants import check as check_variants
 
 __all__ = ["ulysses_attention"]
 
@@ -30,8 +31,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """The same contract as :func:`~attnlab.distributed.ring_attention` (this rank's shards
     in, this rank's shard of the output back, equal to :func:`attnlab.attention` on the
     whole sequence), by all-to-all over heads: ``q_heads`` and ``kv_heads`` must both be
-    divisible by the group's size. ``backend`` and ``**options`` (``dropout_p``, and
-    the variants ``attention`` takes) go to :func:`attnlab.attention` as they are.
+    divisible by the group's size. ``backend`` and ``**options`` (``dropout_p``,
+    ``softcap``) go to :func:`attnlab.attention` as they are; ``alibi_slopes`` and
+    ``sinks`` (one per head) are cut to this rank's heads (the sinks' gradient is then
+    this rank's heads' share: sum it over the group); ``document_ids`` is this rank's
+    shard of the ids, split like the sequence, gathered once. ``mask_mod`` and
+    ``score_mod`` are refused (their functions see head numbers a rank does not have).
     """
     comm = Group(group, optional_timeout(timeout), "ulysses_attention")
     mask = _key_mask(mask, q, k)
@@ -43,6 +48,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                          f"by {n}; use ring_attention, which has no such limit")
     q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout)
     q_lens, k_lens = shard_lengths(q_len, n, layout), shard_lengths(k_len, n, layout)
+    options = _head_variants(comm, q, k, q_len, k_len, layout, options)
     qh = _SeqToHeads.apply(q, comm, q_lens, layout)
     kh = _SeqToHeads.apply(k, comm, k_lens, layout)
     vh = _SeqToHeads.apply(v, comm, k_lens, layout)
@@ -54,6 +60,25 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     out = attention(qh, kh, vh, mask=whole, causal=causal, window=window, scale=scale,
                     backend=backend, **options)
     return _HeadsToSeq.apply(out, comm, q_lens, layout)
+
+
+def _head_variants(comm, q, k, q_len, k_len, layout, options: dict) -> dict:
+    """``options`` for this rank's heads over the whole sequence: the per-head variants
+    cut to its heads, the document ids of the whole sequence."""
+    options = dict(options)
+    split = check_variants(comm, q, k, q_len, k_len, layout, **{
+        name: options.pop(name, None) for name in ("alibi_slopes", "sinks", "document_ids",
+                                                   "mask_mod", "score_mod")})
+    heads = q.shape[1] // comm.size
+    mine = slice(comm.rank * heads, (comm.rank + 1) * heads)
+    if split.block is not None and split.block.alibi_slopes is not None:
+        slopes = split.block.alibi_slopes[:, mine]  # (1 or B, heads)
+        options["alibi_slopes"] = slopes[0] if slopes.shape[0] == 1 else slopes
+    if split.sinks is not None:
+        options["sinks"] = split.sinks[mine]
+    if split.ids is not None:
+        options["document_ids"] = split.ids
+    return options
 
 
 def _seq_to_heads(x, comm, lens, layout):

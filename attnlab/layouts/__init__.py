@@ -5,8 +5,10 @@ Nothing here imports a model class (the layer sits below :mod:`attnlab.models`),
 ``GPT.from_hf`` and ``Encoder.from_hf`` build from these maps, and
 :mod:`attnlab.interop` (above the models) builds ready-made models from them.
 
-- :mod:`.hf`: the decoders (GPT-2, Llama, Mistral, Qwen2, ...) and the entry points
-  ``gpt_layout`` / ``encoder_layout`` / ``read_folder``;
+- :mod:`.hf`: GPT-2, the table of decoder layouts and the entry points ``gpt_layout`` /
+  ``encoder_layout`` / ``read_folder``;
+- :mod:`.hf_llama` (Llama, Mistral, Qwen2), :mod:`.hf_gemma2`, :mod:`.hf_bloom`: the other
+  decoders;
 - :mod:`.hf_encoders`: BERT, RoBERTa, DistilBERT;
 - :mod:`.common`: what every converter shares (named state view, shape checks,
   config fields).

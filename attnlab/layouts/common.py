@@ -134,3 +134,28 @@ def _positive(cfg: Mapping[str, Any], key: str, default: float) -> float:
         raise ValueError(f"config {key}={value!r} is not valid (expected a positive finite "
                          "number)")
     return float(value)
+
+
+def rope_theta(cfg: Mapping[str, Any]) -> float:
+    """RoPE's base of a Llama-family config (``rope_theta``, or inside
+    ``rope_parameters``); any RoPE scaling but the default is refused naming it."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
+        bad = "rope_parameters" if not isinstance(params, Mapping) else "rope_scaling"
+        raise ValueError(f"config {bad}={cfg[bad]!r} is not valid (expected an object)")
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default')")
+    return _positive({"rope_theta": params.get("rope_theta", cfg.get("rope_theta"))},
+                     "rope_theta", 10000.0)
+
+
+def window_field(cfg: Mapping[str, Any], key: str) -> int | None:
+    """A sliding window field: a positive int, or None when null or absent."""
+    value = cfg.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"config {key}={value!r} is not supported (expected a positive "
+                         "int or null)")
+    return value

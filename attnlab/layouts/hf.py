@@ -1,5 +1,6 @@
-"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2 (-> GPT) and
-BERT, RoBERTa, DistilBERT (-> Encoder, in :mod:`.hf_encoders`).
+"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2 (-> GPT; Gemma 2
+and BLOOM in :mod:`.hf_gemma2` and :mod:`.hf_bloom`) and BERT, RoBERTa, DistilBERT
+(-> Encoder, in :mod:`.hf_encoders`).
 
 Plain data in, plain data out: each converter maps a transformers config dict
 to attnlab config values (a dict for ``GPTConfig``/``EncoderConfig``) and a
@@ -37,11 +38,15 @@ from .common import (
     check_layer_count,
     check_shapes,
 )
+from .hf_bloom import bloom_config, bloom_state
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
+from .hf_gemma2 import gemma2_config, gemma2_state
+from .hf_llama import llama_config, llama_state, mistral_config, qwen2_config
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
-           "gpt2_config", "gpt2_state", "llama_config", "llama_state", "bert_config",
-           "bert_state"]
+           "gpt2_config", "gpt2_state", "llama_config", "llama_state", "mistral_config",
+           "qwen2_config", "gemma2_config", "gemma2_state", "bloom_config", "bloom_state",
+           "bert_config", "bert_state"]
 
 
 # ------------------------------------------------------------------------- GPT-2
@@ -144,141 +149,6 @@ def gpt2_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return want
 
 
-# ------------------------------------------------------------------------- Llama
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
-        bad = "rope_parameters" if not isinstance(params, Mapping) else "rope_scaling"
-        raise ValueError(f"config {bad}={cfg[bad]!r} is not valid (expected an object)")
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default')")
-    return _positive({"rope_theta": params.get("rope_theta", cfg.get("rope_theta"))},
-                     "rope_theta", 10000.0)
-
-
-def llama_config(cfg: Mapping[str, Any]) -> Config:
-    """``GPTConfig`` values of a Llama config dict (also Mistral's and Qwen2's, whose
-    differences :func:`mistral_config` and :func:`qwen2_config` add)."""
-    _require(cfg, "hidden_act", ("silu",), "silu")
-    hidden, heads = _size(cfg, "hidden_size"), _size(cfg, "num_attention_heads")
-    # transformers reads head_dim 0 (or null) as hidden_size // num_attention_heads.
-    raw = cfg.get("head_dim")
-    head_dim = (hidden // heads if raw == 0 and not isinstance(raw, bool) else
-                _size(cfg, "head_dim", hidden // heads))
-    if head_dim * heads != hidden:
-        raise ValueError(f"config head_dim={head_dim} with {heads} heads does not make "
-                         f"hidden_size={hidden}; not supported")
-    kv_heads = _size(cfg, "num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise ValueError(f"config num_key_value_heads={kv_heads} is not valid with "
-                         f"num_attention_heads={heads} (expected a divisor of it)")
-    return dict(
-        vocab_size=_size(cfg, "vocab_size"),
-        context_length=_size(cfg, "max_position_embeddings"),
-        d_model=hidden, num_layers=_size(cfg, "num_hidden_layers"), num_heads=heads,
-        num_kv_heads=kv_heads, d_ff=_size(cfg, "intermediate_size"),
-        positions="rope", rope_base=_rope_theta(cfg), norm="rmsnorm",
-        norm_eps=_positive(cfg, "rms_norm_eps", 1e-6), mlp="swiglu",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", False)),
-        out_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-    )
-
-
-def llama_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The shape of each Llama (Mistral, Qwen2) tensor (names without ``model.``) that
-    ``cfg`` (the ``GPTConfig`` values of :func:`llama_config`) makes; biases where the
-    file has them (``llama_state`` takes those it finds)."""
-    d, ff = cfg["d_model"], cfg["d_ff"]
-    kv = cfg["num_kv_heads"] * (d // cfg["num_heads"])
-    want = {"embed_tokens.weight": (cfg["vocab_size"], d), "norm.weight": (d,)}
-    rows = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d),
-            "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, d),
-            "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
-    for i in range(cfg["num_layers"]):
-        for name, shape in rows.items():
-            want[f"layers.{i}.{name}.weight"] = shape
-            want[f"layers.{i}.{name}.bias"] = shape[:1]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            want[f"layers.{i}.{norm}.weight"] = (d,)
-    return want
-
-
-def llama_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
-    s = _strip(state, "model.")
-    check_layer_count(s, "layers.", cfg["num_layers"], "num_hidden_layers")
-    check_shapes(s, llama_shapes(cfg))
-    if not cfg["tie_embeddings"]:
-        check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], cfg["d_model"])})
-    out = {"tok_emb.weight": s["embed_tokens.weight"], "norm.weight": s["norm.weight"]}
-    if not cfg["tie_embeddings"]:
-        out["lm_head.weight"] = _Named(state)["lm_head.weight"]
-    names = {"self_attn.q_proj": "attn.W_query", "self_attn.k_proj": "attn.W_key",
-             "self_attn.v_proj": "attn.W_value", "self_attn.o_proj": "attn.out_proj",
-             "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.fc", "mlp.down_proj": "mlp.proj",
-             "input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
-    for i in range(cfg["num_layers"]):
-        for src, dst in names.items():
-            for kind in ("weight", "bias"):
-                key = f"layers.{i}.{src}.{kind}"
-                if key in s:
-                    out[f"blocks.{i}.{dst}.{kind}"] = s[key]
-    return _detached(out)
-
-
-# ------------------------------------------------------------------------- Mistral, Qwen2
-
-
-def mistral_config(cfg: Mapping[str, Any]) -> Config:
-    """Llama's layout with a sliding window on every layer: ``sliding_window`` W (None or
-    absent = full causal attention) becomes ``GPTConfig.window``; a query at position p
-    sees keys ``p - W < j <= p``, as transformers' sliding-window mask."""
-    out = llama_config(cfg)
-    out["window"] = _window(cfg, "sliding_window")
-    return out
-
-
-def qwen2_config(cfg: Mapping[str, Any]) -> Config:
-    """Llama's layout with biases on q/k/v (none on o_proj). Qwen2 may slide a window on
-    some layers (``use_sliding_window``, from layer ``max_window_layers`` on, or as
-    listed in ``layer_types``); attnlab's window is one for all layers, so a model
-    whose layers differ is refused naming the fields."""
-    out = llama_config(cfg)
-    out.update(qkv_bias=True, out_bias=False, mlp_bias=False)
-    n = out["num_layers"]
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    types = cfg.get("layer_types")
-    if types is None:
-        start = cfg.get("max_window_layers", n)
-        types = ["sliding_attention" if window is not None and i >= start else
-                 "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or not set(types) <= {
-            "sliding_attention", "full_attention"}:
-        raise ValueError(f"config layer_types={types!r} is not supported (expected one of "
-                         f"'full_attention'/'sliding_attention' per layer, {n} layers)")
-    if set(types) == {"sliding_attention", "full_attention"}:
-        raise ValueError(
-            f"config use_sliding_window=True with max_window_layers="
-            f"{cfg.get('max_window_layers')!r} (layer_types {types}) slides a window on some "
-            "layers only; not supported (attnlab's window is one for all layers)")
-    out["window"] = _window(cfg, "sliding_window") if types[0] == "sliding_attention" else None
-    return out
-
-
-def _window(cfg: Mapping[str, Any], key: str) -> int | None:
-    value = cfg.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
-        raise ValueError(f"config {key}={value!r} is not supported (expected a positive "
-                         "int or null)")
-    return value
-
-
 # ------------------------------------------------------------------------- entry points
 
 
@@ -337,7 +207,9 @@ def _parts(model: Any) -> tuple[Config, Tensors]:
 _GPT = {"gpt2": ("GPT-2", gpt2_config, lambda st, c, hf: gpt2_state(st, c, hf)),
         "llama": ("Llama", llama_config, lambda st, c, hf: llama_state(st, c)),
         "mistral": ("Mistral", mistral_config, lambda st, c, hf: llama_state(st, c)),
-        "qwen2": ("Qwen2", qwen2_config, lambda st, c, hf: llama_state(st, c))}
+        "qwen2": ("Qwen2", qwen2_config, lambda st, c, hf: llama_state(st, c)),
+        "gemma2": ("Gemma 2", gemma2_config, lambda st, c, hf: gemma2_state(st, c)),
+        "bloom": ("BLOOM", bloom_config, lambda st, c, hf: bloom_state(st, c))}
 GPT_LAYOUTS = {kind: name for kind, (name, _, _) in _GPT.items()}
 
 
@@ -352,8 +224,8 @@ def _unsupported(kind: Any, cls: str) -> ValueError:
 def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     """GPTConfig values and the attnlab state dict of a transformers causal LM of one of
     the :data:`GPT_LAYOUTS` (``GPT2LMHeadModel``, ``LlamaForCausalLM`` and its relatives
-    SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), live or as a folder
-    written by ``save_pretrained``.
+    SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma2ForCausalLM``,
+    ``BloomForCausalLM``), live or as a folder written by ``save_pretrained``.
 
     Nothing is copied: the tensors are the source's own (a folder's memory-mapped) or
     views of them where the layouts differ (GPT-2's transposed projections, its q/k/v

@@ -30,7 +30,7 @@ from .. import _decode, _native
 from ..cache import KVCache
 from ..functional import may_decode
 from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, norm_kind
+from ..modules.layers import GATED_MLP_KINDS, MLP, norm_kind
 
 _LIBRARY = ("attnlab.", "torch.nn.")
 
@@ -134,11 +134,14 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
     or piece the kernel does not know (a subclass, a ``forward`` of its own), a hook or
     ``qkv_hook`` that must see it run, a chosen backend, dropout in training (each
     module's own flag: ``attn.train()`` alone turns on attention dropout), a product
-    whose weights no longer lie packed (``modules.fused``: the modules pack them again)."""
+    whose weights no longer lie packed (``modules.fused``: the modules pack them again).
+    What the kernel does not implement (a norm or MLP kind it does not know) it refuses
+    when the layer is added to a run (``_decode.Run.add``)."""
     if type(block) is not kind or "forward" in block.__dict__:
         return None
     mods = block._modules
     attn, mlp, norm1, norm2 = (mods.get(n) for n in ("attn", "mlp", "norm1", "norm2"))
+    post_attn, post_mlp = mods.get("post_attn_norm"), mods.get("post_mlp_norm")
     if (type(attn) is not MultiHeadAttention or type(mlp) is not MLP
             or attn.qkv_hook is not None
             or not may_decode(attn.backend, dropout_p=attn.dropout if attn.training else 0.0)
@@ -146,12 +149,15 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
             or (attn.training and attn.resid_dropout)):
         return None
     norm = norm_kind(norm1)
-    if (norm is None or type(norm2) is not type(norm1) or norm1.eps != norm2.eps
-            or len(norm1.normalized_shape) != 1):
+    norms = [n for n in (norm1, norm2, post_attn, post_mlp) if n is not None]
+    if (norm is None or (post_attn is None) != (post_mlp is None)
+            or any(type(n) is not type(norm1) or n.eps != norm1.eps
+                   or len(n.normalized_shape) != 1 for n in norms)):
         return None
     groups = [[attn._modules.get(n) for n in ("W_query", "W_key", "W_value")],
               [attn._modules.get("out_proj")],
-              [mlp._modules.get(n) for n in (("gate", "fc") if mlp.kind == "swiglu" else ("fc",))],
+              [mlp._modules.get(n) for n in (("gate", "fc") if mlp.kind in GATED_MLP_KINDS
+                                             else ("fc",))],
               [mlp._modules.get("proj")]]
     products = []
     for group in groups:
@@ -162,10 +168,11 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
         if not fused.is_packed(group):
             return None
         products.append(fused.block(group))
-    for m in (block, attn, mlp, norm1, norm2):
+    for m in (block, attn, mlp, *norms):
         if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return None
     n1, n2 = norm1._parameters, norm2._parameters
+    p1, p2 = ({} if n is None else n._parameters for n in (post_attn, post_mlp))
     (qkv_w, qkv_b), (out_w, out_b), (up_w, up_b), (down_w, down_b) = products
     return _decode.DecoderLayer(
         norm=norm, eps=torch.finfo(torch.float32).eps if norm1.eps is None else norm1.eps,
@@ -174,4 +181,6 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
         qkv_weight=qkv_w, qkv_bias=qkv_b, out_weight=out_w, out_bias=out_b,
         mlp=mlp.kind, up_weight=up_w, up_bias=up_b, down_weight=down_w, down_bias=down_b,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        window=attn.window, rotary=attn.rotary)
+        window=attn.window, rotary=attn.rotary, **attn.score_options(),
+        post_attn_norm_weight=p1.get("weight"), post_attn_norm_bias=p1.get("bias"),
+        post_mlp_norm_weight=p2.get("weight"), post_mlp_norm_bias=p2.get("bias"))

@@ -1,144 +1,79 @@
-"""GPT: a decoder-only transformer wide enough to host GPT-2 and Llama layouts.
+"""GPT: a decoder-only transformer wide enough to host GPT-2, Llama, Gemma 2 and BLOOM
+layouts.
 
-Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))``; learned or rotary
-positions; LayerNorm or RMSNorm; GELU or SwiGLU MLP; MHA, GQA or MQA; tied or
-untied output layer. Every attention goes through ``MultiHeadAttention`` and so
-through ``attnlab.attention``.
+Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))`` (Gemma 2 also norms each
+branch's output); learned, rotary or ALiBi positions; LayerNorm, RMSNorm or Gemma's
+RMSNorm; GELU, SwiGLU or GeGLU MLP; MHA, GQA or MQA; softcapped scores and logits, sink
+logits, a sliding window on chosen layers; tied or untied output layer. Every attention
+goes through ``MultiHeadAttention`` and so through ``attnlab.attention``.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import (
-    boolean,
-    finite_float,
-    fits_in_memory,
-    non_negative_int,
-    one_of,
-    optional_positive_int,
-    positive_int,
-    probability,
-)
-from ..config import Config
+from ..checks import non_negative_int
 from ..distributed import ContextParallel
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, MLP_KINDS, NORM_KINDS, dropout, embedding, make_norm
+from ..modules.layers import MLP, dropout, embedding, make_norm
 from . import decoding
 from .generation import GenerationMixin
-from .ids import check_ids
+from .gpt_config import GPTConfig
+from .ids import check_ids, packed_positions
 from .loading import build_loaded
 from .outputs import with_extras
 
-_CHOICES = {
-    "positions": ("learned", "rope"),
-    "norm": NORM_KINDS,
-    "mlp": tuple(kind for kind in MLP_KINDS if kind != "relu"),  # relu: encoders only
-}
-
-
-@dataclass
-class GPTConfig(Config):
-    """Shape and flavour of a :class:`GPT`.
-
-    ``d_ff`` defaults to ``4 * d_model`` (GELU) or ``8/3 * d_model`` rounded up to a
-    multiple of 64 (SwiGLU). ``num_kv_heads`` < ``num_heads`` gives GQA (1 = MQA).
-    """
-
-    vocab_size: int = 256
-    context_length: int = 256
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    d_ff: int | None = None
-    positions: str = "learned"
-    rope_base: float = 10000.0
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    mlp: str = "gelu"
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    out_bias: bool = True
-    mlp_bias: bool = True
-    dropout: float = 0.0
-    window: int | None = None
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
-            positive_int(f"GPTConfig.{name}", getattr(self, name))
-        for name, options in _CHOICES.items():
-            one_of(f"GPTConfig.{name}", getattr(self, name), options)
-        if self.d_ff is None:
-            self.d_ff = (4 * self.d_model if self.mlp != "swiglu"
-                         else -(-(8 * self.d_model // 3) // 64) * 64)
-        positive_int("GPTConfig.d_ff", self.d_ff)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by "
-                             f"num_heads={self.num_heads}")
-        kv = optional_positive_int("GPTConfig.num_kv_heads", self.num_kv_heads)
-        if kv is not None and self.num_heads % kv:
-            raise ValueError(f"GPTConfig.num_kv_heads={kv} must divide num_heads="
-                             f"{self.num_heads}")
-        optional_positive_int("GPTConfig.window", self.window)
-        for name in ("tie_embeddings", "qkv_bias", "out_bias", "mlp_bias"):
-            boolean(f"GPTConfig.{name}", getattr(self, name))  # "no" is not False
-        probability("GPTConfig.dropout", self.dropout)
-        finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
-        finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
-        count = self.num_parameters()
-        fits_in_memory(f"a GPT of {count:,} parameters", 4 * count)
-
-    def num_parameters(self) -> int:
-        """Parameters a GPT of this config holds (computed, nothing allocated)."""
-        d, head_dim = self.d_model, self.d_model // self.num_heads
-        kv_dim = (self.num_kv_heads or self.num_heads) * head_dim
-        attn = d * (d + 2 * kv_dim) + d * d + (3 * d if self.qkv_bias else 0) + d
-        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff + self.d_ff + d
-        per_layer = attn + mlp + 4 * d
-        emb = self.vocab_size * d + (self.context_length * d if self.positions == "learned"
-                                     else 0)
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        return emb + self.num_layers * per_layer + 2 * d + head
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+__all__ = ["GPT", "GPTConfig", "Block"]
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, context_parallel: ContextParallel | None = None) -> None:
+    """Layer ``layer`` of a GPT: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; with
+    ``post_norms`` each branch is normed again before it is added
+    (``post_attn_norm``, ``post_mlp_norm``)."""
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0,
+                 context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = MultiHeadAttention(
             cfg.d_model, cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
             resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-            rope=cfg.positions == "rope", rope_base=cfg.rope_base, window=cfg.window,
-            backend=cfg.backend, context_parallel=context_parallel,
+            rope=cfg.positions == "rope", rope_base=cfg.rope_base,
+            window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
+            scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
+            sinks=cfg.sinks, context_parallel=context_parallel,
         )
+        self.post_attn_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+                               if cfg.post_norms else None)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.mlp, bias=cfg.mlp_bias)
+        self.post_mlp_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+                              if cfg.post_norms else None)
         self.dropout = cfg.dropout
 
-    def forward(self, x, mask, cache, positions, output_attentions):
+    def forward(self, x, mask, cache, positions, output_attentions, document_ids=None):
         a = self.attn(self.norm1(x), mask=mask, cache=cache, positions=positions,
-                      return_weights=output_attentions)
+                      return_weights=output_attentions, document_ids=document_ids)
         weights = None
         if output_attentions:
             a, weights = a
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
         x = x + a
-        return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training), weights
+        m = self.mlp(self.norm2(x))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + dropout(m, self.dropout, self.training), weights
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -163,8 +98,10 @@ class GPT(GenerationMixin, nn.Module):
         self.tok_emb = embedding(config.vocab_size, config.d_model)
         self.pos_emb = (embedding(config.context_length, config.d_model)
                         if config.positions == "learned" else None)
-        self.blocks = nn.ModuleList(Block(config, context_parallel)
-                                    for _ in range(config.num_layers))
+        self.embed_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
+                           if config.embed_norm else None)
+        self.blocks = nn.ModuleList(Block(config, i, context_parallel)
+                                    for i in range(config.num_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -214,6 +151,7 @@ class GPT(GenerationMixin, nn.Module):
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
         decoder: decoding.Decoder | None = None,
+        document_ids: torch.Tensor | None = None,
     ):
         """Logits for every position (or the last ``logits_to_keep``).
 
@@ -224,7 +162,10 @@ class GPT(GenerationMixin, nn.Module):
             caches: per-layer KV caches from :meth:`new_cache`; the new keys/values
                 are appended and attention covers everything cached.
             positions: ``(batch, seq)`` or ``(seq,)`` position of each token (default:
-                ``past + arange(seq)``); left-padded batches pass their own.
+                ``past + arange(seq)``, or each token's place in its document with
+                ``document_ids``); left-padded batches pass their own. ALiBi models
+                (``positions="alibi"``) take distances from the order of the tokens and
+                use no positions.
             output_attentions: also return one ``(batch, heads, seq, past + seq)``
                 weight tensor per layer.
             output_hidden_states: also return what flows between layers, as
@@ -238,6 +179,11 @@ class GPT(GenerationMixin, nn.Module):
             decoder: a :meth:`decoder` made for the tokens of one generation, which keeps
                 the plan of the fused decoding step from token to token; None (the
                 default) makes it anew for this call.
+            document_ids: ``(batch, seq)`` integer ids, non-decreasing along each row, for
+                rows that pack several documents: no token attends to another document's,
+                and each document's positions start at 0 (unless ``positions`` says
+                otherwise), so every document gets the logits it would alone. Without
+                caches.
 
         Returns:
             logits ``(batch, seq, vocab)`` (``seq`` = ``logits_to_keep`` when given);
@@ -249,6 +195,11 @@ class GPT(GenerationMixin, nn.Module):
         batch, seq = ids.shape
         past = caches[0].seq_len if caches else 0
         split = self._context_parallel
+        if split is not None and document_ids is not None:
+            raise ValueError("document_ids is not supported with context_parallel (a shard "
+                             "cannot number its documents' positions alone); pass "
+                             "positions and call ring_attention with document_ids")
+        positions = packed_positions(document_ids, ids.shape, caches, positions)
         if split is not None:  # ids: this rank's shard of the sequence
             if caches is not None or output_attentions or logits_to_keep:
                 raise ValueError("caches, output_attentions and logits_to_keep are not "
@@ -266,8 +217,11 @@ class GPT(GenerationMixin, nn.Module):
                              f"got {len(caches)}")
         x = dropout(self.embed(ids, positions=positions, past=past), self.config.dropout,
                     self.training)  # (B, T, d_model)
-        if self.pos_emb is not None:
-            positions = None  # learned positions were added by embed, not rotated
+        if self.config.positions != "rope":
+            # Learned positions were added by embed, not rotated; ALiBi reads distances
+            # from the order of the keys (the same as the positions' for the real tokens
+            # of a padded row, and per document with document_ids).
+            positions = None
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
         attentions, hidden = [], ([x] if output_hidden_states else None)
@@ -281,7 +235,7 @@ class GPT(GenerationMixin, nn.Module):
             x = (decoder or decoding.Decoder(self.blocks, Block))(x, caches)
         for i, block in enumerate(() if fused_rows else self.blocks):
             x, w = block(x, mask, None if caches is None else caches[i], positions,
-                         output_attentions)
+                         output_attentions, document_ids)
             if output_attentions:
                 attentions.append(w)
             if hidden is not None:
@@ -296,6 +250,9 @@ class GPT(GenerationMixin, nn.Module):
         logits = fused.joint(x, (self.lm_head,))
         if logits is None:
             logits = self.lm_head(x)
+        cap = self.config.logit_softcap
+        if cap is not None:  # Gemma 2's final logit softcapping, in its order of operations
+            logits = torch.tanh(logits / cap) * cap
         return with_extras(logits, attentions if output_attentions else None, hidden)
 
     def decoder(self, ids=None) -> decoding.Decoder | None:
@@ -316,23 +273,31 @@ class GPT(GenerationMixin, nn.Module):
             past: tokens already cached before ``ids``.
 
         Returns:
-            ``(batch, seq, d_model)``: the token embedding, plus the position embedding
-            when ``positions="learned"`` (rotary models add none here: their attention
-            rotates queries and keys). Dropout is applied by :meth:`forward`.
+            ``(batch, seq, d_model)``: the token embedding (times ``sqrt(d_model)`` with
+            ``scale_embeddings``), plus the position embedding when
+            ``positions="learned"`` (rotary and ALiBi models add none here: their attention
+            rotates queries and keys, or biases the scores), normed with ``embed_norm``.
+            Dropout is applied by :meth:`forward`.
         """
         x = self.tok_emb(ids)
+        if self.config.scale_embeddings:
+            # sqrt(d_model) rounded to float32 first, then to x's dtype, as Gemma does.
+            x = x * torch.tensor(math.sqrt(self.config.d_model)).to(x.dtype)
         if self.pos_emb is not None:
             if positions is None:
                 positions = torch.arange(past, past + ids.shape[1], device=ids.device)
             x = x + self.pos_emb(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         return x
 
     @classmethod
     def from_hf(cls, model) -> GPT:
         """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
-        ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM`` or
-        ``Qwen2ForCausalLM``, or of a local folder written by their ``save_pretrained``
-        (safetensors only; nothing is downloaded).
+        ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM``,
+        ``Qwen2ForCausalLM``, ``Gemma2ForCausalLM`` or ``BloomForCausalLM``, or of a local
+        folder written by their ``save_pretrained`` (safetensors only; nothing is
+        downloaded).
 
         The model owns its weights: a folder's are read once from the file into this
         model's parameters (nothing of the file stays mapped, so replacing or truncating

@@ -20,7 +20,7 @@ from ..config import Config
 from ..modules import MultiHeadAttention
 from ..modules.layers import embedding
 from .generation import GenerationMixin
-from .ids import check_ids
+from .ids import check_ids, packed_positions
 from .outputs import with_extras
 
 
@@ -83,6 +83,7 @@ class ToyAttnLM(GenerationMixin, nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
+        document_ids: torch.Tensor | None = None,
     ):
         """Logits ``(batch, seq, vocab)``; with ``output_attentions`` also a list
         with the head's weights ``(batch, 1, seq, past + seq)``; with
@@ -98,10 +99,11 @@ class ToyAttnLM(GenerationMixin, nn.Module):
                 f"sequence of {past + seq} tokens is longer than context_length="
                 f"{self.context_length}"
             )
+        positions = packed_positions(document_ids, ids.shape, caches, positions)
         x = self.embed(ids, positions=positions, past=past)  # (B, T, d_model)
         mask = _masks.as_attention_mask(attention_mask, ids.shape[0], past + seq)
         a = self.attn(x, mask=mask, cache=caches[0] if caches else None,
-                      return_weights=output_attentions)
+                      return_weights=output_attentions, document_ids=document_ids)
         w = None
         if output_attentions:
             a, w = a

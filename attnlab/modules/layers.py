@@ -14,13 +14,19 @@ from torch import nn
 from .. import _native
 from . import fused
 
-__all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "RMSNorm", "make_norm", "norm_kind", "dropout",
-           "embedding"]
+__all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "GATED_MLP_KINDS", "RMSNorm", "RMSNormPlusOne",
+           "make_norm", "norm_kind", "dropout", "embedding"]
 
 # The names of the kinds, used by the configs, the modules and the fused decoding step
 # (csrc/decode_layers.cpp implements each under the same name).
-MLP_KINDS = ("gelu", "gelu_tanh", "relu", "swiglu")
-NORM_KINDS = ("layernorm", "rmsnorm")
+# MLPs: gelu, gelu_tanh (GPT-2's tanh approximation), relu: ``proj(act(fc(x)))``;
+# swiglu (Llama): ``proj(silu(gate(x)) * fc(x))``; geglu (Gemma): ``proj(gelu_tanh(gate(x))
+# * fc(x))``.
+MLP_KINDS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
+GATED_MLP_KINDS = ("swiglu", "geglu")
+# Norms: layernorm; rmsnorm (``x / rms(x) * weight``, Llama); rmsnorm_plus_one (``x / rms(x)
+# * (1 + weight)`` computed in float32, weight initialised to zeros: Gemma's convention).
+NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -55,17 +61,41 @@ class RMSNorm(nn.RMSNorm):
         return super().forward(x)
 
 
+class RMSNormPlusOne(nn.Module):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x**2) + eps) * (1 + weight)`` over the last
+    dimension, computed in float32 and cast back to ``x``'s dtype (Gemma multiplies before
+    the cast, Llama after). ``weight`` ``(dim,)`` starts at zeros: the identity scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+_NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_plus_one": RMSNormPlusOne}
+
+
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """``"layernorm"`` or ``"rmsnorm"`` (:data:`NORM_KINDS`) over the last ``dim`` features."""
+    """A norm of :data:`NORM_KINDS` (``"layernorm"``, ``"rmsnorm"``,
+    ``"rmsnorm_plus_one"``) over the last ``dim`` features."""
     if kind not in NORM_KINDS:
         raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
-    return RMSNorm(dim, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
+    return _NORMS[kind](dim, eps=eps)
 
 
 def norm_kind(module: nn.Module) -> str | None:
     """The :data:`NORM_KINDS` name of a norm :func:`make_norm` builds (exactly its class),
     or None for any other module."""
-    return {RMSNorm: "rmsnorm", nn.LayerNorm: "layernorm"}.get(type(module))
+    return next((name for name, cls in _NORMS.items() if type(module) is cls), None)
 
 
 class MLP(nn.Module):
@@ -73,7 +103,8 @@ class MLP(nn.Module):
 
     ``fc -> activation -> proj`` for ``kind`` gelu, gelu_tanh (GPT-2's tanh
     approximation) or relu; SwiGLU (``proj(silu(gate(x)) * fc(x))``, Llama's
-    gate/up/down) for ``"swiglu"``.
+    gate/up/down) for ``"swiglu"``; GeGLU (``proj(gelu_tanh(gate(x)) * fc(x))``, Gemma's)
+    for ``"geglu"``.
     """
 
     def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True) -> None:
@@ -81,11 +112,12 @@ class MLP(nn.Module):
         if kind not in MLP_KINDS:
             raise ValueError(f"kind must be one of {MLP_KINDS}, got {kind!r}")
         self.kind = kind
-        if kind == "swiglu":
+        gated = kind in GATED_MLP_KINDS
+        if gated:
             self.gate = nn.Linear(d_model, d_ff, bias=bias)
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
-        if kind == "swiglu":  # one (d_model, 2 * d_ff) tensor: gate and up in one product
+        if gated:  # one (d_model, 2 * d_ff) tensor: gate and up in one product
             fused.pack((self.gate, self.fc))
         else:
             fused.pack((self.fc,))
@@ -93,14 +125,16 @@ class MLP(nn.Module):
         fused.pack((self.proj,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "swiglu":
+        if self.kind in GATED_MLP_KINDS:
             gate_up = fused.joint(x, (self.gate, self.fc))  # one product in inference
-            ops = None if gate_up is None else _native.for_inference(gate_up)
+            ops = (None if gate_up is None or self.kind != "swiglu"
+                   else _native.for_inference(gate_up))
             if ops is not None:  # inference: silu(gate) * up in one pass
                 return fused.apply(ops.silu_mul(gate_up), self.proj)
             gate, up = (gate_up.chunk(2, dim=-1) if gate_up is not None
                         else (self.gate(x), self.fc(x)))
-            return fused.apply(F.silu(gate) * up, self.proj)
+            act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
+            return fused.apply(act * up, self.proj)
         h = fused.apply(x, self.fc)
         if self.kind == "relu":
             h = F.relu(h)

@@ -15,14 +15,18 @@ from ..checks import boolean, one_of, optional_positive_int, positive_int, proba
 from ..distributed import ContextParallel
 from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
-from . import fused, rows, split
-from .book import book_call, shape_of
+from . import fused, rows, scores, split
+from .construction import book_call, from_torch
 from .layers import dropout
 
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
+def _shape(t: object) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSequence, nn.Module):
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:
@@ -45,6 +49,18 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
             ``p - W < j`` (and ``j <= p`` when causal, ``j < p + W`` otherwise).
         backend (str): backend of :func:`attnlab.attention`, one of ``attnlab.BACKENDS``.
         rope_base (float): RoPE frequency base.
+        head_dim (int | None): width of each head; None = ``d_out // num_heads``. Given,
+            the queries are ``num_heads * head_dim`` wide and ``out_proj`` maps that width
+            back to ``d_out`` (Gemma 2's heads are wider than ``d_model / num_heads``).
+        scale (float | None): multiplier of ``q . k``; None = ``1/sqrt(head_dim)`` (Gemma 2:
+            ``query_pre_attn_scalar ** -0.5``).
+        softcap (float | None): cap the scaled scores as ``softcap * tanh(s / softcap)``
+            (Gemma 2's attention logit softcapping), None for none.
+        alibi (bool): ALiBi: each head adds ``-slope * |p - j|`` to the score of key ``j``
+            from a query at position ``p``, with the slopes of
+            :func:`~attnlab.modules.scores.alibi_slopes` (BLOOM's).
+        sinks (bool): a learned logit per head (``sinks``, ``(num_heads,)``, zeros at
+            first) that joins each softmax's denominator and weighs no value (gpt-oss).
         context_parallel (ContextParallel | None): the sequence split across processes
             (:mod:`.split`): ``forward`` takes and returns this rank's shard.
 
@@ -81,6 +97,11 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         window: int | None = None,
         backend: str = "auto",
         rope_base: float = 10000.0,
+        head_dim: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
         context_parallel: ContextParallel | None = None,
     ) -> None:
         super().__init__()
@@ -93,7 +114,7 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         positive_int("num_kv_heads", num_kv_heads)
-        if d_out % num_heads:
+        if head_dim is None and d_out % num_heads:
             raise ValueError(
                 f"d_out={d_out} must be divisible by num_heads={num_heads} "
                 f"(head_dim = d_out // num_heads)"
@@ -108,7 +129,9 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         one_of("backend", backend, BACKENDS)
         self.d_in, self.d_out = d_in, d_out
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = d_out // num_heads
+        self.head_dim = d_out // num_heads if head_dim is None else positive_int(
+            "head_dim", head_dim)
+        inner = num_heads * self.head_dim  # the heads side by side
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got d_out/num_heads={self.head_dim}")
         self.context_length = context_length
@@ -120,15 +143,16 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         self._split_context(context_parallel)
 
         kv_out = self.head_dim * num_kv_heads
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, inner, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.out_proj = nn.Linear(inner, d_out, bias=out_bias)
+        self._init_scores(num_heads, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
         # One (d_in, q + k + v) tensor holds the three weights; W_query/W_key/W_value
         # keep their names and shapes as views of it (see modules.fused).
         fused.pack((self.W_query, self.W_key, self.W_value))
-        fused.pack((self.out_proj,))  # (d_out, d_out) stored (in, out) too: streams faster
+        fused.pack((self.out_proj,))  # stored (in, out) too: streams faster
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
         # them (after RoPE, before the cache), so ablations see the real scores.
@@ -139,6 +163,7 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
                  f"head_dim={self.head_dim}", f"causal={self.causal}"]
         if self.window is not None:
             parts.append(f"window={self.window}")
+        parts += self._scores_repr()
         if self.context_length is not None:
             parts.append(f"context_length={self.context_length}")
         if self.dropout or self.resid_dropout:
@@ -163,6 +188,7 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         return_weights: bool = False,
+        document_ids: torch.Tensor | None = None,
     ):
         """Attend from ``x`` to itself (or to ``kv``) and project.
 
@@ -191,6 +217,10 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
                 With ``kv``, the keys are rotated at their own positions ``0..k_len-1``.
             return_weights: True to also return the weights
                 ``(batch, heads, q_len, k_len)``.
+            document_ids: ``(batch, q_len)`` integer ids, non-decreasing along each row:
+                packed sequences, where no token attends to a token of another document
+                (:func:`attnlab.attention`'s ``document_ids``). Self-attention without a
+                cache only.
 
         Returns:
             ``(batch, q_len, d_out)``, or ``(out, weights)`` with ``return_weights``.
@@ -202,8 +232,11 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         """
         if isinstance(x, torch.Tensor) and x.ndim == 2:
             return self._unbatched(x, kv=kv, mask=mask, cache=cache, positions=positions,
-                                   return_weights=return_weights)
+                                   return_weights=return_weights, document_ids=document_ids)
         b, t = self._check_x(x)
+        if document_ids is not None and (kv is not None or cache is not None):
+            raise ValueError("document_ids is for packed self-attention without a cache; got "
+                             f"{'kv (cross-attention)' if kv is not None else 'a cache'} too")
         past = 0
         if cache is not None:
             if kv is not None:
@@ -239,13 +272,14 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
+        options = self.score_options(x.device)
         if (qkv is not None and t == 1 and cache is not None and positions is None
                 and self.qkv_hook is None
                 and may_decode(self.backend, mask=mask, weights=return_weights,
                                dropout_p=self.dropout if self.training else 0.0)):
             # Decoding one token: RoPE, cache append and attention in one backend call.
             out = decode_step(qkv, cache, rot, self.window, heads, kv_heads,
-                              backend=self.backend)
+                              backend=self.backend, **options)
             if out is not None:
                 return self._project(out)
         if rot is not None:
@@ -275,15 +309,17 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
             q, k, v = self.qkv_hook(q, k, v)
         mask = _masks.as_attention_mask(mask, b, past + s)
         if self.context_parallel is not None:
-            out = self._split_attention(q, k, v, mask)
-            return self._project(out.transpose(1, 2).reshape(b, t, self.d_out))
+            out = self._split_attention(q, k, v, mask, **options, **(
+                {} if document_ids is None else {"document_ids": document_ids}))
+            return self._project(out.transpose(1, 2).reshape(b, t, heads * head_dim))
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, past + T, D) views
         try:
             out = attention(
                 q, k, v, mask=mask, causal=self.causal and kv is None, window=self.window,
                 dropout_p=self.dropout if self.training else 0.0,
-                return_weights=return_weights, backend=self.backend,
+                return_weights=return_weights, backend=self.backend, **options,
+                **({} if document_ids is None else {"document_ids": document_ids}),
             )
         except (ValueError, TypeError):
             if cache is not None:
@@ -292,29 +328,33 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         weights = None
         if return_weights is not False and return_weights is not None:
             out, weights = out
-        out = self._project(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, T, d_out)
+        out = self._project(out.transpose(1, 2).reshape(b, t, heads * head_dim))  # (B, T, d_out)
         return out if weights is None else (out, weights)
 
     def _unbatched(self, x: torch.Tensor, *, kv, return_weights, **kw):
         if kv is not None:
             if not isinstance(kv, torch.Tensor) or kv.ndim != 2:
                 raise ValueError(f"kv must be (k_seq, features={self.d_in}) with an unbatched "
-                                 f"(seq, features) x, got {shape_of(kv)}")
+                                 f"(seq, features) x, got {_shape(kv)}")
             kv = kv.unsqueeze(0)
+        ids = kw.get("document_ids")
+        if isinstance(ids, torch.Tensor) and ids.ndim == 1:
+            kw["document_ids"] = ids.unsqueeze(0)  # (seq,): the ids of the one sequence
         out = self(x.unsqueeze(0), kv=kv, return_weights=return_weights, **kw)
         if isinstance(out, tuple):
             return out[0][0], out[1][0]
         return out[0]
 
     def _project(self, merged: torch.Tensor) -> torch.Tensor:
-        """The heads side by side ``(B, T, d_out)`` -> output projection, dropout."""
+        """The heads side by side ``(B, T, num_heads * head_dim)`` -> output projection
+        ``(B, T, d_out)``, dropout."""
         return dropout(fused.apply(merged, self.out_proj), self.resid_dropout, self.training)
 
     def _check_x(self, x) -> tuple[int, int]:
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
             raise ValueError(
                 f"x must be (batch, seq, features={self.d_in}) (batch first) or one "
-                f"(seq, features={self.d_in}) sequence, got {shape_of(x)}"
+                f"(seq, features={self.d_in}) sequence, got {_shape(x)}"
             )
         if x.shape[-1] != self.d_in:
             raise ValueError(
@@ -330,7 +370,7 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
     def _check_kv(self, kv, b: int) -> None:
         if not isinstance(kv, torch.Tensor) or kv.ndim != 3:
             raise ValueError(
-                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {shape_of(kv)}"
+                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {_shape(kv)}"
             )
         if kv.shape[0] != b or kv.shape[-1] != self.d_in:
             raise ValueError(
@@ -354,30 +394,4 @@ class MultiHeadAttention(rows.AttentionRows, split.SplitSequence, nn.Module):
         and ``key_padding_mask`` as ``~key_padding_mask`` (or float masks unchanged).
         The result is not causal; pass a mask or set ``causal`` yourself.
         """
-        if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(f"m must be a torch.nn.MultiheadAttention, got {type(m).__name__}")
-        e = m.embed_dim
-        if not m._qkv_same_embed_dim or m.kdim != e or m.vdim != e:
-            raise ValueError(
-                f"kdim={m.kdim}/vdim={m.vdim} different from embed_dim={e} is not supported"
-            )
-        if m.bias_k is not None or m.bias_v is not None:
-            raise ValueError("add_bias_kv=True is not supported")
-        if m.add_zero_attn:
-            raise ValueError("add_zero_attn=True is not supported")
-        w = m.in_proj_weight
-        out = cls(e, e, m.num_heads, qkv_bias=m.in_proj_bias is not None,
-                  out_bias=m.out_proj.bias is not None, dropout=m.dropout)
-        out = out.to(device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            for i, lin in enumerate((out.W_query, out.W_key, out.W_value)):
-                lin.weight.copy_(w[i * e:(i + 1) * e])
-                if m.in_proj_bias is not None:
-                    lin.bias.copy_(m.in_proj_bias[i * e:(i + 1) * e])
-            out.out_proj.weight.copy_(m.out_proj.weight)
-            if m.out_proj.bias is not None:
-                out.out_proj.bias.copy_(m.out_proj.bias)
-        fused.pack((out.W_query, out.W_key, out.W_value))  # .to() may have unpacked them
-        fused.pack((out.out_proj,))
-        out.train(m.training)
-        return out
+        return from_torch(cls, m)

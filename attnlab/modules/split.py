@@ -41,7 +41,9 @@ class SplitSequence:
             positions = self.context_parallel.positions(x.shape[1], device=x.device)
         return positions
 
-    def _split_attention(self, q, k, v, mask) -> torch.Tensor:
-        """``(B, H, L_rank, D)`` shards -> this rank's output shard ``(B, H, L_rank, Dv)``."""
+    def _split_attention(self, q, k, v, mask, **options) -> torch.Tensor:
+        """``(B, H, L_rank, D)`` shards -> this rank's output shard ``(B, H, L_rank, Dv)``;
+        ``options``: the scores' options (scale, softcap, ALiBi, sinks) and this rank's
+        shard of ``document_ids``."""
         return self.context_parallel.attention(q, k, v, causal=self.causal, window=self.window,
-                                               mask=mask, backend=self.backend)
+                                               mask=mask, backend=self.backend, **options)

@@ -1,13 +1,16 @@
 """A run's data: the train/held-out split, batches drawn from a generator, the loss and
-the held-out evaluation."""
+the held-out evaluation; one token stream, or documents packed into rows (``.packing``)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .distributed import _mean_across
+from .packing import Packed, pack, packed_loss
 from .settings import TrainConfig
 
 
@@ -60,18 +63,85 @@ def lm_loss(model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
     return total * split.world_size / rows[:, 1:].numel()
 
 
+class Stream:
+    """Training data as one token stream: each row a random window of ``context + 1``."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+        return sample(self.tokens, batch, context, gen)
+
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+        return lm_loss(model, rows, split)
+
+
+class PackedRows:
+    """Training data as documents packed into rows (:func:`.packing.pack`): a batch is
+    ``batch`` rows drawn at random (their indices, which slice across processes as a
+    stream's rows do)."""
+
+    def __init__(self, packed: Packed) -> None:
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return self.packed.tokens
+
+    def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, len(self.packed), (batch,), generator=gen)
+
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+        if split is not None:  # train() refuses pack with context_parallel first
+            raise ValueError("packed rows are not supported with context_parallel")
+        return packed_loss(model, self.packed, rows)
+
+
+def split_documents_held_out(documents: Sequence[Sequence[int]], context: int,
+                             eval_fraction: float = 0.1):
+    """Train on the first documents, evaluate on the last ones: as many as make 10% of the
+    tokens (at least ``context + 2``, so a held-out row is a full one where it can be).
+    Returns the two lists of documents."""
+    sizes = [len(d) for d in documents]
+    total = sum(sizes)
+    want = max(context + 2, int(total * eval_fraction))
+    held, n = 0, len(documents)
+    while n > 1 and held < want:
+        n -= 1
+        held += sizes[n]
+    if n < 1 or len(documents) < 2 or total - held < 2:
+        raise ValueError(
+            f"--pack needs at least two documents (a train and a held-out part; documents "
+            f"are separated by blank lines), got {len(documents)} of {total} tokens")
+    return list(documents[:n]), list(documents[n:])
+
+
+def packed_split(documents: Sequence[Sequence[int]], context: int):
+    """(train, held-out) :class:`PackedRows` of ``documents`` and the held-out tokens as
+    one stream (what a checkpoint records of them)."""
+    train_docs, eval_docs = split_documents_held_out(documents, context)
+    held_out = torch.tensor([t for d in eval_docs for t in d], dtype=torch.long)
+    return (PackedRows(pack(train_docs, context + 1)), PackedRows(pack(eval_docs, context + 1)),
+            held_out)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, stream: torch.Tensor, cfg: TrainConfig, split=None) -> float:
-    """Mean loss on fixed held-out windows (their own generator: training RNG untouched);
-    with ``split``, every rank of it gets the whole sequences' mean."""
+def evaluate(model: nn.Module, stream: torch.Tensor | Stream | PackedRows,
+             cfg: TrainConfig, split=None) -> float:
+    """Mean loss on fixed held-out batches (their own generator: training RNG untouched)
+    of a token stream (windows) or of packed rows; with ``split``, every rank of it gets
+    the whole sequences' mean."""
+    data = Stream(stream) if isinstance(stream, torch.Tensor) else stream
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     was_training = model.training
     model.eval()
     ranks = 1 if split is None else split.world_size
     group = None if split is None else split.group
     try:
-        losses = [_mean_across(lm_loss(model, sample(stream, cfg.batch_size, cfg.context, gen),
-                                       split), ranks, group)
+        losses = [_mean_across(data.loss(model, data.sample(cfg.batch_size, cfg.context, gen),
+                                         split), ranks, group)
                   for _ in range(cfg.eval_batches)]
     finally:
         model.train(was_training)

@@ -36,7 +36,7 @@ from ..checkpoint import (
 from ..io import BEST_DIR
 from ..io.locks import output_lock
 from ..progress import Progress
-from .data import evaluate, held_out_record, lm_loss, sample, split
+from .data import PackedRows, Stream, evaluate, held_out_record, packed_split, split
 from .distributed import _dist_setup, _leave_group, _mean_across, context_split
 from .settings import (
     TrainConfig,
@@ -58,12 +58,17 @@ def train(
     meta: dict | None = None,
     context_parallel: int = 1,
 ) -> dict:
-    """Train ``model`` (a decoder: ids -> logits) on a 1-D token stream.
+    """Train ``model`` (a decoder: ids -> logits) on a 1-D token stream, or on documents
+    packed into rows (``cfg.pack``).
 
     Args:
         model: ToyAttnLM or GPT, freshly initialised (seed it yourself) or anything
             a resume will overwrite.
-        tokens: ``(n,)`` token ids; the last 10% are held out for eval loss.
+        tokens: ``(n,)`` token ids; the last 10% are held out for eval loss. With
+            ``cfg.pack``: the documents, a list of token id sequences (the text's, split
+            by :func:`attnlab.training.packing.split_documents`), packed into rows of
+            ``cfg.context + 1`` (:func:`~attnlab.training.packing.pack`); the last
+            documents, 10% of the tokens, are held out.
         cfg: hyperparameters; ``cfg.steps`` is the total number of steps.
         out: checkpoint directory (written every ``cfg.checkpoint_every`` steps and
             at the end; see :func:`default_checkpoint_every`); None = no checkpoints.
@@ -85,7 +90,8 @@ def train(
     Returns:
         ``{"steps", "final_loss", "eval_loss", "seconds", "tokens_per_s", "history",
         "resumed_from", "best_step", "best_eval_loss", "overfitting"}`` where history is
-        ``[[step, train_loss, eval_loss|None], ...]``.
+        ``[[step, train_loss, eval_loss|None], ...]``; with ``cfg.pack`` also ``"packing"``
+        (the documents, tokens and padding of the training rows, and the padding saved).
 
     With ``out``, every checkpoint also holds ``out/best/``: the checkpoint (a model
     folder :func:`attnlab.load_checkpoint` reads) of the step with the lowest held-out
@@ -126,7 +132,18 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
         raise ValueError(f"context {cfg.context} is longer than the model's context_length "
                          f"{model.context_length}")
     check_training_fits(model, cfg.batch_size, cfg.context, world)
-    train_stream, eval_stream = split(tokens, cfg.context)
+    if cfg.pack:
+        if sharding is not None:
+            raise ValueError("pack=True is not supported with context_parallel > 1 (packed "
+                             "rows need each document's positions from the whole row)")
+        if isinstance(tokens, torch.Tensor):
+            raise TypeError("pack=True trains on documents: give a list of token id "
+                            "sequences (split_documents(text), each encoded), not one "
+                            f"stream of shape {tuple(tokens.shape)}")
+        train_data, eval_data, held_out = packed_split(tokens, cfg.context)
+    else:
+        train_stream, held_out = split(tokens, cfg.context)
+        train_data, eval_data = Stream(train_stream), Stream(held_out)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -137,7 +154,7 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
             # interleaved with this one.
             check_out_dir(out)
             stack.enter_context(output_lock(out))
-        return _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world,
+        return _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world,
                     device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
                     log=log, meta=meta, sharding=sharding)
 
@@ -206,10 +223,18 @@ class _Best:
                 f"smaller --context{kept}")
 
 
-def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, device, *,
+def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world, device, *,
          out, resume, tokenizer, progress, log, meta, sharding) -> dict:
     step, history, resumed_from = 0, [], None
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
+    packing = None
+    if isinstance(train_data, PackedRows):
+        packed = train_data.packed
+        packing = {"documents": packed.documents, "tokens": packed.tokens,
+                   "rows": len(packed), "padding": packed.padding,
+                   "padding_one_per_row": packed.padding_one_per_row,
+                   "padding_saved": packed.padding_saved}
+        say(packed.describe())
     best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
@@ -229,15 +254,15 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
     show = Progress(cfg.steps, step) if progress and rank == 0 else None
     if show is not None and show.bar is not None:
         say = show.through_bar(say)  # lines above the bar, never through it
-    meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(eval_stream)}
+    meta = {**(meta or {}), "train_config": asdict(cfg), "held_out": held_out_record(held_out)}
     start, start_step = time.perf_counter(), step
     saved = step or None  # the step of the last checkpoint known good
     model.train()
     while step < cfg.steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        rows = sample(train_stream, cfg.batch_size, cfg.context, gen)
-        loss = lm_loss(wrapped, rows[first:first + per_rank], sharding)
+        rows = train_data.sample(cfg.batch_size, cfg.context, gen)
+        loss = train_data.loss(wrapped, rows[first:first + per_rank], sharding)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The mean over ranks: a NaN on any rank stops every rank at the same step.
@@ -252,13 +277,13 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
         step += 1
         eval_loss = None
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            eval_loss = evaluate(model, eval_stream, cfg, sharding)
+            eval_loss = evaluate(model, eval_data, cfg, sharding)
             if not math.isfinite(eval_loss):  # weights that overflow on held-out text
                 raise _stop(step, "eval loss", eval_loss, out, saved)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")
             best.update(step, eval_loss, model)
             warning = best.overfitting(step, eval_loss, train_loss,
-                                       len(train_stream) + len(eval_stream),
+                                       len(train_data) + len(eval_data),
                                        getattr(getattr(model, "config", None), "vocab_size",
                                                None), out)
             if warning is not None:
@@ -284,6 +309,7 @@ def _run(model, train_stream, eval_stream, cfg, optimizer, gen, rank, world, dev
     trained = step - start_step
     evals = [h[2] for h in history if h[2] is not None]
     return {
+        **({} if packing is None else {"packing": packing}),
         "steps": step,
         "final_loss": history[-1][1] if history else None,
         "eval_loss": evals[-1] if evals else None,

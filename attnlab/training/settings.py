@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import (
+    boolean,
     bounded_int,
     finite_float,
     fits_in_memory,
@@ -40,7 +41,9 @@ def check_seed(seed: object) -> int:
 
 @dataclass
 class TrainConfig(Config):
-    """Hyperparameters of a run. ``steps`` is the total, also when resuming."""
+    """Hyperparameters of a run. ``steps`` is the total, also when resuming. ``pack``:
+    train on documents packed into rows with document ids (:mod:`.packing`) instead of
+    windows of one token stream."""
 
     steps: int = 300
     batch_size: int = 32
@@ -54,6 +57,7 @@ class TrainConfig(Config):
     eval_batches: int = 4
     checkpoint_every: int | None = None
     seed: int = 0
+    pack: bool = False
 
     def __post_init__(self) -> None:
         # Named as the CLI options, where these values usually come from.
@@ -72,6 +76,7 @@ class TrainConfig(Config):
         if not 0 <= finite_float("min_lr_ratio", self.min_lr_ratio) <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         check_seed(self.seed)
+        boolean("pack", self.pack)
 
 
 def default_checkpoint_every(steps: int) -> int:

@@ -1,0 +1,83 @@
+"""FlexAttention's ``flex_attention`` and ``create_block_mask`` (``torch.nn.attention.
+flex_attention``'s signatures) on :func:`attnlab.attention`, forward and backward on any
+device (torch's own runs on the CPU forward only, compiled per mask).
+
+- ``flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+  enable_gqa=False, return_lse=False, kernel_options=None)``: ``(B, H, L, E)`` inputs;
+  ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled score and the block mask's
+  ``mask_mod`` are attnlab's, called vectorised (``attnlab.blockmask``): write them with
+  tensor operations, as FlexAttention's examples are. ``block_mask`` is one from
+  :func:`create_block_mask` or torch's own ``BlockMask`` (its ``mask_mod`` is evaluated
+  again here). A row that may attend nothing gives zeros and, with ``return_lse``, an
+  lse of ``-inf`` (FlexAttention's). ``kernel_options`` are accepted and ignored.
+- ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128)``:
+  an :class:`attnlab.blockmask.BlockMask` (``B``/``H`` None: the mask does not depend on
+  them), cached per (function, shape, device, block size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..blockmask import BLOCK_SIZE, BlockMask, block_mask
+from ..checks import boolean, positive_int
+from ..functional import attention, attention_with_lse
+
+__all__ = ["flex_attention", "create_block_mask"]
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK_SIZE,
+                      _compile=False):
+    """FlexAttention's ``create_block_mask``: ``mask_mod`` evaluated into a block mask of
+    ``(B or 1, H or 1, Q_LEN, KV_LEN)`` in blocks of ``BLOCK_SIZE`` (an int, or a pair
+    (query rows, keys)). ``_compile`` is accepted and changes nothing."""
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool tensor, "
+                        f"got {type(mask_mod).__name__}")
+    batch = 1 if B is None else positive_int("B", B)
+    heads = 1 if H is None else positive_int("H", H)
+    if isinstance(BLOCK_SIZE, tuple | list) and len(BLOCK_SIZE) == 2:
+        block_q, block_k = (positive_int("BLOCK_SIZE", x) for x in BLOCK_SIZE)
+    else:
+        block_q = block_k = positive_int("BLOCK_SIZE", BLOCK_SIZE)
+    return block_mask(mask_mod, batch, heads, positive_int("Q_LEN", Q_LEN),
+                      positive_int("KV_LEN", KV_LEN), block_q=block_q, block_k=block_k,
+                      device=device)
+
+
+def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
+    if block_mask_ is None or isinstance(block_mask_, BlockMask):
+        return block_mask_
+    mod = getattr(block_mask_, "mask_mod", None)
+    shape = getattr(block_mask_, "shape", None)
+    if mod is None or shape is None or len(shape) != 4:
+        raise TypeError("block_mask must come from create_block_mask (attnlab.compat's or "
+                        f"torch's), got {type(block_mask_).__name__}")
+    if tuple(shape[-2:]) != (query.shape[-2], key.shape[-2]):
+        raise ValueError(f"block_mask is for (Q_LEN, KV_LEN) = {tuple(shape[-2:])}, but the "
+                         f"inputs have {(query.shape[-2], key.shape[-2])}")
+    sizes = getattr(block_mask_, "BLOCK_SIZE", (BLOCK_SIZE, BLOCK_SIZE))
+    return block_mask(mod, int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]),
+                      block_q=int(sizes[0]), block_k=int(sizes[1]), device=query.device)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, kernel_options=None):
+    """FlexAttention's ``flex_attention`` (module docstring): ``(B, Hq, L, E)`` query,
+    ``(B, Hkv, S, E)`` key, ``(B, Hkv, S, Ev)`` value; returns ``(B, Hq, L, Ev)``, or
+    ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (B, H, seq, dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+    boolean("enable_gqa", enable_gqa)
+    boolean("return_lse", return_lse)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
+                         "grouped-query attention needs enable_gqa=True (as FlexAttention)")
+    kw = dict(scale=scale, score_mod=score_mod,
+              mask_mod=_as_block_mask(block_mask, query, key))
+    if not return_lse:
+        return attention(query, key, value, **kw)
+    out, lse = attention_with_lse(query, key, value, **kw)
+    return out, lse.masked_fill(lse == float("inf"), float("-inf")).float()

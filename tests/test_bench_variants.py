@@ -1,0 +1,48 @@
+"""The variants' bench cases: every implementation of a case computes the same attention
+(a ratio between two different computations would mean nothing), forward and backward,
+and --quick keeps to its two small cases without a compiled peer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.bench import attention as bench
+from attnlab.bench import variants
+
+
+def test_the_cases_follow_the_issues_targets():
+    full = {c.name: [i.name for i in c.impls] for c in bench._variant_cases(quick=False)}
+    assert "fwd T=8192 causal, 8 documents" in full
+    assert {"fwd T=4096 causal softcap", "fwd T=4096 causal alibi", "fwd T=4096 causal sinks",
+            "fwd T=4096 prefix-LM mask_mod"} <= set(full)
+    assert all("torch-flex" in impls for name, impls in full.items() if name.startswith("fwd "))
+    assert full["fwd+bwd T=4096 causal alibi"] == ["attnlab-auto", "attnlab-tiled", "torch-sdpa"]
+    assert full["fwd+bwd T=4096 causal softcap"][-1] == "torch-eager"
+    quick = {c.name: [i.name for i in c.impls] for c in bench._variant_cases(quick=True)}
+    assert list(quick) == ["fwd T=1024 causal softcap", "fwd T=2048 causal, 8 documents"]
+    assert not any("torch-flex" in impls for impls in quick.values())
+
+
+@pytest.mark.parametrize("variant", variants.VARIANTS)
+@pytest.mark.parametrize("backward", [False, True])
+def test_every_implementation_computes_the_same_attention(variant, backward):
+    impls = ["attnlab-tiled", "attnlab-auto", *variants.peers(variant, backward=True)]
+    small = dict(variant=variant, heads=2, seq=64, dim=16)
+    want = variants.make_step("attnlab-eager", **small)()
+    for impl in impls:
+        if not backward:
+            torch.testing.assert_close(variants.make_step(impl, **small)(), want,
+                                       atol=2e-5, rtol=2e-5)
+        else:
+            variants.make_step(impl, backward=True, **small)()  # runs, and frees its grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["sinks", "documents"])
+def test_the_compiled_flexattention_peer_computes_the_same_attention(variant):
+    small = dict(variant=variant, heads=2, seq=128, dim=16, case=f"test {variant}")
+    want = variants.make_step("attnlab-eager", **small)()
+    torch.testing.assert_close(variants.make_step("torch-flex", **small)(), want,
+                               atol=2e-5, rtol=2e-5)
+    assert variants.COMPILE_S.pop(f"test {variant}") > 0

@@ -1,0 +1,156 @@
+"""``attnlab.compat.flex_attention`` / ``create_block_mask`` against torch's own
+``torch.nn.attention.flex_attention`` on the CPU: its forward (the unfused reference
+path torch runs without ``torch.compile``, and, marked slow, the compiled kernel), with
+FlexAttention's own masks and score modifications, torch's block masks and ours; and
+gradients, which torch's CPU path does not have, against attnlab's float64 eager path.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import attnlab
+from attnlab.blockmask import BlockMask
+from attnlab.compat import create_block_mask, flex_attention
+
+g = torch.Generator().manual_seed(5)
+B, H, L, S, E = 2, 4, 40, 40, 16
+Q = torch.randn(B, H, L, E, generator=g)
+K = torch.randn(B, H, S, E, generator=g)
+V = torch.randn(B, H, S, E, generator=g)
+DOCS = torch.tensor([0] * 7 + [1] * 20 + [2] * 13)
+BIAS = torch.randn(H, 2 * S, generator=g)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 9)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < 10)
+
+
+def documents(b, h, q_idx, kv_idx):
+    return (DOCS[q_idx] == DOCS[kv_idx]) & (q_idx >= kv_idx)
+
+
+def per_batch(b, h, q_idx, kv_idx):  # batch element 1 sees only the first 5 keys
+    return (kv_idx < 5) | (b == 0)
+
+
+def first_row_empty(b, h, q_idx, kv_idx):
+    return (q_idx > 0) & (kv_idx <= q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):  # Gemma 2's, as FlexAttention users write it
+    return 20 * torch.tanh(score / 20)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - (0.5 ** (h + 1)) * (q_idx - kv_idx).abs()
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):  # a lookup of a bias table
+    return score + BIAS[h, q_idx - kv_idx + S]
+
+
+MASKS = [None, causal, sliding, prefix_lm, documents, per_batch, first_row_empty]
+MODS = [None, softcap, alibi, rel_bias]
+
+
+def _torch_flex(q, k, v, score_mod, mask_mod, batch=None, **kw):
+    block = None if mask_mod is None else torch_flex.create_block_mask(
+        mask_mod, batch, None, q.shape[2], k.shape[2], device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "unfused implementation": what is compared here
+        return torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block, **kw)
+
+
+def _name(fn):
+    return getattr(fn, "__name__", "none")
+
+
+@pytest.mark.parametrize("mask_mod", MASKS, ids=_name)
+@pytest.mark.parametrize("score_mod", MODS, ids=_name)
+def test_flex_attention_equals_torchs_forward(mask_mod, score_mod):
+    batch = B if mask_mod is per_batch else None
+    want, want_lse = _torch_flex(Q, K, V, score_mod, mask_mod, batch, return_lse=True)
+    block = None if mask_mod is None else create_block_mask(mask_mod, batch, None, L, S,
+                                                            BLOCK_SIZE=16)
+    out, lse = flex_attention(Q, K, V, score_mod=score_mod, block_mask=block, return_lse=True)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)  # -inf where empty
+
+
+def test_torchs_block_mask_and_gqa_are_taken_as_they_are():
+    q = torch.randn(1, 8, L, E, generator=g)
+    k, v = K[:1, :2], V[:1, :2]
+    block = torch_flex.create_block_mask(documents, None, None, L, S, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch_flex.flex_attention(q, k, v, score_mod=alibi, block_mask=block,
+                                         enable_gqa=True)
+    got = flex_attention(q, k, v, score_mod=alibi, block_mask=block, enable_gqa=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flex_attention(q, k, v)
+
+
+def test_create_block_mask_takes_flexattentions_arguments():
+    bm = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=(64, 128),
+                           _compile=True)
+    assert isinstance(bm, BlockMask) and bm.shape == (1, 1, 256, 256)
+    assert (bm.block_q, bm.block_k) == (64, 128)
+    assert create_block_mask(causal, None, None, 256, 256, BLOCK_SIZE=(64, 128)) is bm
+    with pytest.raises(ValueError, match="B must be a positive int"):
+        create_block_mask(causal, 0, None, 4, 4)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        create_block_mask("causal", None, None, 4, 4)
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["softcap", "learned-bias"])
+def test_flex_attention_trains_on_the_cpu(learned):
+    """FlexAttention has no CPU backward (pytorch issue 148752); here the gradients
+    equal float64 eager's, a learned bias table's included."""
+    grads = {}
+    for name, dtype in (("compat", torch.float32), ("eager", torch.float64)):
+        table = BIAS.to(dtype).clone().requires_grad_()
+
+        def mod(score, b, h, q_idx, kv_idx, table=table):
+            score = 20 * torch.tanh(score / 20)
+            return score + table[h, q_idx - kv_idx + S] if learned else score
+
+        q, k, v = (t.to(dtype).clone().requires_grad_() for t in (Q, K, V))
+        if name == "compat":
+            out = flex_attention(q, k, v, score_mod=mod,
+                                 block_mask=create_block_mask(prefix_lm, None, None, L, S))
+        else:
+            out = attnlab.attention(q, k, v, score_mod=mod, mask_mod=prefix_lm, backend="eager")
+        out.square().sum().backward()
+        grads[name] = [t.grad for t in (q, k, v)] + ([table.grad] if learned else [])
+    for got, want in zip(grads["compat"], grads["eager"]):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_flex_attention_equals_torchs_compiled_kernel():
+    compiled = torch.compile(torch_flex.flex_attention, dynamic=False)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
+    ids = torch.arange(128) // 40
+
+    def docs(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    block = torch_flex.create_block_mask(docs, None, None, 128, 128, device="cpu")
+    with torch.no_grad():
+        want = compiled(q, k, v, score_mod=softcap, block_mask=block)
+    got = flex_attention(q, k, v, score_mod=softcap, block_mask=block)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

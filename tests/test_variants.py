@@ -1,0 +1,235 @@
+"""Every attention variant and their combinations against the NumPy float64 oracle, on
+every backend that claims them: values, the weights' rows and gradients (against
+float64 eager), with causal/window rules, masks, GQA and tiles small enough that the
+shapes cross many tile and block-mask boundaries. A backend that does not declare a
+variant must refuse it in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab import _flash, _native, _tiled, backends
+from attnlab import reference as ref
+from attnlab.blockmask import block_mask
+
+FLASH = pytest.param("flash", marks=pytest.mark.skipif(
+    not _native.available(), reason=f"native kernel: {_native.unavailable_reason()}"))
+BACKENDS = ["eager", "sdpa", "tiled", FLASH, "auto"]
+# What each variant is called in the backend table.
+CAPABILITY = {"softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks",
+              "document_ids": "documents", "mask_mod": "mask_mod", "score_mod": "score_mod"}
+
+
+@contextlib.contextmanager
+def tiny_tiles():
+    saved = _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K
+    _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K = 3, 4, 3, 4
+    try:
+        yield
+    finally:
+        _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K = saved
+
+
+# Written with operators only, so that the oracle can call them one pair at a time
+# with Python ints (FlexAttention's semantics) and attnlab with broadcast tensors.
+def prefix_lm(b, h, q, kv):
+    return (kv <= q) | (kv < 3)
+
+
+def head_band(b, h, q, kv):
+    return (q - kv <= h + 1) & (kv - q <= 2)
+
+
+def per_batch(b, h, q, kv):
+    return (kv + b) % 3 != 0
+
+
+def nothing(b, h, q, kv):
+    return kv < 0
+
+
+def halve_and_tilt(s, b, h, q, kv):
+    return s * 0.5 + 0.25 * (q - kv)
+
+
+def per_head(s, b, h, q, kv):
+    return s + 0.5 * h - 0.125 * b * kv
+
+
+MASK_MODS = [prefix_lm, head_band, per_batch, nothing]
+SCORE_MODS = [halve_and_tilt, per_head]
+
+
+def _ids(draw, length):
+    """Non-decreasing document ids: a few documents, some of them absent."""
+    steps = draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=length, max_size=length))
+    return np.cumsum(steps) + draw(st.integers(0, 2))
+
+
+@st.composite
+def problems(draw):
+    kv_heads = draw(st.integers(1, 2))
+    shape = dict(batch=draw(st.integers(1, 2)), kv_heads=kv_heads,
+                 q_heads=kv_heads * draw(st.sampled_from([1, 2])),
+                 q_len=draw(st.sampled_from([1, 4, 7, 9])),
+                 head_dim=draw(st.sampled_from([4, 8])))
+    shape["k_len"] = draw(st.sampled_from([shape["q_len"], shape["q_len"], 3, 11]))
+    which = draw(st.lists(st.sampled_from(list(CAPABILITY)), min_size=1, max_size=4,
+                          unique=True))
+    v = {}
+    b, hq, lq, lk = shape["batch"], shape["q_heads"], shape["q_len"], shape["k_len"]
+    if "softcap" in which:
+        v["softcap"] = draw(st.sampled_from([0.3, 1.0, 5.0, 50.0]))
+    if "alibi_slopes" in which:
+        per_batch_slopes = draw(st.booleans())
+        v["alibi_slopes"] = np.array(draw(st.lists(
+            st.sampled_from([0.0, 0.0625, 0.25, 0.5, 2.0]),
+            min_size=hq * (b if per_batch_slopes else 1),
+            max_size=hq * (b if per_batch_slopes else 1)))).reshape(
+            (b, hq) if per_batch_slopes else (hq,))
+    if "sinks" in which:
+        v["sinks"] = np.array(draw(st.lists(st.sampled_from([-3.0, -0.5, 0.0, 1.0, 4.0]),
+                                            min_size=hq, max_size=hq)))
+    if "document_ids" in which:
+        per_sequence = [(_ids(draw, lq), _ids(draw, lk)) for _ in range(b)]
+        if lq == lk and draw(st.booleans()):
+            v["document_ids"] = np.stack([q for q, _ in per_sequence])
+        else:
+            v["document_ids"] = (np.stack([q for q, _ in per_sequence]),
+                                 np.stack([k for _, k in per_sequence]))
+    if "mask_mod" in which:
+        v["mask_mod"] = draw(st.sampled_from(MASK_MODS))
+        v["blocks"] = draw(st.sampled_from([None, (2, 3), (1, 1), (4, 2)]))
+    if "score_mod" in which:
+        v["score_mod"] = draw(st.sampled_from(SCORE_MODS))
+    rule = draw(st.sampled_from(["none", "causal", "window", "both"]))
+    return dict(shape=shape, variants=v, causal=rule in ("causal", "both"),
+                window=draw(st.integers(1, 5)) if rule in ("window", "both") else None,
+                mask=draw(st.sampled_from([None, None, "bool", "float"])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _inputs(p, dtype, grad=False):
+    s = p["shape"]
+    g = torch.Generator().manual_seed(p["seed"])
+    q = torch.randn(s["batch"], s["q_heads"], s["q_len"], s["head_dim"], generator=g,
+                    dtype=torch.float64)
+    k = torch.randn(s["batch"], s["kv_heads"], s["k_len"], s["head_dim"], generator=g,
+                    dtype=torch.float64)
+    v = torch.randn(s["batch"], s["kv_heads"], s["k_len"], s["head_dim"], generator=g,
+                    dtype=torch.float64)
+    mask = None
+    if p["mask"] == "bool":
+        mask = torch.rand(s["batch"], 1, s["q_len"], s["k_len"], generator=g) > 0.25
+    elif p["mask"] == "float":
+        mask = torch.randn(1, s["q_heads"], s["q_len"], s["k_len"], generator=g,
+                           dtype=torch.float64)
+    return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)], mask
+
+
+def _torch_variants(p, dtype, grad=False):
+    """The call's variant arguments for attnlab (tensors; a small-block BlockMask)."""
+    s, out = p["shape"], {}
+    for name, value in p["variants"].items():
+        if name == "blocks":
+            continue
+        if name == "mask_mod" and p["variants"]["blocks"] is not None:
+            bq, bk = p["variants"]["blocks"]
+            value = block_mask(value, s["batch"], s["q_heads"], s["q_len"], s["k_len"],
+                               block_q=bq, block_k=bk)
+        elif name == "document_ids":
+            value = (torch.from_numpy(value) if not isinstance(value, tuple)
+                     else tuple(torch.from_numpy(x) for x in value))
+        elif name in ("alibi_slopes", "sinks"):
+            value = torch.from_numpy(value).to(dtype)
+            if name == "sinks":
+                value.requires_grad_(grad)
+        out[name] = value
+    return out
+
+
+def _oracle(p, q, k, v, mask, rows=False):
+    kw = {n: x for n, x in p["variants"].items() if n != "blocks"}
+    m = None if mask is None else mask.numpy() if mask.dtype == torch.bool else (
+        mask.double().numpy())
+    return ref.attention(q.detach().double().numpy(), k.detach().double().numpy(),
+                         v.detach().double().numpy(), m, causal=p["causal"],
+                         window=p["window"], return_weights=rows, **kw)
+
+
+def _claims(backend: str, p) -> bool:
+    if backend == "auto":
+        return True
+    return all(getattr(backends.TABLE[backend], CAPABILITY[n])
+               for n in p["variants"] if n != "blocks")
+
+
+TOL = {torch.float64: 1e-9, torch.float32: 3e-5}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60, deadline=None)
+@given(p=problems(), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_values_match_the_oracle(backend, p, dtype):
+    (q, k, v), mask = _inputs(p, dtype)
+    kw = dict(mask=mask, causal=p["causal"], window=p["window"], backend=backend,
+              **_torch_variants(p, dtype))
+    if not _claims(backend, p):
+        with pytest.raises(ValueError, match=f"backend='{backend}'.* does not take") as info:
+            attnlab.attention(q, k, v, **kw)
+        assert "\n" not in str(info.value)
+        return
+    with tiny_tiles():
+        out = attnlab.attention(q, k, v, **kw)
+    want = _oracle(p, q, k, v, mask)
+    tol = TOL[dtype] * (1 + 4 * ("softcap" in p["variants"] and dtype == torch.float32))
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled", "auto"])
+@settings(max_examples=40, deadline=None)
+@given(p=problems(), rows=st.sampled_from([True, [0], [-1, 0]]))
+def test_weights_rows_match_the_oracle(backend, p, rows):
+    (q, k, v), mask = _inputs(p, torch.float64)
+    with tiny_tiles():
+        out, weights = attnlab.attention(q, k, v, mask=mask, causal=p["causal"],
+                                         window=p["window"], return_weights=rows,
+                                         backend=backend, **_torch_variants(p, torch.float64))
+    want, want_w = _oracle(p, q, k, v, mask, rows=True)
+    picked = slice(None) if rows is True else rows
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-9)
+    np.testing.assert_allclose(weights.numpy(), want_w[..., picked, :], atol=1e-9)
+    total = weights.sum(-1).numpy()  # sinks take their share: rows sum to at most 1
+    assert (total <= 1 + 1e-9).all()
+    if "sinks" in p["variants"]:
+        assert (total < 1).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "tiled", FLASH])
+@settings(max_examples=40, deadline=None)
+@given(p=problems())
+def test_gradients_match_float64_eager(backend, p):
+    if not _claims(backend, p):
+        return  # refusals: test_values_match_the_oracle
+    grads = []
+    for name in ("eager", backend):
+        (q, k, v), mask = _inputs(p, torch.float64, grad=True)
+        kw = _torch_variants(p, torch.float64, grad=True)
+        with tiny_tiles():
+            out = attnlab.attention(q, k, v, mask=mask, causal=p["causal"],
+                                    window=p["window"], backend=name, **kw)
+        g_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(p["seed"] + 7),
+                            dtype=torch.float64)
+        leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+        grads.append(torch.autograd.grad(out, leaves, g_out, allow_unused=True))
+    for want, got in zip(*grads):
+        assert got is not None
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
