@@ -239,7 +239,7 @@ def model_split(rank: int, world: int, cases: list[dict]) -> list[float]:
         config = GPTConfig(vocab_size=17, context_length=32, d_model=16, num_layers=2,
                            num_heads=4, num_kv_heads=case["kv_heads"],
                            positions=case["positions"], window=case["window"], mlp="swiglu",
-                           norm="rmsnorm")
+                           norm="rmsnorm", **case.get("config", {}))
         whole = GPT(config)
         split = GPT(config, context_parallel=ContextParallel(
             layout=case["layout"], strategy=case["strategy"],

@@ -256,7 +256,12 @@ def test_gpt_split_across_two_processes_equals_the_whole():
                  ("rope", 2, None, "zigzag", "ring", 13, True),
                  ("learned", 4, None, "contiguous", "ring", 12, False),
                  ("rope", 1, 4, "zigzag", "ring", 11, False),
-                 ("rope", 2, None, "zigzag", "ulysses", 9, True)]]
+                 ("rope", 2, None, "zigzag", "ulysses", 9, True),
+                 ("alibi", 2, None, "zigzag", "ring", 13, True),
+                 ("alibi", 2, None, "contiguous", "ulysses", 10, True)]]
+    # The variant models (Gemma 2's softcap, BLOOM's ALiBi, gpt-oss's sinks) split too.
+    for case in cases[-2:]:
+        case["config"] = {"attn_softcap": 5.0, "sinks": True}
     results = workers.spawn(2, workers.model_split, cases)
     assert all(r[0] == "ok" for r in results.values()), results
     for rank in range(2):
