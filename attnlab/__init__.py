@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ._version import __version__
 
 if TYPE_CHECKING:  # for editors and type checkers; at run time __getattr__ finds them
-    from . import check, masks, reference
+    from . import check, distributed, masks, reference
     from .cache import KVCache
     from .checkpoint import load_checkpoint, save_checkpoint
     from .functional import BACKENDS, attention
@@ -45,7 +45,7 @@ _LAZY_NAMES = {
 }
 # ``check`` is a module that can be called: ``attnlab.check(fn_or_module)``.
 _LAZY_MODULES = ("masks", "reference", "models", "text", "viz", "experiments", "heads",
-                 "interop", "training", "checkpoint", "check")
+                 "interop", "training", "checkpoint", "check", "distributed")
 
 __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING block used
     "attention", "BACKENDS", "masks", "reference",
@@ -54,7 +54,7 @@ __all__ = [  # a plain list, so that linters see the names of the TYPE_CHECKING 
     "save_checkpoint", "load_checkpoint", "__version__",
     "GPT", "GPTConfig", "Encoder", "EncoderConfig", "ToyAttnLM", "ToyConfig", "HFTokenizer",
     "models", "text", "viz", "experiments", "heads", "interop", "training", "checkpoint",
-    "check", "load",
+    "check", "load", "distributed",
 ]
 
 

@@ -25,46 +25,57 @@ def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, varia
     return out, weights
 
 
-def eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
+def eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None, offset=None):
     """``(out, lse)``: the output and each row's log-sum-exp ``(B, Hq, Lq)`` (natural log
     of the softmax's denominator, the sink included; ``+inf`` for a row with nothing to
-    attend), which carries no gradient."""
+    attend), which carries no gradient. ``offset``: query row 0's position among the
+    keys (``masks.KeyRule``; None: end-aligned)."""
     out, _, lse = _eager(q, k, v, mask, causal, window, scale, dropout_p, None, variants,
-                         want_lse=True)
+                         want_lse=True, offset=offset)
     return out, lse
 
 
-def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants, want_lse=False):
+def _scores(q, k, mask, causal, window, scale, variants, offset=None):
+    """The masked scores ``(B, Hkv, G, Lq, Lk)`` (forbidden pairs ``-inf``), whether a row
+    may be empty, and the grouped sink logits (or None)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    dtype = q.dtype
-    if dtype in _LOW_PRECISION:
-        q, k, v = q.float(), k.float(), v.float()
-
     # (B, Hkv, G*Lq, D) @ (B, Hkv, D, Lk): the group rides along the query rows.
     scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2))
     # In-place from here: the product is a fresh tensor that autograd does not keep.
     scores = scores.view(batch, kv_heads, group, q_len, k_len).mul_(scale)
     if variants is None:
-        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+        rule = _masks.KeyRule(q_len, k_len, causal=causal, window=window, offset=offset)
+        struct = rule.allowed(device=q.device) if rule.structural else None
         allowed = _masks.combine(struct, mask if mask is None or mask.dtype == torch.bool
                                  else None)
         if allowed is not None:
             scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
         if mask is not None and mask.dtype != torch.bool:
             scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
-        # Causal and window rules alone leave every row a key unless q_len > k_len.
-        may_be_empty = mask is not None or (struct is not None and q_len > k_len)
-        sinks = None
-    else:
-        rule = _variants.rule(variants, q_len, k_len, causal, window)
-        grouped = None if mask is None else _masks.group_view(mask, kv_heads)
-        scores, _ = _variants.score_tile(scores, variants, rule, grouped,
-                                         torch.arange(q_len, device=q.device), 0, k_len,
-                                         q_range=(0, q_len))
-        may_be_empty = True
-        sinks = _variants.grouped_sinks(variants, kv_heads, scores.dtype)
+        # End-aligned causal and window rules leave every row a key unless q_len > k_len;
+        # a piece of a longer sequence (``offset``) may have rows with none.
+        may_be_empty = mask is not None or (struct is not None and (offset is not None
+                                                                    or q_len > k_len))
+        return scores, may_be_empty, None
+    rule = _variants.rule(variants, q_len, k_len, causal, window, offset)
+    grouped = None if mask is None else _masks.group_view(mask, kv_heads)
+    scores, _ = _variants.score_tile(scores, variants, rule, grouped,
+                                     torch.arange(q_len, device=q.device), 0, k_len,
+                                     q_range=(0, q_len))
+    return scores, True, _variants.grouped_sinks(variants, kv_heads, scores.dtype)
+
+
+def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants, want_lse=False,
+           offset=None):
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    dtype = q.dtype
+    if dtype in _LOW_PRECISION:
+        q, k, v = q.float(), k.float(), v.float()
+    scores, may_be_empty, sinks = _scores(q, k, mask, causal, window, scale, variants, offset)
     lse = None
     if want_lse:
         with torch.no_grad():
@@ -84,3 +95,26 @@ def _eager(q, k, v, mask, causal, window, scale, dropout_p, rows, variants, want
         return out, None, lse
     picked = weights.view(batch, q_heads, q_len, k_len).index_select(2, rows)
     return out, picked.to(dtype), lse
+
+
+def eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants,
+                       offset=None):
+    """``backends.LseStep.backward`` on the textbook path: one block of keys' share of
+    ``(dq, dk, dv)`` given each row's ``out`` and ``lse`` merged over every block it
+    attends (FlashAttention-2's backward: ``dS = P * (dP - rowsum(dO * O))`` with
+    ``P = exp(S - lse)``), in float32 (float64 kept). Autograd differentiates the scalar
+    ``sum(P * (dO V^T - delta))``, whose gradient in ``S`` and ``V`` is exactly that, so
+    every variant of the score pipeline (softcap's tanh, ALiBi, documents) is followed.
+    A sink in ``variants`` is already in ``lse``; its own gradient is the caller's."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        q, k, v = (t.detach().to(work).requires_grad_() for t in (q, k, v))
+        s, _, _ = _scores(q, k, mask, causal, window, scale, variants, offset)
+        batch, kv_heads, group, q_len, k_len = s.shape
+        p = torch.exp(s - lse.to(work).view(batch, kv_heads, group, q_len, 1))
+        do = grad_out.to(work).reshape(batch, kv_heads, group * q_len, -1)
+        dp = (do @ v.transpose(-1, -2)).view_as(p)
+        delta = (grad_out.to(work) * out.to(work)).sum(-1).view(batch, kv_heads, group,
+                                                                  q_len, 1)
+        surrogate = (p * (dp - delta)).sum()
+        return torch.autograd.grad(surrogate, (q, k, v))

@@ -167,6 +167,17 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
     offset = k_len - q_len if offset is None else int(offset)
     window = 0 if window is None else window
+    blocks, extras = _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents,
+                                  block_mask)
+    out, lse = _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
+                                     float(dropout_p), seed, blocks, extras)
+    return (out, lse) if with_lse else out
+
+
+def _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents, block_mask):
+    """The tile shapes ``(forward, backward)`` and the variants as the op takes them
+    (softcap, alibi, documents, the block mask's three tensors)."""
+    q_len, k_len, q_heads = q.shape[2], k.shape[2], q.shape[1]
     if block_mask is not None:  # the kernel's tiles are the mask's blocks
         blocks = ((block_mask.block_q, block_mask.block_k),) * 2
         kinds, index, partial = _block_mask_tensors(block_mask, q.device)
@@ -179,8 +190,31 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     if documents is not None:
         documents = torch.stack([documents.starts, documents.ends,
                                  documents.offsets]).to(device=q.device, dtype=torch.int64)
-    extras = (0.0 if softcap is None else float(softcap), alibi_slopes, documents, kinds,
-              index, partial)
-    out, lse = _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
-                                     float(dropout_p), seed, blocks, extras)
-    return (out, lse) if with_lse else out
+    return blocks, (0.0 if softcap is None else float(softcap), alibi_slopes, documents, kinds,
+                    index, partial)
+
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the kernel's dtype: float64 stays, everything else is float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, offset=None, *,
+                       softcap=None, alibi_slopes=None, documents=None, block_mask=None):
+    """One block of keys' share of ``(dq, dk, dv)`` given each row's ``out`` and ``lse``
+    merged over every block it attends (the kernel's backward reads nothing else), query
+    row ``i`` at position ``i + offset`` among the keys; float32 (float64 kept). ``mask``
+    None or bool, broadcastable to ``(B, Hq, Lq, Lk)``; the variants as
+    :func:`flash_attention` takes them (a sink is already in ``lse``)."""
+    q, k, v, out, grad_out = (_rows(_work(t)) for t in (q, k, v, out, grad_out))
+    lse = _work(lse).contiguous()
+    if mask is not None:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
+    window = 0 if window is None else window
+    blocks, extras = _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents,
+                                  block_mask)
+    softcap, alibi, documents, kinds, index, partial = extras
+    return _ops().flash_backward(q, k, v, mask, out, lse, grad_out, causal, window, offset,
+                                 scale, 0.0, 0, *blocks[1], softcap, alibi, None, documents,
+                                 kinds, index, partial)

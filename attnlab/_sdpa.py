@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from . import _variants
 from . import masks as _masks
-from ._eager import eager_attention
+from ._eager import eager_attention, eager_lse, eager_lse_backward
 
 
 def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
@@ -92,3 +92,109 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
     return out
+
+
+# --------------------------------------------------------------------------- block step
+# torch's own fused kernels return the log-sum-exp too: on the CPU
+# _scaled_dot_product_flash_attention_for_cpu (any rule, as an additive mask), on CUDA
+# _scaled_dot_product_flash_attention (fp16/bf16, no mask but its top-left causal rule).
+# Blocks the CUDA kernel cannot take run on the textbook block step, on the same device.
+# The CUDA calls were checked once by hand on an H100 (torch 2.11: two key blocks merged
+# by their lse, and each block's backward with the merged ones, equal SDPA on the whole
+# to bf16 precision); CI has no GPU, so no test runs them.
+
+_INF = float("inf")
+
+
+def _block_rule(q, k, mask, causal, window, offset):
+    """``(is_causal, additive mask or None, empty rows or None)`` of one block: torch's
+    top-left ``is_causal`` where it is the rule (offset 0, no window, no mask), else the
+    rule and the key mask as one ``(B|1, 1, Lq, Lk)`` additive mask of q's dtype."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    rule = _masks.KeyRule(q_len, k_len, causal=causal, window=window, offset=offset)
+    if mask is None and (not rule.structural or rule.full(0, q_len, 0, k_len)):
+        return False, None, None
+    if mask is None and causal and window is None and offset == 0:
+        return True, None, None
+    allowed = rule.allowed(device=q.device) if rule.structural else None
+    allowed = _masks.combine(allowed, mask)  # (Lq, Lk) and/or (B, 1, 1, Lk)
+    allowed = allowed.expand(*allowed.shape[:-2], q_len, k_len)
+    while allowed.ndim < 4:
+        allowed = allowed.unsqueeze(0)
+    empty = ~allowed.any(dim=-1)  # (B|1, 1, Lq)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    return False, bias.masked_fill_(~allowed, -_INF), empty if bool(empty.any()) else None
+
+
+def _cuda_takes(q, k, is_causal, bias):
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and bias is None and q.shape[1] == k.shape[1])
+
+
+def _takes(q, v, mask, dropout_p, variants) -> bool:
+    """Whether torch's kernels take the call: one head size for q, k and v, no variant,
+    no dropout, a bool mask or none (the rest goes to the textbook path)."""
+    return (variants is None and dropout_p == 0 and q.shape[-1] == v.shape[-1]
+            and (mask is None or mask.dtype == torch.bool))
+
+
+def sdpa_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None, offset=None):
+    """``backends.LseStep.forward`` on torch's fused kernels: ``(out, lse)``, ``out`` in q's
+    dtype, ``lse`` ``(B, Hq, Lq)`` float32 (float64 for float64), ``+inf`` for a row with
+    no allowed key; ``offset`` query row 0's position among the keys (None: end-aligned).
+    What the kernels cannot take runs on the textbook path."""
+    if not _takes(q, v, mask, dropout_p, variants):
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
+    is_causal, bias, empty = _block_rule(q, k, mask, causal, window, offset)
+    if q.device.type == "cpu":
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads != kv_heads:  # the kernel takes one head count: K/V repeated per block
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
+    elif _cuda_takes(q, k, is_causal, bias):  # not in CI (no CUDA device there)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k.contiguous(), v.contiguous(), 0.0, is_causal, False, scale=scale)[:2]
+    else:
+        return eager_lse(q, k, v, mask, causal, window, scale, 0.0, None, offset)
+    lse = lse.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if empty is not None:  # the kernel gives such a row lse 0
+        lse = lse.masked_fill(empty, _INF)
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out.to(q.dtype), lse
+
+
+def sdpa_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants=None,
+                      offset=None):
+    """``backends.LseStep.backward`` on torch's fused backward kernels (the textbook
+    path's where they cannot take the call)."""
+    if not _takes(q, v, mask, 0.0, variants):
+        return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                  variants, offset)
+    offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
+    is_causal, bias, _ = _block_rule(q, k, mask, causal, window, offset)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if q.device.type == "cpu":
+        heads, kv_heads = q.shape[1], k.shape[1]
+        group = heads // kv_heads
+        if group > 1:
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(q.dtype).contiguous(), 0.0,
+            is_causal, attn_mask=bias, scale=scale)
+        if group > 1:  # the repeated heads' gradients summed back onto their kv head
+            dk, dv = (t.unflatten(1, (kv_heads, group)).sum(2) for t in (dk, dv))
+    elif _cuda_takes(q, k, is_causal, bias):  # not in CI (no CUDA device there)
+        # A dense batch has no cumulative lengths (None), and without dropout the seed
+        # and offset are never read.
+        seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out.to(q.dtype), q, k.contiguous(), v.contiguous(), out.to(q.dtype),
+            lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+            seed, zero, scale=scale)
+    else:
+        return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                  variants, offset)
+    return dq.to(work), dk.to(work), dv.to(work)

@@ -284,3 +284,16 @@ def tiled_weights(q, k, mask, causal, window, scale, rows, variants=None):
     if not parts:
         return torch.zeros(batch, q_heads, 0, settings.k_len, dtype=q.dtype, device=q.device)
     return torch.cat(parts, dim=2).to(q.dtype)
+
+
+def tiled_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants,
+                       offset=None):
+    """``backends.LseStep.backward`` in PyTorch: one block of keys' share of ``(dq, dk, dv)``
+    given each row's ``out`` and ``lse (B, Hq, Lq)`` merged over every block it attends
+    (query row ``i`` at position ``i + offset`` among the keys), in float32 (float64 kept).
+    A sink in ``variants`` is already in ``lse``; its own gradient is the caller's."""
+    q, k, v, out, lse, grad_out = (t if t.dtype == torch.float64 else t.float()
+                                   for t in (q, k, v, out, lse, grad_out))
+    ctx = _Ctx(q, k, causal, window, scale, 0.0, 0, offset, variants)
+    lse = lse.reshape(ctx.batch, ctx.kv_heads, ctx.group, ctx.q_len)
+    return _backward(ctx, q, k, v, mask, out, lse, grad_out)[:3]

@@ -17,12 +17,12 @@ import torch
 
 from . import _decode, _flash
 from . import masks as _masks
-from ._eager import eager_attention, eager_lse
-from ._sdpa import sdpa_attention
-from ._tiled import tiled_attention, tiled_weights
+from ._eager import eager_attention, eager_lse, eager_lse_backward
+from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
+from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
 from ._variants import Variants
 
-__all__ = ["Backend", "Request", "TABLE", "choose"]
+__all__ = ["Backend", "LseStep", "Request", "TABLE", "choose", "resolve"]
 
 
 @dataclass(slots=True)
@@ -51,6 +51,34 @@ def _always(request: Request) -> bool:
 
 
 @dataclass(frozen=True)
+class LseStep:
+    """Attention that also returns each row's log-sum-exp, and the backward of one block of
+    keys given the rows' merged output and log-sum-exp: what :func:`attention_with_lse`
+    runs, and the local step of attention split across processes
+    (:mod:`attnlab.distributed`), where a rank meets the keys a block at a time and merges
+    the blocks exactly by their log-sum-exp.
+
+    ``forward(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None) ->
+    (out, lse)``: 4-D inputs after ``attention``'s checks (``variants`` a
+    ``_variants.Variants`` or None); ``offset`` is query row 0's position among the keys
+    (``masks.KeyRule``: None is end-aligned, a piece of a longer sequence passes its own;
+    ALiBi reads the same positions). ``out (B, Hq, Lq, Dv)`` in q's dtype, differentiable;
+    ``lse (B, Hq, Lq)`` (natural log, the sink included) in float32 (float64 for float64
+    inputs), without gradient, ``+inf`` for a row with nothing to attend (its ``out``
+    zeros).
+
+    ``backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants, offset)
+    -> (dq, dk, dv)``: this block's share of the gradients, given each row's ``out`` and
+    ``lse`` merged over every block it attends (FlashAttention-2's backward reads only
+    those), in float32 (float64); ``mask`` None or bool, no dropout. A sink is already in
+    ``lse``: its own gradient is the caller's.
+    """
+
+    forward: Callable
+    backward: Callable
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend and its capabilities.
 
@@ -64,9 +92,8 @@ class Backend:
     ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
     cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
-    (``lse(q, k, v, mask, causal, window, scale, dropout_p, variants) -> (out, lse)``,
-    each row's log-sum-exp ``(B, Hq, Lq)`` too, for ``attention_with_lse``; None where
-    the backend does not form it).
+    (an :class:`LseStep`: each row's log-sum-exp too, and the backward of one block of
+    keys; reported as ``log_sum_exp``; None where the backend does not form it).
     ``unavailable(q)`` says why the backend cannot run here (a build, a device), or
     None; ``pays(request)`` whether ``auto`` should take it for a call it supports.
     """
@@ -88,7 +115,7 @@ class Backend:
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
-    lse: Callable | None = None
+    lse: LseStep | None = None
     unavailable: Callable[[torch.Tensor], str | None] | None = None
     pays: Callable[[Request], bool] = _always
     label: str = ""  # how errors name it, after the name: " (the native kernel)"
@@ -159,6 +186,19 @@ def choose(request: Request) -> Backend:
     raise AssertionError("the eager backend takes every call")  # unreachable
 
 
+def resolve(request: Request, backend: str) -> Backend:
+    """The backend that runs ``request``: ``"auto"``'s choice (:func:`choose`), or the named
+    one, ValueError saying why where it cannot take the call."""
+    if backend == "auto":
+        return choose(request)
+    chosen = TABLE.get(backend)
+    if chosen is None:
+        raise ValueError(f"backend must be one of {('auto', *TABLE)}, got {backend!r}")
+    if (why := chosen.supports(request)) is not None:
+        raise ValueError(why)
+    return chosen
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -176,10 +216,10 @@ def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
                                                         variants)
 
 
-def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
+def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None):
     if min(q.numel(), k.numel(), v.numel()) == 0:
-        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants)
-    out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
+        return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
+    out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset,
                                variants=variants)
     return out, lse.reshape(q.shape[:3])
 
@@ -200,9 +240,17 @@ def _flash_run(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
                                                         variants)
 
 
-def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants):
-    return _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p,
+def _flash_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None):
+    return _flash.flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset,
                                   with_lse=True, **_flash_variants(variants))
+
+
+def _flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, variants,
+                        offset=None):
+    options = _flash_variants(variants)
+    options.pop("sinks", None)  # already in lse
+    return _flash.flash_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
+                                     offset, **options)
 
 
 def _flash_decode(qkv, cache, rotary, window, num_heads, num_kv_heads, **scores):
@@ -292,14 +340,16 @@ def _flash_pays(r: Request) -> bool:
 
 # In the order of attnlab.BACKENDS; auto reads it backwards (see choose).
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("eager", eager_attention, lse=eager_lse),
+    Backend("eager", eager_attention, lse=LseStep(eager_lse, eager_lse_backward)),
     Backend("sdpa", _sdpa, weights=False, softcap=False, sinks=False, score_mod=False,
+            lse=LseStep(sdpa_lse, sdpa_lse_backward),
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, lse=_tiled_lse),
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays,
+            lse=LseStep(_tiled_lse, tiled_lse_backward)),
     Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
-            lse=_flash_lse, score_mod=False,
+            lse=LseStep(_flash_lse, _flash_lse_backward), score_mod=False,
             label=" (the native kernel)",
             instead="use backend='tiled' (the same algorithm in PyTorch) or 'auto'"),
 )}

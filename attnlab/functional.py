@@ -22,7 +22,7 @@ import torch
 
 from . import _variants
 from . import masks as _masks
-from .backends import TABLE, Backend, Request, choose
+from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
@@ -180,10 +180,7 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
     # Dispatch through the table (attnlab.backends): a named backend that cannot take
     # the call says why; auto takes the one its rule gives.
     request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants, want_lse)
-    if backend == "auto":
-        chosen = choose(request)
-    elif (why := (chosen := TABLE[backend]).supports(request)) is not None:
-        raise ValueError(why)
+    chosen = resolve(request, backend)
     if mask4 is not None and mask4.dtype != torch.bool and variants and variants.sinks is not None:
         # A sink's share depends on the level of the scores: the mask is added as it is.
         mask4 = mask4.to(torch.promote_types(mask4.dtype, _masks.additive_dtype(q4.dtype)))
@@ -194,7 +191,8 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
                                   window=window, dtype=_masks.additive_dtype(q4.dtype),
                                   documents=variants and variants.documents)
     if want_lse:
-        out, lse = chosen.lse(q4, k4, v4, mask4, causal, window, scale, dropout_p, variants)
+        out, lse = chosen.lse.forward(q4, k4, v4, mask4, causal, window, scale, dropout_p,
+                                      variants)
         return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
     out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows,
                               variants)

@@ -126,6 +126,18 @@ class Documents:
     def batch(self) -> int:
         return self.starts.shape[0]
 
+    @classmethod
+    def piece(cls, q_ids: torch.Tensor, k_ids: torch.Tensor, offset: int) -> Documents:
+        """The documents of a block of a longer self-attention (split attention's pieces):
+        queries with ids ``q_ids`` against keys with ids ``k_ids``, query row ``i`` at
+        position ``i + offset`` among the keys. In the whole sequence every document has
+        as many queries as keys, so its document-aligned positions are the sequence's:
+        the block keeps them (``offsets`` all ``offset``) instead of aligning each
+        document to the block's end."""
+        docs = cls(q_ids, k_ids)
+        object.__setattr__(docs, "offsets", torch.full_like(docs.offsets, int(offset)))
+        return docs
+
 
 @dataclass(frozen=True)
 class KeyRule:

@@ -536,3 +536,44 @@ def test_out_with_best_is_attnlabs_but_not_with_a_foreign_file_in_best(tmp_path)
     with pytest.raises(ValueError, match="not an attnlab checkpoint.*'best'"):
         train(model, tokens, cfg, out=out, progress=False, log=None)
     assert _files(out) == before
+
+
+@pytest.mark.slow
+def test_context_parallel_torchrun_matches_single_process(tmp_path):
+    """One sequence split over two processes (ring attention, zig-zag shards): the same
+    loss curve, held-out loss and weights as one process at the same seed."""
+    common = ["train", "--model", "gpt", "--steps", "4", "--context", "24", "--batch-size",
+              "2", "--seed", "3"]
+    single = subprocess.run([sys.executable, "-m", "attnlab", *common, "--out",
+                             str(tmp_path / "one")], capture_output=True, text=True,
+                            env=_env(), timeout=300)
+    assert single.returncode == 0, single.stderr
+    split = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node", "2", "-m", "attnlab", *common,
+                            "--context-parallel", "2", "--out", str(tmp_path / "two")],
+                           capture_output=True, text=True, env=_env(), timeout=300)
+    assert split.returncode == 0, split.stderr[-2000:]
+    import json
+
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert [h[0] for h in one["history"]] == [h[0] for h in two["history"]] == [1, 2, 3, 4]
+    assert [h[1] for h in two["history"]] == pytest.approx([h[1] for h in one["history"]],
+                                                           abs=1e-5)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
+    a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_context_parallel_must_divide_the_processes_and_needs_a_gpt():
+    from attnlab.training.distributed import context_split
+
+    assert context_split(object(), 1, 0, 1, 32) is None
+    with pytest.raises(ValueError, match=r"--context-parallel 3 must divide the number of "
+                                         r"processes \(2\)"):
+        context_split(object(), 2, 0, 3, 32)
+    with pytest.raises(ValueError, match="needs a model that can split its sequence"):
+        context_split(ToyAttnLM(ToyConfig(vocab_size=5, context_length=8)), 2, 0, 2, 32)
+    with pytest.raises(ValueError, match="context_parallel must be a positive int"):
+        context_split(object(), 2, 0, 0, 32)

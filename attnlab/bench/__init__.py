@@ -7,7 +7,9 @@ where ``x`` is this implementation's median time over the peer's (lower is faste
 and ``times_ms`` the time of each round. ``under_load=True`` adds
 ``median_ms_under_load``, ``times_ms_under_load`` and ``ratio_to_under_load`` (the same
 rounds beside a busy process per core); the attention suite adds ``flop``,
-``gflops``, ``peak_share``, ``peak_gflops`` and ``cpu`` (see :mod:`.machine`).
+``gflops``, ``peak_share``, ``peak_gflops`` and ``cpu`` (see :mod:`.machine`); the
+distributed suite (named only: ``--suite distributed``) adds its own (see
+:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ __all__ = ["SUITES", "run", "Case", "format_record", "markdown_table"]
 
 
 def available_suites() -> list[str]:
+    """The suites a plain ``attnlab bench`` runs: those that import here, less the ones
+    that must be named (``OPT_IN``: the distributed suite)."""
     out = []
     for name, module in SUITES.items():
         try:
-            importlib.import_module(module)
+            if getattr(importlib.import_module(module), "OPT_IN", False):
+                continue
         except ImportError:
             continue
         out.append(name)
@@ -77,8 +82,9 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
     for name, module in modules.items():
         if chosen[name] and hasattr(module, "prologue"):
             module.prologue(log=log)
-        suite_records = run_cases(chosen[name], memory=memory, log=log,
-                                  under_load=under_load)
+        # A suite that runs its own processes (distributed) brings its own runner.
+        runner = getattr(module, "run_cases", run_cases)
+        suite_records = runner(chosen[name], memory=memory, log=log, under_load=under_load)
         if hasattr(module, "annotate"):
             module.annotate(suite_records, log=log)
         records.extend(suite_records)

@@ -51,6 +51,7 @@ SUITES = {
     "modules": "attnlab.bench.modules",
     "generate": "attnlab.bench.generate",
     "encode": "attnlab.bench.encode",
+    "distributed": "attnlab.bench.distributed",
 }
 
 

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
+    train.add_argument("--context-parallel", type=_positive_int, default=1, metavar="N",
+                       help="under torchrun: split each sequence over N processes (ring "
+                            "attention; --model gpt); N must divide the number of processes")
     train.add_argument("--pack", action="store_true",
                        help="train on the text's documents (separated by blank lines) packed "
                             "into each row with document ids: no token attends across "
@@ -163,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",
-                       choices=["attention", "modules", "generate", "encode"],
-                       help="suite to run, repeatable (default: all)")
+                       choices=["attention", "modules", "generate", "encode", "distributed"],
+                       help="suite to run, repeatable (default: all but distributed, "
+                            "which is run only when named)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
     bench.add_argument("--case", metavar="TEXT",
                        help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "

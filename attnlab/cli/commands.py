@@ -92,7 +92,8 @@ def _train(args: argparse.Namespace) -> int:
     else:
         model = GPT(GPTConfig(**sizes, dropout=0.0))
     model.to(train_device())
-    summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer)
+    summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer,
+                    context_parallel=args.context_parallel)
     rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
     if rank0 and summary["resumed_from"] == summary["steps"]:
         print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")

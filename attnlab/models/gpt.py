@@ -19,6 +19,7 @@ from torch import nn
 from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import non_negative_int
+from ..distributed import ContextParallel
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
@@ -39,7 +40,8 @@ class Block(nn.Module):
     ``post_norms`` each branch is normed again before it is added
     (``post_attn_norm``, ``post_mlp_norm``)."""
 
-    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0,
+                 context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = MultiHeadAttention(
@@ -49,7 +51,7 @@ class Block(nn.Module):
             rope=cfg.positions == "rope", rope_base=cfg.rope_base,
             window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
             scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
-            sinks=cfg.sinks,
+            sinks=cfg.sinks, context_parallel=context_parallel,
         )
         self.post_attn_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
                                if cfg.post_norms else None)
@@ -78,12 +80,19 @@ class GPT(GenerationMixin, nn.Module):
     """Decoder-only language model.
 
     ``forward(ids)`` maps ``(batch, seq)`` token ids to logits ``(batch, seq, vocab)``.
+
+    ``context_parallel`` (an :class:`attnlab.distributed.ContextParallel`, also settable
+    later as ``model.context_parallel = cp``) splits one long sequence across processes:
+    ``forward`` then takes this rank's shard of the ids (``cp.shard(ids)``) and returns
+    the logits of those tokens, equal to the whole sequence's logits cut the same way.
     """
 
     model_type = "gpt"
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *,
+                 context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
+        self._context_parallel = context_parallel
         self.config = config
         self.context_length = config.context_length
         self.tok_emb = embedding(config.vocab_size, config.d_model)
@@ -91,7 +100,8 @@ class GPT(GenerationMixin, nn.Module):
                         if config.positions == "learned" else None)
         self.embed_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
                            if config.embed_norm else None)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, i, context_parallel)
+                                    for i in range(config.num_layers))
         # One rotary table for all layers (one head_dim, one base): it grows with the
         # positions decoded, 2 * positions * head_dim floats once instead of once a layer.
         for block in self.blocks[1:]:
@@ -119,6 +129,17 @@ class GPT(GenerationMixin, nn.Module):
                 w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=0.02))
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """How the sequence is split across processes (None: it is not)."""
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, value: ContextParallel | None) -> None:
+        for block in self.blocks:
+            block.attn._split_context(value)
+        self._context_parallel = value
 
     def new_cache(self, batch_size: int, max_seq_len: int, *,
                   dtype: torch.dtype | None = None) -> list[KVCache]:
@@ -179,12 +200,24 @@ class GPT(GenerationMixin, nn.Module):
         check_ids(ids, self.config.vocab_size)
         non_negative_int("logits_to_keep", logits_to_keep)
         batch, seq = ids.shape
-        positions = packed_positions(document_ids, ids.shape, caches, positions)
         past = caches[0].seq_len if caches else 0
-        if past + seq > self.context_length:
+        split = self._context_parallel
+        if split is not None and document_ids is not None:
+            raise ValueError("document_ids is not supported with context_parallel (a shard "
+                             "cannot number its documents' positions alone); pass "
+                             "positions and call ring_attention with document_ids")
+        positions = packed_positions(document_ids, ids.shape, caches, positions)
+        if split is not None:  # ids: this rank's shard of the sequence
+            if caches is not None or output_attentions or logits_to_keep:
+                raise ValueError("caches, output_attentions and logits_to_keep are not "
+                                 "supported with context_parallel")
+            whole = split.total(seq)
+            if positions is None:
+                positions = split.positions(seq, seq_len=whole, device=ids.device)
+        if past + (seq if split is None else whole) > self.context_length:
             raise ValueError(
-                f"sequence of {past + seq} tokens is longer than context_length="
-                f"{self.context_length}"
+                f"sequence of {past + (seq if split is None else whole)} tokens is longer "
+                f"than context_length={self.context_length}"
             )
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), "

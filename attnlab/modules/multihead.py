@@ -6,23 +6,16 @@ It projects, splits heads, rotates (RoPE), appends to the cache and calls
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from .. import masks as _masks
 from ..cache import KVCache
-from ..checks import (
-    boolean,
-    one_of,
-    optional_positive_int,
-    positive_int,
-    probability,
-)
+from ..checks import boolean, one_of, optional_positive_int, positive_int, probability
+from ..distributed import ContextParallel
 from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
-from . import fused, rows, scores
+from . import fused, rows, scores, split
 from .construction import book_call, from_torch
 from .layers import dropout
 
@@ -33,9 +26,8 @@ def _shape(t: object) -> object:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
-    product_groups = (("W_query", "W_key", "W_value"), ("out_proj",))  # (modules.fused)
-
+class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSequence,
+                         nn.Module):
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:
@@ -70,6 +62,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
             :func:`~attnlab.modules.scores.alibi_slopes` (BLOOM's).
         sinks (bool): a learned logit per head (``sinks``, ``(num_heads,)``, zeros at
             first) that joins each softmax's denominator and weighs no value (gpt-oss).
+        context_parallel (ContextParallel | None): the sequence split across processes
+            (:mod:`.split`): ``forward`` takes and returns this rank's shard.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
     ``out_proj``), so under the same ``torch.manual_seed`` a
@@ -87,12 +81,14 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
     takes one unbatched ``(seq, d_in)`` sequence.
     """
 
+    product_groups = (("W_query", "W_key", "W_value"), ("out_proj",))  # (modules.fused)
+
     def __init__(
         self,
         d_in: int,
         d_out: int,
         num_heads: int,
-        *book_args: Any,
+        *book_args: object,
         num_kv_heads: int | None = None,
         context_length: int | None = None,
         causal: bool | None = None,
@@ -109,6 +105,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         softcap: float | None = None,
         alibi: bool = False,
         sinks: bool = False,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         if book_args:
@@ -146,6 +143,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         self.resid_dropout = probability("resid_dropout", resid_dropout)
         self.window = window
         self.backend = backend
+        self._split_context(context_parallel)
 
         kv_out = self.head_dim * num_kv_heads
         self.W_query = nn.Linear(d_in, inner, bias=qkv_bias)
@@ -271,6 +269,9 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         rot = self.rotary
         if rot is None and positions is not None:
             raise ValueError("positions is only used with rope=True; this module has rope=False")
+        if self.context_parallel is not None:
+            positions = self._split_positions(x, kv, cache, positions, return_weights,
+                                              rot is not None)
         # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
@@ -310,6 +311,10 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, nn.Module):
         if self.qkv_hook is not None:
             q, k, v = self.qkv_hook(q, k, v)
         mask = _masks.as_attention_mask(mask, b, past + s)
+        if self.context_parallel is not None:
+            out = self._split_attention(q, k, v, mask, **options, **(
+                {} if document_ids is None else {"document_ids": document_ids}))
+            return self._project(out.transpose(1, 2).reshape(b, t, heads * head_dim))
         if cache is not None:
             k, v = (t.to(q.dtype) for t in cache.update(k, v))  # (B, Hkv, past + T, D) views
         try:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import _mean_across
 from .packing import Packed, pack, packed_loss
 from .settings import TrainConfig
 
@@ -46,10 +47,20 @@ def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator)
     return torch.stack([stream[s:s + context + 1] for s in starts.tolist()])
 
 
-def lm_loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+    """Mean next-token loss of ``rows (batch, context + 1)``. With ``split`` (a
+    :class:`~attnlab.distributed.ContextParallel`) the model sees this rank's shard of
+    each sequence, and the result is this rank's share of the mean times the split's
+    size: averaged over the split's ranks (as DistributedDataParallel averages the
+    gradients) it is the mean over the whole sequences."""
     rows = rows.to(next(model.parameters()).device)  # batches are drawn on the CPU
-    logits = model(rows[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    if split is None:
+        logits = model(rows[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    logits = model(split.shard(rows[:, :-1]))
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                            split.shard(rows[:, 1:]).reshape(-1), reduction="sum")
+    return total * split.world_size / rows[:, 1:].numel()
 
 
 class Stream:
@@ -64,8 +75,8 @@ class Stream:
     def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
         return sample(self.tokens, batch, context, gen)
 
-    def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        return lm_loss(model, rows)
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+        return lm_loss(model, rows, split)
 
 
 class PackedRows:
@@ -82,7 +93,9 @@ class PackedRows:
     def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
         return torch.randint(0, len(self.packed), (batch,), generator=gen)
 
-    def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+        if split is not None:  # train() refuses pack with context_parallel first
+            raise ValueError("packed rows are not supported with context_parallel")
         return packed_loss(model, self.packed, rows)
 
 
@@ -116,15 +129,19 @@ def packed_split(documents: Sequence[Sequence[int]], context: int):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, stream: torch.Tensor | Stream | PackedRows,
-             cfg: TrainConfig) -> float:
+             cfg: TrainConfig, split=None) -> float:
     """Mean loss on fixed held-out batches (their own generator: training RNG untouched)
-    of a token stream (windows) or of packed rows."""
+    of a token stream (windows) or of packed rows; with ``split``, every rank of it gets
+    the whole sequences' mean."""
     data = Stream(stream) if isinstance(stream, torch.Tensor) else stream
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     was_training = model.training
     model.eval()
+    ranks = 1 if split is None else split.world_size
+    group = None if split is None else split.group
     try:
-        losses = [float(data.loss(model, data.sample(cfg.batch_size, cfg.context, gen)))
+        losses = [_mean_across(data.loss(model, data.sample(cfg.batch_size, cfg.context, gen),
+                                         split), ranks, group)
                   for _ in range(cfg.eval_batches)]
     finally:
         model.train(was_training)

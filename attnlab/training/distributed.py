@@ -1,5 +1,6 @@
 """Training under ``torchrun``: the device of this rank, joining and leaving the group,
-the mean of a value across ranks."""
+the mean of a value across ranks, and context parallelism (one sequence split over
+several ranks)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,39 @@ def _leave_group(wait: bool) -> None:
     dist.destroy_process_group()
 
 
-def _mean_across(value: torch.Tensor, world: int) -> float:
+def _mean_across(value: torch.Tensor, world: int, group=None) -> float:
     value = value.detach()
     if world > 1:
         import torch.distributed as dist
 
         value = value.clone()
-        dist.all_reduce(value)
+        dist.all_reduce(value, group=group)
         value /= world
     return float(value)
+
+
+def context_split(model, world: int, rank: int, size: int, seq_len: int):
+    """The :class:`~attnlab.distributed.ContextParallel` of this rank when each sequence
+    is split over ``size`` consecutive ranks (``size`` 1: None). Each split gets its own
+    group, apart from the default group DistributedDataParallel reduces over, so the
+    ring's messages never meet the gradient reductions. Data parallelism runs across the
+    ``world // size`` splits."""
+    from ..checks import positive_int
+
+    positive_int("context_parallel", size)
+    if size == 1:
+        return None
+    if world % size:
+        raise ValueError(f"--context-parallel {size} must divide the number of processes "
+                         f"({world}): run it under torchrun --nproc_per_node {size} (or a "
+                         "multiple of it)")
+    if not hasattr(model, "context_parallel"):
+        raise ValueError(f"--context-parallel needs a model that can split its sequence "
+                         f"(--model gpt), got {type(model).__name__}")
+    import torch.distributed as dist
+
+    from ..distributed import ContextParallel
+
+    groups = [dist.new_group(list(range(start, start + size)))  # every rank makes every group
+              for start in range(0, world, size)]
+    return ContextParallel(groups[rank // size], layout="zigzag", seq_len=seq_len)

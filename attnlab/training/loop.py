@@ -37,7 +37,7 @@ from ..io import BEST_DIR
 from ..io.locks import output_lock
 from ..progress import Progress
 from .data import PackedRows, Stream, evaluate, held_out_record, packed_split, split
-from .distributed import _dist_setup, _leave_group, _mean_across
+from .distributed import _dist_setup, _leave_group, _mean_across, context_split
 from .settings import (
     TrainConfig,
     check_training_fits,
@@ -56,6 +56,7 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] | None = print,
     meta: dict | None = None,
+    context_parallel: int = 1,
 ) -> dict:
     """Train ``model`` (a decoder: ids -> logits) on a 1-D token stream, or on documents
     packed into rows (``cfg.pack``).
@@ -81,6 +82,10 @@ def train(
             and at least every :data:`PIPE_PROGRESS_SECONDS`.
         log: where eval lines go (rank 0); None for silence.
         meta: extra JSON fields for ``config.json``.
+        context_parallel: split each sequence over this many ranks (under torchrun; a
+            GPT): ring attention over zig-zag shards, the same losses and weights as one
+            process up to float rounding. The processes beyond one split train on other
+            rows (data parallelism); ``context_parallel`` must divide their number.
 
     Returns:
         ``{"steps", "final_loss", "eval_loss", "seconds", "tokens_per_s", "history",
@@ -97,27 +102,40 @@ def train(
     device = next(model.parameters()).device
     rank, world, created = _dist_setup(device)
     try:
+        sharding = context_split(model, world, rank, context_parallel, cfg.context)
+        if sharding is not None:
+            model.context_parallel = sharding
         summary = _train(model, tokens, cfg, rank, world, device, out=out, resume=resume,
-                         tokenizer=tokenizer, progress=progress, log=log, meta=meta)
+                         tokenizer=tokenizer, progress=progress, log=log, meta=meta,
+                         sharding=sharding)
     except BaseException:
         if created:  # no barrier: the other ranks may never come to it
             _leave_group(wait=False)
         raise
+    finally:
+        if context_parallel != 1 and hasattr(model, "context_parallel"):
+            model.context_parallel = None  # its group goes with this run
     if created:
         _leave_group(wait=True)
     return summary
 
 
 def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, progress, log,
-           meta) -> dict:
-    if cfg.batch_size % world:
+           meta, sharding) -> dict:
+    rows_world = world // (1 if sharding is None else sharding.world_size)  # data parallelism
+    if cfg.batch_size % rows_world:
         raise ValueError(f"batch-size {cfg.batch_size} must be divisible by the number of "
-                         f"processes ({world})")
+                         f"processes ({world})" if sharding is None else
+                         f"batch-size {cfg.batch_size} must be divisible by the number of "
+                         f"context-parallel groups ({rows_world})")
     if cfg.context > model.context_length:
         raise ValueError(f"context {cfg.context} is longer than the model's context_length "
                          f"{model.context_length}")
     check_training_fits(model, cfg.batch_size, cfg.context, world)
     if cfg.pack:
+        if sharding is not None:
+            raise ValueError("pack=True is not supported with context_parallel > 1 (packed "
+                             "rows need each document's positions from the whole row)")
         if isinstance(tokens, torch.Tensor):
             raise TypeError("pack=True trains on documents: give a list of token id "
                             "sequences (split_documents(text), each encoded), not one "
@@ -138,7 +156,7 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
             stack.enter_context(output_lock(out))
         return _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world,
                     device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
-                    log=log, meta=meta)
+                    log=log, meta=meta, sharding=sharding)
 
 
 def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
@@ -206,7 +224,7 @@ class _Best:
 
 
 def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world, device, *,
-         out, resume, tokenizer, progress, log, meta) -> dict:
+         out, resume, tokenizer, progress, log, meta, sharding) -> dict:
     step, history, resumed_from = 0, [], None
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
     packing = None
@@ -230,7 +248,9 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    per_rank = cfg.batch_size // world
+    per_split = 1 if sharding is None else sharding.world_size
+    per_rank = cfg.batch_size * per_split // world  # rows of each split
+    first = rank // per_split * per_rank
     show = Progress(cfg.steps, step) if progress and rank == 0 else None
     if show is not None and show.bar is not None:
         say = show.through_bar(say)  # lines above the bar, never through it
@@ -242,8 +262,7 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = train_data.sample(cfg.batch_size, cfg.context, gen)
-        rows = rows[rank * per_rank:(rank + 1) * per_rank]
-        loss = train_data.loss(wrapped, rows)
+        loss = train_data.loss(wrapped, rows[first:first + per_rank], sharding)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The mean over ranks: a NaN on any rank stops every rank at the same step.
@@ -258,7 +277,7 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
         step += 1
         eval_loss = None
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            eval_loss = evaluate(model, eval_data, cfg)
+            eval_loss = evaluate(model, eval_data, cfg, sharding)
             if not math.isfinite(eval_loss):  # weights that overflow on held-out text
                 raise _stop(step, "eval loss", eval_loss, out, saved)
             say(f"step {step:5d}  loss {train_loss:.4f}  eval {eval_loss:.4f}")

@@ -1,0 +1,73 @@
+"""The pieces that travel around the ring: packing a piece's keys, values and key mask
+into one flat message and viewing them back, and the exact merge of two blocks' partial
+outputs by their log-sum-exp."""
+
+from __future__ import annotations
+
+import torch
+
+_INF = float("inf")
+
+
+def work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class Pieces:
+    """Packing a piece's tensors into one flat message and viewing them back."""
+
+    def __init__(self, k, v, mask, dtype):
+        self.batch, self.heads = k.shape[0], k.shape[1]
+        self.dk, self.dv = k.shape[-1], v.shape[-1]
+        self.k, self.v, self.mask = k, v, mask
+        self.dtype = dtype
+
+    def sizes(self, n: int, grads: bool = False) -> list[int]:
+        rows = self.batch * self.heads * n
+        out = [rows * self.dk, rows * self.dv]
+        return out if grads or self.mask is None else out + [self.batch * n]
+
+    def pack(self, piece) -> torch.Tensor:
+        a, b = piece.local, piece.local + piece.size
+        parts = [self.k[:, :, a:b].reshape(-1), self.v[:, :, a:b].reshape(-1)]
+        if self.mask is not None:
+            parts.append(self.mask[:, a:b].reshape(-1).to(self.dtype))
+        return torch.cat(parts)
+
+    def empty(self, n: int, grads: bool = False, dtype=None) -> torch.Tensor:
+        return torch.empty(sum(self.sizes(n, grads)), dtype=dtype or self.dtype,
+                           device=self.k.device)
+
+    def views(self, flat: torch.Tensor | None, piece, grads: bool = False):
+        """``(k, v, mask)`` of ``piece`` (``(dk, dv)`` with ``grads``): views of ``flat``, or
+        of the local shard where ``flat`` is None."""
+        n = piece.size
+        if flat is None:
+            a, b = piece.local, piece.local + n
+            m = None if self.mask is None else self.mask[:, a:b]
+            return self.k[:, :, a:b], self.v[:, :, a:b], _as4d(m)
+        parts = flat.split(self.sizes(n, grads))
+        k = parts[0].view(self.batch, self.heads, n, self.dk)
+        v = parts[1].view(self.batch, self.heads, n, self.dv)
+        if grads:
+            return k, v
+        m = None if self.mask is None else parts[2].view(self.batch, n) != 0
+        return k, v, _as4d(m)
+
+
+def _as4d(m):
+    return None if m is None else m[:, None, None, :]
+
+
+def merge(out, lse, part, part_lse) -> None:
+    """Fold one block's ``(part, part_lse)`` into the running ``(out, lse)`` in place: the
+    exact softmax over the union of their keys (``lse`` ``-inf``: no key yet; a block's
+    ``+inf``: no key in it)."""
+    part_lse = part_lse.masked_fill(part_lse == _INF, -_INF)
+    new = torch.logaddexp(lse, part_lse)
+    keep, take = torch.exp(lse - new), torch.exp(part_lse - new)
+    empty = new == -_INF  # neither has a key: -inf - -inf is NaN, and the row stays 0
+    keep.masked_fill_(empty, 0.0)
+    take.masked_fill_(empty, 0.0)
+    out.mul_(keep.unsqueeze(-1)).add_(part * take.unsqueeze(-1))
+    lse.copy_(new)
