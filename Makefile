@@ -29,11 +29,13 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/attnlab demo
 
+# Two worker processes (CI has two cores), each with one OpenMP thread: two threads a
+# worker would oversubscribe the cores, and a spinning thread waits on a descheduled one.
 test: install
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not slow"
 
 bench: install
 	$(VENV)/bin/attnlab bench

@@ -179,8 +179,8 @@ def test_smollm2_greedy_text_of_bf16_and_int8_against_float32():
     """docs/precision.md's tolerances on a real model (SmolLM2-135M-Instruct): on the
     float32 model's greedy continuation of four prompts (24 tokens each), bf16 and int8
     pick float32's next token at 95% of the 96 positions or more and at all but two of
-    any one prompt's 24, their first four greedy tokens are float32's, and the largest
-    logit error is within 5% (bf16) and 8% (int8) of the largest logit."""
+    any one prompt's 24, their greedy text parts from float32's only where float32's own
+    top two logits are within that tolerance, and the largest logit error is within 5% (bf16) and 8% (int8) of the largest logit."""
     from attnlab.interop import smollm2
     from attnlab.text import GGUFTokenizer
 
@@ -207,8 +207,17 @@ def test_smollm2_greedy_text_of_bf16_and_int8_against_float32():
             assert wrong <= 2, (name, prompt, wrong)
             differ[name] += wrong
             _close(got, want, 0.05 if name == "bf16" else 0.08)
-            mine = model.generate(ids, 4, temperature=0)
-            assert mine[0, n:].tolist() == text[0, n:n + 4].tolist(), (name, prompt)
+            # Greedy decoding (the fused run): where it first parts from float32's text
+            # within 8 tokens, float32 itself was near a tie there (its logit for the
+            # token taken within the same tolerance of its top logit).
+            mine = model.generate(ids, 8, temperature=0)[0, n:]
+            parted = (mine != text[0, n:n + 8]).nonzero()
+            if len(parted):
+                j = int(parted[0])
+                row = want[0, n - 1 + j]
+                gap = float(row.max() - row[mine[j]])
+                assert gap <= (0.05 if name == "bf16" else 0.08) * float(row.abs().max()), (
+                    name, prompt, j, gap)
     assert all(wrong <= 0.05 * 96 for wrong in differ.values()), differ
 
 
