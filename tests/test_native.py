@@ -118,12 +118,14 @@ def test_strided_rows_are_read_in_place():
 
 
 @needs_native
-def test_backward_is_bitwise_reproducible():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_backward_is_bitwise_reproducible(threads):
     q, k, v = _qkv(1, 4, 333, 16, kv_heads=2, grad=True)
     grads = []
     for _ in range(2):
-        out = attnlab.attention(q, k, v, causal=True, window=100, backend="flash")
-        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+        with _threads(threads):
+            out = attnlab.attention(q, k, v, causal=True, window=100, backend="flash")
+            grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 
@@ -246,13 +248,31 @@ def full_size_problems(draw):
         causal=draw(st.booleans()), window=draw(st.sampled_from([None, 1, 37, 100])),
         mask=draw(st.sampled_from(["none", "padding", "float"])),
         seed=draw(st.integers(0, 2**16)),
+        # make test runs one OpenMP thread per worker: the work split across threads
+        # (query blocks forward, key blocks and the dQ sums backward) is drawn here.
+        threads=draw(st.sampled_from([1, 2, 3])),
     )
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_native
 @settings(max_examples=25, deadline=None)
 @given(p=full_size_problems())
 def test_full_size_tiles_match_the_reference_and_eager_gradients(p):
+    with _threads(p["threads"]):
+        _full_size_tiles_match(p)
+
+
+def _full_size_tiles_match(p):
     g = torch.Generator().manual_seed(p["seed"])
     b, hq, hkv, lq, lk, d = (p[n] for n in ("batch", "q_heads", "kv_heads", "q_len", "k_len",
                                              "head_dim"))
