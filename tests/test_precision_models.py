@@ -180,7 +180,8 @@ def test_smollm2_greedy_text_of_bf16_and_int8_against_float32():
     float32 model's greedy continuation of four prompts (24 tokens each), bf16 and int8
     pick float32's next token at 95% of the 96 positions or more and at all but two of
     any one prompt's 24, their greedy text parts from float32's only where float32's own
-    top two logits are within that tolerance, and the largest logit error is within 5% (bf16) and 8% (int8) of the largest logit."""
+    top two logits are within that tolerance, and the largest logit error is within 5%
+    (bf16) and 8% (int8) of the largest logit."""
     from attnlab.interop import smollm2
     from attnlab.text import GGUFTokenizer
 
