@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import masks
 from ..functional import attention
 from . import machine, variants
+from .factory import attention_step
 from .runner import Case, Impl
 
 MOD = __name__
@@ -126,18 +127,7 @@ def make_step(impl: str, batch: int, heads: int, seq: int, dim: int = 64,
     else:
         raise ValueError(f"unknown impl {impl!r}")
 
-    if not backward:
-        def step():
-            with torch.no_grad():
-                return fwd()
-        return step
-
-    def step_fb():
-        out = fwd()
-        out.backward(torch.ones_like(out))
-        for t in (q, k, v):
-            t.grad = None
-    return step_fb
+    return attention_step(fwd, backward, (q, k, v))
 
 
 def _flex_step(q, k, v, seq, causal, window):

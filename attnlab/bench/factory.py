@@ -15,3 +15,22 @@ def build(factory: Factory) -> Callable[[], object]:
     """The step a factory names, built in this process."""
     module, function, kwargs = factory
     return getattr(importlib.import_module(module), function)(**kwargs)
+
+
+def attention_step(fwd: Callable[[], object], backward: bool, inputs) -> Callable[[], object]:
+    """The step of one attention call ``fwd``: the forward without autograd, or forward and
+    backward (a gradient of ones) with ``inputs``' gradients cleared after each."""
+    import torch
+
+    if not backward:
+        def step():
+            with torch.no_grad():
+                return fwd()
+        return step
+
+    def step_fb():
+        out = fwd()
+        out.backward(torch.ones_like(out))
+        for t in inputs:
+            t.grad = None
+    return step_fb

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import attention
+from .factory import attention_step
 
 VARIANTS = ("softcap", "alibi", "sinks", "documents", "prefix-lm")
 SOFTCAP = 50.0  # Gemma 2's attention softcap
@@ -200,15 +201,4 @@ def make_step(impl: str, variant: str, batch: int = 1, heads: int = 12, seq: int
     else:
         raise ValueError(f"unknown impl {impl!r}")
 
-    if not backward:
-        def step():
-            with torch.no_grad():
-                return fwd()
-        return step
-
-    def step_fb():
-        out = fwd()
-        out.backward(torch.ones_like(out))
-        for t in (q, k, v):
-            t.grad = None
-    return step_fb
+    return attention_step(fwd, backward, (q, k, v))
