@@ -115,15 +115,29 @@ ATTNLAB_INLINE f8 exp8(f8 x) {
   return x < lo ? f8{} : e;
 }
 
-// tanh(x) = (e^2x - 1) / (e^2x + 1), through exp8; |x| > 9 is +-1 in float anyway.
-// Absolute error about 1e-7 (the relative error grows as x nears 0, where the scores
-// it caps are small).
-ATTNLAB_INLINE f8 tanh8(f8 x) {
-  const f8 lim = splat8(9.0f);
-  f8 xc = x > lim ? lim : x;
+// tanh as a rational function (Eigen's float tanh: odd degree-13 over even degree-6
+// polynomial, a few ulp): no exp, one division, exact in relative terms near 0 where
+// (e^2x - 1) / (e^2x + 1) cancels. |x| beyond 7.9 gives +-1 in float; NaN stays NaN.
+template <typename V>
+ATTNLAB_INLINE V tanh_v(V x) {
+  const V lim = V{} + 7.90531110763549805f;
+  V xc = x > lim ? lim : x;
   xc = xc < -lim ? -lim : xc;
-  const f8 e = exp8(xc + xc);
-  return (e - 1.0f) / (e + 1.0f);
+  const V x2 = xc * xc;
+  V p = V{} + -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  V q = V{} + 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return p * xc / q;
 }
+ATTNLAB_INLINE f8 tanh8(f8 x) { return tanh_v(x); }
+ATTNLAB_INLINE f16v tanh16(f16v x) { return tanh_v(x); }
 
 }  // namespace attnlab
