@@ -7,35 +7,21 @@ variant must refuse it in one line.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_functional import BACKENDS, FLASH, tiny_tiles  # the backends and tiles of every test
 
 import attnlab
-from attnlab import _flash, _native, _tiled, backends
+from attnlab import backends
 from attnlab import reference as ref
 from attnlab.blockmask import block_mask
 
-FLASH = pytest.param("flash", marks=pytest.mark.skipif(
-    not _native.available(), reason=f"native kernel: {_native.unavailable_reason()}"))
-BACKENDS = ["eager", "sdpa", "tiled", FLASH, "auto"]
 # What each variant is called in the backend table.
 CAPABILITY = {"softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks",
               "document_ids": "documents", "mask_mod": "mask_mod", "score_mod": "score_mod"}
-
-
-@contextlib.contextmanager
-def tiny_tiles():
-    saved = _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K
-    _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K = 3, 4, 3, 4
-    try:
-        yield
-    finally:
-        _tiled.BLOCK_Q, _tiled.BLOCK_K, _flash.BLOCK_Q, _flash.BLOCK_K = saved
 
 
 # Written with operators only, so that the oracle can call them one pair at a time
