@@ -11,7 +11,8 @@ more steps (ranks start each together, after a barrier).
 Per case, the ring's record adds: ``per_rank_peak_mb`` and ``peak_ratio`` (the largest
 rank's peak over the single-process peak); ``per_rank_ms`` (the slowest rank's step) and
 ``time_vs_single_over_n`` (that over the single process's time / N: 1 is perfect
-scaling, but here N ranks share this machine's cores, so N / cores is perfect);
+scaling on N machines, but here the N ranks share the cores the single process had,
+so N is perfect);
 ``hidden_fraction`` (per rank, 1 - the forward's exposed communication over the same
 messages' time run alone, without computation: the share of communication hidden
 behind the kernels; a wait counts only from when the neighbour had posted the piece,

@@ -14,13 +14,22 @@ def work_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class Pieces:
-    """Packing a piece's tensors into one flat message and viewing them back."""
+    """Packing a piece's tensors into one flat message and viewing them back.
 
-    def __init__(self, k, v, mask, dtype):
+    The messages' buffers come from a pool kept for one call: a buffer given back with
+    :meth:`release` (once its send has completed, or its piece is done with) serves the
+    next piece. Every buffer holds a whole piece of ``capacity`` keys, so a rank's
+    memory for messages is the most pieces it ever holds at once, not what the heap
+    keeps of thousands of freed ones.
+    """
+
+    def __init__(self, k, v, mask, dtype, capacity: int):
         self.batch, self.heads = k.shape[0], k.shape[1]
         self.dk, self.dv = k.shape[-1], v.shape[-1]
         self.k, self.v, self.mask = k, v, mask
         self.dtype = dtype
+        self.capacity = capacity
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
 
     def sizes(self, n: int, grads: bool = False) -> list[int]:
         rows = self.batch * self.heads * n
@@ -32,11 +41,21 @@ class Pieces:
         parts = [self.k[:, :, a:b].reshape(-1), self.v[:, :, a:b].reshape(-1)]
         if self.mask is not None:
             parts.append(self.mask[:, a:b].reshape(-1).to(self.dtype))
-        return torch.cat(parts)
+        return torch.cat(parts, out=self.empty(piece.size))
 
     def empty(self, n: int, grads: bool = False, dtype=None) -> torch.Tensor:
-        return torch.empty(sum(self.sizes(n, grads)), dtype=dtype or self.dtype,
-                           device=self.k.device)
+        """A buffer for a message of ``n`` keys (uninitialised), from the pool."""
+        dtype = dtype or self.dtype
+        whole = sum(self.sizes(self.capacity, grads))
+        free = self._free.get((dtype, whole))
+        buffer = free.pop() if free else torch.empty(whole, dtype=dtype, device=self.k.device)
+        return buffer[:sum(self.sizes(n, grads))]
+
+    def release(self, flat: torch.Tensor | None) -> None:
+        """Give a buffer from :meth:`empty` back to the pool (None: nothing)."""
+        if flat is not None:
+            whole = flat if flat._base is None else flat._base
+            self._free.setdefault((whole.dtype, whole.numel()), []).append(whole)
 
     def views(self, flat: torch.Tensor | None, piece, grads: bool = False):
         """``(k, v, mask)`` of ``piece`` (``(dk, dv)`` with ``grads``): views of ``flat``, or
@@ -62,12 +81,15 @@ def _as4d(m):
 def merge(out, lse, part, part_lse) -> None:
     """Fold one block's ``(part, part_lse)`` into the running ``(out, lse)`` in place: the
     exact softmax over the union of their keys (``lse`` ``-inf``: no key yet; a block's
-    ``+inf``: no key in it)."""
+    ``+inf``: no key in it). ``part`` is scaled in place: the caller is done with it."""
     part_lse = part_lse.masked_fill(part_lse == _INF, -_INF)
     new = torch.logaddexp(lse, part_lse)
     keep, take = torch.exp(lse - new), torch.exp(part_lse - new)
     empty = new == -_INF  # neither has a key: -inf - -inf is NaN, and the row stays 0
     keep.masked_fill_(empty, 0.0)
     take.masked_fill_(empty, 0.0)
-    out.mul_(keep.unsqueeze(-1)).add_(part * take.unsqueeze(-1))
+    take = take.unsqueeze(-1)
+    # In place where ``part`` is already the work dtype: one block's output less at a time.
+    out.mul_(keep.unsqueeze(-1)).add_(part.mul_(take) if part.dtype == out.dtype else
+                                      part * take)
     lse.copy_(new)

@@ -93,13 +93,11 @@ class Plan:
                     uid += 1
                 local += end - start
             self.pieces.append(own)
-        self._calls = {(r, p.uid): self._calls_of(r, p)
-                       for r in range(self.world) for own in self.pieces for p in own}
         self.reach = {}
         for own in self.pieces:
             for p in own:
-                hops = [h for h in range(self.world) if self._calls[(p.owner + h) % self.world,
-                                                                    p.uid]]
+                hops = [h for h in range(self.world)
+                        if self._any_call((p.owner + h) % self.world, p)]
                 self.reach[p.uid] = max(hops, default=0)
         self.ticks = max((p.index + self.reach[p.uid] + 1 for own in self.pieces for p in own),
                          default=0)
@@ -113,16 +111,23 @@ class Plan:
             local += end - start
         return out
 
-    def _calls_of(self, rank: int, piece: Piece) -> tuple[Call, ...]:
-        calls = []
+    def calls(self, rank: int, piece: Piece) -> tuple[Call, ...]:
+        """The kernel calls of ``rank``'s query blocks that see some key of ``piece``:
+        worked out each time asked (a few per tick), never all kept, since a long
+        sequence has tens of thousands of them."""
+        return tuple(self._each_call(rank, piece))
+
+    def _any_call(self, rank: int, piece: Piece) -> bool:
+        return next(self._each_call(rank, piece), None) is not None
+
+    def _each_call(self, rank: int, piece: Piece):
         for position, local, n in self.query_rows(rank):
             offset = position + self.k_len - self.q_len - piece.start
             rule = _masks.KeyRule(n, piece.size, causal=self.causal, window=self.window,
                                   offset=offset)
             lo, hi = rule.block(0, n)
             if hi > lo:
-                calls.append(Call(local, n, offset))
-        return tuple(calls)
+                yield Call(local, n, offset)
 
     def items(self, rank: int, tick: int) -> list[Item]:
         """What ``rank`` does at ``tick``: one item per piece it holds then."""
@@ -133,7 +138,7 @@ class Plan:
             if 0 <= index < len(own):
                 piece = own[index]
                 reach = self.reach[piece.uid]
-                calls = self._calls[rank, piece.uid]
+                calls = self.calls(rank, piece) if hop <= reach else ()
                 if hop <= reach and (calls or hop < reach):
                     out.append(Item(piece, hop, hop < reach, calls))
         return out

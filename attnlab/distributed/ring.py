@@ -288,7 +288,7 @@ def _forward(call, q, k, v, mask, compute: bool = True):
     qw = q.to(work)
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=work, device=q.device)
     lse = torch.full(q.shape[:3], -_INF, dtype=work, device=q.device)
-    pieces = Pieces(k, v, mask, k.dtype)
+    pieces = Pieces(k, v, mask, k.dtype, plan.block)
     incoming: dict[int, tuple] = {}
     sending: list = []
     clock = {"compute_s": 0.0, "wait_s": 0.0, "messages": 0, "bytes": 0, "ticks": plan.ticks}
@@ -343,9 +343,13 @@ def _forward(call, q, k, v, mask, compute: bool = True):
                     part, part_lse = call.forward(qw[:, :, rows], kp, vp, mp, it.piece, c)
                     merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         clock["compute_s"] += time.perf_counter() - start
+        for it in items:  # a piece not sent on is done with; a sent one, once its send is
+            if not it.send:
+                pieces.release(held.get(it.piece.uid))
         start = time.perf_counter()
-        for w, _ in sending:
+        for w, flat in sending:
             comm.wait(w, "sending keys and values to", rank + 1)
+            pieces.release(flat)
         clock["wait_s"] += time.perf_counter() - start
         sending = sent
     start = time.perf_counter()

@@ -25,7 +25,7 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
     dk = torch.zeros(k.shape, dtype=work, device=q.device)
     dv = torch.zeros(v.shape, dtype=work, device=q.device)
-    pieces = Pieces(k, v, mask, k.dtype)
+    pieces = Pieces(k, v, mask, k.dtype, plan.block)
     incoming: dict[tuple[int, int], tuple] = {}  # (uid, kind) -> (buffer, work)
     sending: list = []
     clock = {"backward_compute_s": 0.0, "backward_wait_s": 0.0}
@@ -83,6 +83,7 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
                 wait(w, "receiving key gradients from", rank - 1)
                 if share is not None:
                     acc += share
+                    pieces.release(share)
             else:
                 acc = share if share is not None else pieces.empty(it.piece.size, True,
                                                                    work).zero_()
@@ -94,12 +95,17 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
                               incoming, plan)
             else:
                 _add_home(dk, dv, pieces, acc, it.piece)
+                pieces.release(acc)
+            if not it.send:  # its keys and values are done with; sent ones once sent
+                pieces.release(held.get(it.piece.uid))
         for piece in plan.finals(rank, tick):
             flat, w = incoming.pop((piece.uid, 2))
             wait(w, "receiving the finished key gradients from", rank + plan.reach[piece.uid])
             _add_home(dk, dv, pieces, flat, piece)
-        for w, peer, _ in sending:
+            pieces.release(flat)
+        for w, peer, flat in sending:
             wait(w, "sending to", peer)
+            pieces.release(flat)
         sending = sent
     for w, peer, _ in sending:
         wait(w, "sending to", peer)
