@@ -267,3 +267,17 @@ def model_split(rank: int, world: int, cases: list[dict]) -> list[float]:
             worst = max(worst, float(((q.grad - p.grad).abs() / (1 + p.grad.abs())).max()))
         errors.append(worst)
     return errors
+
+
+def message_buffers(rank: int, world: int, seq: int, block: int) -> dict:
+    """The profile of one causal ring forward and backward over ``seq`` tokens in pieces
+    of ``block`` keys: how many message buffers each pass made, and how many messages."""
+    from attnlab.distributed import ring_attention, shard
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (shard(torch.randn(1, 2, seq, 8, generator=g), world, rank, layout="zigzag",
+                     dim=2).requires_grad_() for _ in range(3))
+    profile = {}
+    out = ring_attention(q, k, v, causal=True, layout="zigzag", block=block, profile=profile)
+    out.sum().backward()
+    return {key: profile[key] for key in ("buffers", "backward_buffers", "messages")}

@@ -120,6 +120,21 @@ def test_world_size_4():
     _sweep(4, 24)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_message_buffers_are_reused_so_memory_does_not_grow_with_the_sequence(world):
+    # Each pass makes the few buffers it holds at once (a piece per shard in hand, the
+    # next ones arriving, the last ones still being sent) and reuses them: 4x the
+    # sequence sends 4x the messages through the same buffers.
+    runs = [workers.spawn(world, workers.message_buffers, seq, 16, limit=120)
+            for seq in (160 * world, 640 * world)]
+    assert all(res[0] == "ok" for r in runs for res in r.values()), runs
+    for rank in range(world):
+        short, long = (r[rank][1] for r in runs)
+        assert long["messages"] >= 4 * short["messages"] - 8 * world
+        assert long["buffers"] == short["buffers"] <= 3 * world
+        assert long["backward_buffers"] == short["backward_buffers"] <= 6 * world
+
+
 @pytest.mark.slow
 def test_a_rank_that_dies_mid_step_stops_the_others_with_one_clear_error():
     world, victim = 3, 1

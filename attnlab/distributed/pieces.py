@@ -30,6 +30,7 @@ class Pieces:
         self.dtype = dtype
         self.capacity = capacity
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.allocated = 0  # buffers made: the most this call ever held at once
 
     def sizes(self, n: int, grads: bool = False) -> list[int]:
         rows = self.batch * self.heads * n
@@ -48,7 +49,11 @@ class Pieces:
         dtype = dtype or self.dtype
         whole = sum(self.sizes(self.capacity, grads))
         free = self._free.get((dtype, whole))
-        buffer = free.pop() if free else torch.empty(whole, dtype=dtype, device=self.k.device)
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(whole, dtype=dtype, device=self.k.device)
+            self.allocated += 1
         return buffer[:sum(self.sizes(n, grads))]
 
     def release(self, flat: torch.Tensor | None) -> None:

@@ -75,8 +75,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         timeout: seconds to wait for a neighbour before raising
             :class:`~attnlab.distributed.RingError` (None: the group's timeout).
         profile: a dict to fill with timings: the forward's ``compute_s``, ``wait_s`` (time
-            blocked on messages), ``ticks``, ``messages``, ``bytes``; the backward's as
-            ``backward_compute_s``, ``backward_wait_s``.
+            blocked on messages), ``ticks``, ``messages``, ``bytes``, ``buffers``
+            (message buffers made: the most pieces held at once); the backward's as
+            ``backward_compute_s``, ``backward_wait_s``, ``backward_buffers``.
         softcap, alibi_slopes, sinks: as :func:`attnlab.attention`, over the whole
             sequence's positions (ALiBi's distances are global); ``sinks`` join each
             row's softmax once, and their gradient is this rank's rows' share (sum it
@@ -357,6 +358,6 @@ def _forward(call, q, k, v, mask, compute: bool = True):
         comm.wait(w, "sending keys and values to", rank + 1)
     clock["wait_s"] += time.perf_counter() - start
     if call.profile is not None:
-        call.profile.update(clock)
+        call.profile.update(clock, buffers=pieces.allocated)
     call.variants.add_sinks(out, lse)
     return out, lse.masked_fill_(lse == -_INF, _INF)
