@@ -163,7 +163,7 @@ void backward_impl(const Problem& P, const BackwardArgs<S>& X, int64_t workers) 
   for (int64_t bh = 0; bh < pairs; ++bh) parts.left[bh].store(nkb);
   const bool tiles = use_tile_kernel<A>();
   std::vector<std::unique_ptr<BackwardScratch<A>>> scratch(workers);
-  run_items_fixed(cost, workers, [&](int64_t worker, int64_t item) {
+  run_items_fixed(cost, nkb, workers, [&](int64_t worker, int64_t item) {
     if (!scratch[worker]) scratch[worker] = std::make_unique<BackwardScratch<A>>(P);
     const int64_t bh = item / nkb;
     A* mine = parts.buf.data() + (worker * pairs + bh) * parts.slice;

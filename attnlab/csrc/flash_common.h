@@ -184,23 +184,32 @@ void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work
   });
 }
 
-// Item indices sorted by decreasing cost: the longest ones start first.
-inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cost) {
+// Item indices one group at a time (items [g * group, (g + 1) * group): the blocks of one
+// (b, head)), each group's longest first. The workers then share a head's keys and
+// values (or queries and output gradients) in cache while they work through it, where
+// a global longest-first order went round every head before coming back (12 heads at
+// T=4096: 24 MB of K and V cycled through the cache; 4-5% slower at two threads), and
+// the last items of all, the short ends of the last head, still even out the finish.
+inline std::vector<int64_t> longest_first(const std::vector<int64_t>& cost, int64_t group) {
   std::vector<int64_t> order(cost.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+  const auto n = static_cast<int64_t>(cost.size());
+  for (int64_t g = 0; g < n; g += group)
+    std::stable_sort(order.begin() + g, order.begin() + std::min(n, g + group),
+                     [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
   return order;
 }
 
-// A fixed split of the items over workers, longest first to the least loaded one.
+// A fixed split of the items over workers, in longest_first's order, each to the least
+// loaded one.
 // Fixed rather than pulled from a counter so that each worker's dQ buffer sums its
 // items in the same order on every run: the backward is bitwise reproducible.
 template <typename F>
-void run_items_fixed(const std::vector<int64_t>& cost, int64_t workers, const F& work) {
+void run_items_fixed(const std::vector<int64_t>& cost, int64_t group, int64_t workers,
+                     const F& work) {
   std::vector<std::vector<int64_t>> share(workers);
   std::vector<int64_t> load(workers, 0);
-  for (int64_t item : longest_first(cost)) {
+  for (int64_t item : longest_first(cost, group)) {
     const auto w = std::min_element(load.begin(), load.end()) - load.begin();
     share[w].push_back(item);
     load[w] += cost[item] + 1;

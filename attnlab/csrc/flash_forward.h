@@ -109,7 +109,8 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   if constexpr (!std::is_same_v<S, A>) from_acc(o, dst, nr * P.Dv);
 }
 
-// Every (b, h, query block) in one parallel region, longest first, pulled from a counter.
+// Every (b, h, query block) in one parallel region, a head at a time, longest first, pulled
+// from a counter.
 template <typename S>
 void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                   Tensor& out, Tensor& lse) {
@@ -129,7 +130,7 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   const bool tiles = use_tile_kernel<A>();
   const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
   std::vector<std::unique_ptr<ForwardScratch<A>>> scratch(workers);
-  run_items(longest_first(cost), workers, [&](int64_t worker, int64_t item) {
+  run_items(longest_first(cost, nqb), workers, [&](int64_t worker, int64_t item) {
     if (!scratch[worker]) scratch[worker] = std::make_unique<ForwardScratch<A>>(P);
     const int64_t bh = item / nqb;
     forward_block<S>(P, qp, qr, kp, kr, vp, vr, op, lp, bh / P.Hq, bh % P.Hq, (item % nqb) * P.bq,
