@@ -49,9 +49,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout)
     q_lens, k_lens = shard_lengths(q_len, n, layout), shard_lengths(k_len, n, layout)
     options = _head_variants(comm, q, k, q_len, k_len, layout, options)
-    qh = _SeqToHeads.apply(q, comm, q_lens, layout)
-    kh = _SeqToHeads.apply(k, comm, k_lens, layout)
-    vh = _SeqToHeads.apply(v, comm, k_lens, layout)
+    qh = _Exchange.apply(q, comm, q_lens, layout, True)
+    kh = _Exchange.apply(k, comm, k_lens, layout, True)
+    vh = _Exchange.apply(v, comm, k_lens, layout, True)
     whole = None
     if mask is not None:  # (B, k_len_rank) -> (B, 1, 1, k_len) on every rank
         m = mask.to(torch.uint8)[:, None, :, None].expand(-1, n, -1, -1)  # one copy per rank
@@ -59,7 +59,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         whole = whole[:, None, None, :]
     out = attention(qh, kh, vh, mask=whole, causal=causal, window=window, scale=scale,
                     backend=backend, **options)
-    return _HeadsToSeq.apply(out, comm, q_lens, layout)
+    return _Exchange.apply(out, comm, q_lens, layout, False)
 
 
 def _head_variants(comm, q, k, q_len, k_len, layout, options: dict) -> dict:
@@ -117,23 +117,19 @@ def _exchange(comm, recv, send, recv_sizes, send_sizes) -> None:
     comm.wait(work, "exchanging heads with", comm.rank + 1)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """``_seq_to_heads`` (``to_heads``) or ``_heads_to_seq``, differentiable: each one's
+    backward is the other."""
+
     @staticmethod
-    def forward(ctx, x, comm, lens, layout):
-        ctx.args = (comm, lens, layout)
-        return _seq_to_heads(x, comm, lens, layout)
+    def forward(ctx, x, comm, lens, layout, to_heads):
+        ctx.args = (comm, lens, layout, not to_heads)
+        return _move(x, comm, lens, layout, to_heads)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), *ctx.args), None, None, None
+        return _move(grad.contiguous(), *ctx.args), None, None, None, None
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, comm, lens, layout):
-        ctx.args = (comm, lens, layout)
-        return _heads_to_seq(y, comm, lens, layout)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
+def _move(x, comm, lens, layout, to_heads):
+    return (_seq_to_heads if to_heads else _heads_to_seq)(x, comm, lens, layout)
