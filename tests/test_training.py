@@ -182,31 +182,37 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
     assert load_checkpoint(out).config.context_length == 16
 
 
-@pytest.mark.slow
-def test_two_process_torchrun_matches_single_process(tmp_path):
-    common = ["train", "--model", "toy", "--steps", "12", "--context", "16", "--batch-size",
-              "8", "--seed", "1"]
+def _one_and_two_processes(tmp_path, common, *split):
+    """Train ``common`` in one process and under torchrun in two (with ``split``'s extra
+    arguments); both must succeed and end with the same weights. Returns their
+    summaries."""
+    import json
+
     single = subprocess.run([sys.executable, "-m", "attnlab", *common, "--out",
                              str(tmp_path / "one")], capture_output=True, text=True,
                             env=_env(), timeout=300)
     assert single.returncode == 0, single.stderr
     dual = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "-m", "attnlab", *common, "--out",
+                           "--nproc_per_node", "2", "-m", "attnlab", *common, *split, "--out",
                            str(tmp_path / "two")], capture_output=True, text=True, env=_env(),
                           timeout=300)
     assert dual.returncode == 0, dual.stderr[-2000:]
-    import json
+    a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+    return [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two")]
 
-    one = json.loads((tmp_path / "one" / "summary.json").read_text())
-    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+
+@pytest.mark.slow
+def test_two_process_torchrun_matches_single_process(tmp_path):
+    one, two = _one_and_two_processes(tmp_path, ["train", "--model", "toy", "--steps", "12",
+                                                 "--context", "16", "--batch-size", "8",
+                                                 "--seed", "1"])
     assert two["world_size"] == 2 and one["world_size"] == 1
     losses1 = [h[1] for h in one["history"]]
     losses2 = [h[1] for h in two["history"]]
     assert len(losses1) == len(losses2) == 12
     assert losses1 == pytest.approx(losses2, abs=1e-5)
-    a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_resume_finds_a_checkpoint_left_beside_its_directory(tmp_path):
@@ -542,28 +548,13 @@ def test_out_with_best_is_attnlabs_but_not_with_a_foreign_file_in_best(tmp_path)
 def test_context_parallel_torchrun_matches_single_process(tmp_path):
     """One sequence split over two processes (ring attention, zig-zag shards): the same
     loss curve, held-out loss and weights as one process at the same seed."""
-    common = ["train", "--model", "gpt", "--steps", "4", "--context", "24", "--batch-size",
-              "2", "--seed", "3"]
-    single = subprocess.run([sys.executable, "-m", "attnlab", *common, "--out",
-                             str(tmp_path / "one")], capture_output=True, text=True,
-                            env=_env(), timeout=300)
-    assert single.returncode == 0, single.stderr
-    split = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node", "2", "-m", "attnlab", *common,
-                            "--context-parallel", "2", "--out", str(tmp_path / "two")],
-                           capture_output=True, text=True, env=_env(), timeout=300)
-    assert split.returncode == 0, split.stderr[-2000:]
-    import json
-
-    one = json.loads((tmp_path / "one" / "summary.json").read_text())
-    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one, two = _one_and_two_processes(tmp_path, ["train", "--model", "gpt", "--steps", "4",
+                                                 "--context", "24", "--batch-size", "2",
+                                                 "--seed", "3"], "--context-parallel", "2")
     assert [h[0] for h in one["history"]] == [h[0] for h in two["history"]] == [1, 2, 3, 4]
     assert [h[1] for h in two["history"]] == pytest.approx([h[1] for h in one["history"]],
                                                            abs=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
-    a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_context_parallel_must_divide_the_processes_and_needs_a_gpt():
