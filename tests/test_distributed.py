@@ -317,6 +317,23 @@ def test_the_plan_computes_every_allowed_pair_once_and_sends_no_more(q_len, k_ex
             assert any(held[(uid, h)].calls for h in range(hop + 1, world) if (uid, h) in held)
 
 
+@settings(max_examples=60, deadline=None)
+@given(q_len=st.integers(1, 40), k_extra=st.integers(-5, 5), world=st.integers(1, 5),
+       layout=st.sampled_from(["contiguous", "zigzag"]), causal=st.booleans(),
+       window=st.sampled_from([None, 1, 3, 8]), block=st.integers(1, 9))
+def test_the_receives_posted_ahead_are_the_pieces_held_next_tick(q_len, k_extra, world, layout,
+                                                                 causal, window, block):
+    """``arrivals`` (what the passes post receives for, a tick ahead, without working out
+    any calls) names exactly the received pieces of the next tick's ``items``."""
+    from attnlab.distributed.plan import Plan
+
+    plan = Plan(q_len, max(1, q_len + k_extra), world, layout, causal, window, block)
+    for rank in range(world):
+        for tick in range(plan.ticks + 1):
+            assert plan.arrivals(rank, tick) == [(it.piece, it.hop)
+                                                 for it in plan.items(rank, tick) if it.hop]
+
+
 def test_a_causal_contiguous_ring_never_sends_keys_backwards():
     from attnlab.distributed.plan import Plan
 

@@ -132,16 +132,26 @@ class Plan:
     def items(self, rank: int, tick: int) -> list[Item]:
         """What ``rank`` does at ``tick``: one item per piece it holds then."""
         out = []
+        for piece, hop in self._within_reach(rank, tick):
+            reach = self.reach[piece.uid]
+            calls = self.calls(rank, piece)
+            if calls or hop < reach:
+                out.append(Item(piece, hop, hop < reach, calls))
+        return out
+
+    def arrivals(self, rank: int, tick: int) -> list[tuple[Piece, int]]:
+        """``(piece, hop)`` of each piece ``rank`` receives for ``tick`` (the items of
+        :meth:`items` with ``hop >= 1``, whose receives are posted a tick ahead), without
+        working out their calls: a piece within its reach is always held there, since at
+        the reach itself it has calls by the reach's definition."""
+        return [(piece, hop) for piece, hop in self._within_reach(rank, tick) if hop]
+
+    def _within_reach(self, rank: int, tick: int):
         for hop in range(self.world):
             own = self.pieces[(rank - hop) % self.world]
             index = tick - hop
-            if 0 <= index < len(own):
-                piece = own[index]
-                reach = self.reach[piece.uid]
-                calls = self.calls(rank, piece) if hop <= reach else ()
-                if hop <= reach and (calls or hop < reach):
-                    out.append(Item(piece, hop, hop < reach, calls))
-        return out
+            if 0 <= index < len(own) and hop <= self.reach[own[index].uid]:
+                yield own[index], hop
 
     def finals(self, rank: int, tick: int) -> list[Piece]:
         """``rank``'s own pieces whose key gradients come home at ``tick`` (from the rank

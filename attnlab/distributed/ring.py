@@ -317,11 +317,10 @@ def _forward(call, q, k, v, mask, compute: bool = True):
                 flat = pieces.pack(it.piece) if flat is None else flat
                 ops.append(("send", flat, rank + 1, plan.tag(it.piece, it.hop + 1, 0)))
                 kinds.append(None)
-        for it in plan.items(rank, tick + 1):
-            if it.hop:
-                flat = pieces.empty(it.piece.size)
-                ops.append(("recv", flat, rank - 1, plan.tag(it.piece, it.hop, 0)))
-                kinds.append(it.piece.uid)
+        for piece, hop in plan.arrivals(rank, tick + 1):
+            flat = pieces.empty(piece.size)
+            ops.append(("recv", flat, rank - 1, plan.tag(piece, hop, 0)))
+            kinds.append(piece.uid)
         works = comm.post(ops)
         if events is not None:
             now = time.perf_counter()

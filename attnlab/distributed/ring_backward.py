@@ -50,12 +50,10 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
                 flat = held.get(it.piece.uid)
                 flat = pieces.pack(it.piece) if flat is None else flat
                 ops.append(("send", flat, rank + 1, plan.tag(it.piece, it.hop + 1, 0)))
-        for it in plan.items(rank, tick + 1):
-            if it.hop:
-                ops.append(("recv", pieces.empty(it.piece.size), rank - 1,
-                            plan.tag(it.piece, it.hop, 0)))
-                ops.append(("recv", pieces.empty(it.piece.size, True, work), rank - 1,
-                            plan.tag(it.piece, it.hop, 1)))
+        for piece, hop in plan.arrivals(rank, tick + 1):
+            ops.append(("recv", pieces.empty(piece.size), rank - 1, plan.tag(piece, hop, 0)))
+            ops.append(("recv", pieces.empty(piece.size, True, work), rank - 1,
+                        plan.tag(piece, hop, 1)))
         for piece in plan.finals(rank, tick + 1):
             ops.append(("recv", pieces.empty(piece.size, True, work),
                         rank + plan.reach[piece.uid], plan.tag(piece, 0, 2)))
