@@ -154,6 +154,46 @@ struct RightT {
   }
 };
 
+// A worker's packing of one head's keys (rows [from, to) of head `head` of batch `b`),
+// kept across its work items: the query blocks of a causal head read nested key ranges
+// (T=4096 in blocks of 128: 128, 256, ..., 4096 keys), which were packed again for each
+// block, 16x the keys of the head at T=4096. A range inside the held one, starting on
+// one of its panels, is read from it; any other range is packed in its place. Measured
+// on the Zen 4 against SDPA, interleaved: causal forward T=1024 0.77x -> 0.74x, T=4096
+// 0.92x -> 0.86x, forward+backward T=4096 0.82x -> 0.75x.
+template <typename A>
+struct HeadPack {
+  std::vector<A> data;
+  int64_t b = -1, head = -1, from = 0, to = 0;
+
+  // Longer ranges are packed tile by tile (RightT::load), as before: a worker's pack
+  // would pass 2 MB at head_dim 64.
+  static constexpr int64_t MAX_KEYS = 8192;
+
+  // Hold keys [lo, hi) of (b, head), x pointing at key `lo`; returns false (nothing
+  // held) for a range of over MAX_KEYS keys.
+  template <typename S>
+  bool hold(int64_t b_, int64_t head_, int64_t lo, int64_t hi, const S* x, int64_t x_ld,
+            int64_t width) {
+    if (hi - lo > MAX_KEYS) return false;
+    if (b_ == b && head_ == head && from <= lo && hi <= to && (lo - from) % PANEL == 0)
+      return true;
+    const int64_t need = (hi - lo + PANEL - 1) / PANEL * PANEL * width;
+    if (static_cast<int64_t>(data.size()) < need) data.resize(need);
+    pack_transposed(x, x_ld, hi - lo, width, data.data());
+    b = b_, head = head_, from = lo, to = hi;
+    return true;
+  }
+
+  // Keys [ks, ks + n) of the held range as the right operand; ks - from a multiple of
+  // PANEL (tiles of a multiple of PANEL keys: see forward_block).
+  void view(int64_t ks, int64_t width, RightT<A>& x) const {
+    x.cols = width;
+    x.packed = data.data() + (ks - from) / PANEL * width * PANEL;
+    x.rows = nullptr;
+  }
+};
+
 // C (m x n) = alpha * A X^T for the loaded block X (n rows), A (m x cols) row-major with
 // leading dimension lda.
 template <typename A>

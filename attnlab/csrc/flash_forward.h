@@ -14,6 +14,7 @@ template <typename A>
 struct ForwardScratch {
   std::vector<A> s, m, l, q, o, kt, rows, v;
   std::vector<int64_t> lo, hi;
+  HeadPack<A> keys;
   explicit ForwardScratch(const Problem& P) : s(P.bq * P.bk), m(P.bq), l(P.bq), lo(P.bq), hi(P.bq) {}
 };
 
@@ -47,11 +48,16 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   // With a block mask the tiles are its blocks: they start on a block boundary (the
   // columns before lo are left out by every row's [a, e) below).
   const int64_t start = hi <= lo ? hi : P.blocks.present() ? lo - lo % P.bk : lo;
+  const bool held = tiles && hi > start && P.bk % PANEL == 0 &&
+                    w.keys.hold(b, hk, start, hi, k + kr.at(b, hk, start), kr.sl, P.D);
   for (int64_t ks = start; ks < hi; ks += P.bk) {
     const int64_t nc = std::min(ks + P.bk, hi) - ks;
     const BlockMask::Kind kind = block_kind(P, b, h, qs, ks);
     if (kind == BlockMask::EMPTY) continue;
-    keys.load(k + kr.at(b, hk, ks), kr.sl, nc, P.D, tiles, w.kt, w.rows);
+    if (held)
+      w.keys.view(ks, P.D, keys);
+    else
+      keys.load(k + kr.at(b, hk, ks), kr.sl, nc, P.D, tiles, w.kt, w.rows);
     A* T = w.s.data();
     times_transposed<A>(nr, nc, A(P.scale), qb, ldq, keys, T, nc);
     for (int64_t r = 0; r < nr; ++r) {
