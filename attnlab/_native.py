@@ -210,7 +210,7 @@ def _with_fakes(ops):
     """
     if not _state["faked"]:
         _state["faked"] = True
-        # Whether the CPU has the tile kernel (linear's path for a few rows): asked of the
+        # Whether the CPU has the tile kernel (linear's path for more than one row): asked of the
         # real op once, with two rows and a packed 1x1 weight, which it takes only then.
         # Device and dtype named: the first load may run under torch.device("meta") or
         # another default dtype.
@@ -279,7 +279,7 @@ def _fakes(tiles: bool) -> dict:
         if (not tiles or residual is not None or not usable(x) or not usable(weight)
                 or weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
                 or not x.is_contiguous() or weight.stride(0) != 1
-                or weight.stride(1) < weight.shape[0] or rows > 64 or weight.shape[1] == 0):
+                or weight.stride(1) < weight.shape[0] or weight.shape[1] == 0):
             return None
         if bias is not None and (not usable(bias) or bias.numel() != weight.shape[0]
                                  or not bias.is_contiguous()):
