@@ -49,30 +49,38 @@ def tile_kernel() -> bool:
 _tiles: bool | None = None
 
 
+# Keys up to this many are packed once per (head, worker) and shared by its query
+# blocks (csrc/flash_common.h, HeadPack::MAX_KEYS: tests/test_native.py keeps the two
+# equal); small query blocks then cost no extra packing.
+HEAD_PACK_KEYS = 8192
+
+
 def _blocks(q_len: int, k_len: int, causal: bool, window: int,
             backward: bool = False) -> tuple[int, int]:
     """Tile shape (query rows, keys): large enough to amortise each tile product's
-    set-up (BLAS packs both operands; the AVX-512 tile kernel only K^T and V^T, once);
-    where a causal or window rule cuts rows short, small enough that the boundary
-    tiles (partly wasted) stay small. Chosen on the bench grid (two cores) with BLAS
-    tiles; with the tile kernel a sweep of 64-256 x 64-512 moved the times by under 5%
-    (T=256-4096), so they stay. The backward recomputes its tiles from the
-    log-sum-exp, so it may tile otherwise: its five products per tile favoured
-    128 x 128 at every causal length (T=4096, BLAS: 0.86x SDPA against 0.91x).
-    A short causal forward takes blocks of 64 rows (its diagonal tiles, a large share of
-    its work, half wasted, shrink) against key tiles of 256 (cut at each block's last
-    key): on the Zen 4 with the tile kernel, interleaved against SDPA, T=256 went from
-    0.74-0.77x to 0.61-0.64x, T=1024 from 0.84x to 0.79x; longer ones 128 x 512 (0.6-4.5%
-    faster than 256 x 256 at T=2048-8192)."""
+    set-up, small enough that the boundary tiles of a causal or window rule (partly
+    wasted) stay small. The backward recomputes its tiles from the log-sum-exp, so it
+    may tile otherwise: its five products per tile favoured 128 x 128 at every causal
+    length (T=4096, BLAS: 0.86x SDPA against 0.91x; with the tile kernel 64-256 x
+    128-256 moved it by under 1%).
+    The forward's keys are packed once per head where a worker can hold them
+    (HEAD_PACK_KEYS), so its query blocks can be small: causal blocks of 32 rows (their
+    half-wasted diagonal tiles shrink) against key tiles of 512, dense ones of 64 x 512.
+    On the Zen 4 with the tile kernel, interleaved against SDPA, two threads: causal
+    T=256 0.60x -> 0.53x (from 64 x 256), T=512 0.55x -> 0.48x, T=1024 0.76x -> 0.74x,
+    T=2048 0.84x -> 0.81x, T=4096 0.89x -> 0.87x, T=8192 0.92x -> 0.90x (from 128 x 512);
+    dense T=1024 1.01x -> 0.98x, T=2048 1.00x -> 0.96x. Longer rows, and the dense
+    backward, keep 128 x 512 (64 x 512 for a short dense row), whose blocks pack their
+    own keys."""
+    ruled = bool(causal or window)
     if 0 < window < k_len // 2:  # a band of about 2W keys per query block
         block_q, block_k = (64, 128) if window <= 512 else (128, 256)
-    elif causal or window:
-        if backward:
-            block_q, block_k = 128, 128
-        else:
-            block_q, block_k = (64, 256) if k_len <= 1024 else (128, 512)
-    else:  # dense rows: key tiles of 512 like torch's kernel, fewer rescales
-        block_q, block_k = (64 if q_len <= 256 else 128), 512
+    elif backward and ruled:
+        block_q, block_k = 128, 128
+    elif backward or k_len > HEAD_PACK_KEYS:  # key tiles of 512 like torch's kernel
+        block_q, block_k = (64 if q_len <= 256 and not ruled else 128), 512
+    else:
+        block_q, block_k = (32 if ruled else 64), 512
     return BLOCK_Q or block_q, BLOCK_K or block_k
 
 
@@ -96,19 +104,25 @@ def _ops():
     return getattr(torch.ops, _native.LIBRARY)
 
 
+def _forward(q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed, blocks,
+             extras):
+    """The kernel's forward: ``(out, lse)``. ``extras``: the variants as the op takes them
+    (softcap, alibi, documents, the block mask's three tensors)."""
+    softcap, alibi, documents, kinds, index, partial = extras
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float64).contiguous()
+    return _ops().flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed,
+                                *blocks[0], softcap, alibi, sink_logits, documents, kinds,
+                                index, partial)
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed,
                 blocks, extras):
-        """``extras``: the variants as the op takes them (softcap, alibi, documents, the
-        block mask's three tensors); ``sinks`` is an input of its own (it has a gradient)."""
-        ops = _ops()
+        """``sinks`` is an input of its own (it has a gradient)."""
         q, k, v = _rows(q), _rows(k), _rows(v)
-        softcap, alibi, documents, kinds, index, partial = extras
-        sink_logits = None if sinks is None else sinks.detach().to(torch.float64).contiguous()
-        out, lse = ops.flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p,
-                                     seed, *blocks[0], softcap, alibi, sink_logits, documents,
-                                     kinds, index, partial)
+        out, lse = _forward(q, k, v, sinks, mask, causal, window, offset, scale, dropout_p,
+                            seed, blocks, extras)
         ctx.settings = (causal, window, offset, scale, dropout_p, seed, blocks[1], extras)
         ctx.save_for_backward(q, k, v, sinks, mask, out, lse)
         ctx.mark_non_differentiable(lse)
@@ -177,8 +191,12 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     window = 0 if window is None else window
     blocks, extras = _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents,
                                   block_mask)
-    out, lse = _FlashAttention.apply(q, k, v, sinks, mask, causal, window, offset, scale,
-                                     float(dropout_p), seed, blocks, extras)
+    args = (sinks, mask, causal, window, offset, scale, float(dropout_p), seed, blocks, extras)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            sinks is not None and sinks.requires_grad)):
+        out, lse = _FlashAttention.apply(q, k, v, *args)
+    else:  # nothing to differentiate: no autograd node (a cold call's set-up shrinks)
+        out, lse = _forward(_rows(q), _rows(k), _rows(v), *args)
     return (out, lse) if with_lse else out
 
 

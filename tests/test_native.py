@@ -81,6 +81,15 @@ def test_build_step_never_fails(monkeypatch, capsys):
     assert "switched off" in capsys.readouterr().out
 
 
+def test_the_tile_shapes_know_how_many_keys_a_worker_holds_packed():
+    """_flash.HEAD_PACK_KEYS (small forward query blocks up to it) is the kernel's
+    HeadPack::MAX_KEYS (up to it a worker packs a head's keys once)."""
+    header = (Path(_flash.__file__).parent / "csrc" / "flash_common.h").read_text()
+    assert f"MAX_KEYS = {_flash.HEAD_PACK_KEYS};" in header
+    assert _flash._blocks(4096, _flash.HEAD_PACK_KEYS, True, 0)[0] == 32
+    assert _flash._blocks(4096, _flash.HEAD_PACK_KEYS + 1, True, 0)[0] == 128
+
+
 @needs_native
 def test_auto_picks_flash_where_a_rule_leaves_work_to_skip(monkeypatch):
     q, k, _ = _qkv(1, 2, 256, 8)

@@ -27,8 +27,9 @@ needs_native = pytest.mark.skipif(not _native.available(),
 @needs_native
 @settings(max_examples=100, deadline=None)
 @given(n_in=st.sampled_from([1, 3, 16, 17, 64, 200]), n_out=st.sampled_from([1, 5, 16, 63, 130]),
-       rows=st.sampled_from([1, 2, 7, 64, 65, 97, 200]), by_columns=st.booleans(), bias=st.booleans(),
-       residual=st.booleans(), big=st.booleans(), seed=st.integers(0, 2**16))
+       rows=st.sampled_from([1, 2, 7, 64, 65, 97, 200]), by_columns=st.booleans(),
+       bias=st.booleans(), residual=st.booleans(), big=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias, residual, big,
                                            seed):
     g = torch.Generator().manual_seed(seed)
