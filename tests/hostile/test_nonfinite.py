@@ -157,8 +157,8 @@ def _check_case(backend, q, k, v, mask, causal, window):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_len", [4, 64, 100])
 def test_a_nan_query_row_is_nan_with_nan_gradients(backend, q_len):
-    """The issue's case: a NaN query row (auto sends float32 rows from 64 queries to
-    flash, which gave zeros and zero gradients); rows that the mask empties stay zeros."""
+    """The issue's case: a NaN query row (auto sends float32 rows to flash, which gave
+    zeros and zero gradients); rows that the mask empties stay zeros."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, q_len, 16, generator=g) for _ in range(3))
     q[0, 1, 2, 5] = float("nan")
