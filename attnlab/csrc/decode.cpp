@@ -185,6 +185,14 @@ constexpr int64_t FEW_ROWS = 64;
 constexpr int64_t ROW_CHUNK = 96;
 constexpr int64_t PACK_IN = 512;
 
+// c[r, j] += bias[j] for the rows of c (rows, n_out) and the columns [j0, j1); none
+// for no bias.
+void add_bias(float* c, int64_t rows, int64_t n_out, const float* bias, int64_t j0, int64_t j1) {
+  if (bias == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = j0; j < j1; ++j) c[r * n_out + j] += bias[j];
+}
+
 // rows x (n_in) times the band [j0, j1) of W^T (n_in, ld) into c (rows, n_out), + bias.
 void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, const float* b,
                     int64_t ld, const float* bias, float* c, int64_t j0, int64_t j1,
@@ -203,9 +211,7 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
     const int64_t m = std::min(ROW_CHUNK, rows - r0);
     float* cr = c + r0 * n_out;
     tile_gemm(m, width, n_in, 1.0f, a + r0 * n_in, n_in, 1, bj, ldb, false, cr + j0, n_out);
-    if (bias != nullptr)
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = j0; j < j1; ++j) cr[r * n_out + j] += bias[j];
+    add_bias(cr, m, n_out, bias, j0, j1);
   }
 }
 
@@ -244,9 +250,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
       return;
     }
     tile_gemm(rows, j1 - j0, n_in, 1.0f, a, n_in, 1, b + j0, ld, false, c + j0, n_out, true);
-    if (bp != nullptr)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = j0; j < j1; ++j) c[r * n_out + j] += bp[j];
+    add_bias(c, rows, n_out, bp, j0, j1);
   });
   return y;
 }

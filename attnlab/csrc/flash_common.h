@@ -128,6 +128,16 @@ void product(bool tiles, bool ta, int64_t m, int64_t n, int64_t k, A alpha, cons
   gemm_rm<A>(ta, false, m, n, k, alpha, a, lda, b, ldb, add ? A(1) : A(0), c, ldc);
 }
 
+// n rows of x (`width` wide, row stride x_ld) packed into buf's panels (grown as needed)
+// for the tile kernel; returns buf's data.
+template <typename S, typename A>
+const A* pack_panels(const S* x, int64_t x_ld, int64_t n, int64_t width, std::vector<A>& buf) {
+  const int64_t need = (n + PANEL - 1) / PANEL * PANEL * width;
+  if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+  pack_transposed(x, x_ld, n, width, buf.data());
+  return buf.data();
+}
+
 // A block of n rows X[0..n) (keys or values, `cols` wide) as the right operand X^T of a
 // product: packed into panels for the tile kernel (pack_transposed), or the rows
 // themselves in the accumulation type for BLAS (converted when stored otherwise).
@@ -142,10 +152,7 @@ struct RightT {
             Scratch& convert) {
     cols = width;
     if (tiles) {
-      const int64_t need = (n + PANEL - 1) / PANEL * PANEL * width;
-      if (static_cast<int64_t>(pack.size()) < need) pack.resize(need);
-      pack_transposed(x, x_ld, n, width, pack.data());
-      packed = pack.data();
+      packed = pack_panels(x, x_ld, n, width, pack);
       rows = nullptr;
     } else {
       rows = rows_as_acc(x, x_ld, n, width, convert, ld);
@@ -178,9 +185,7 @@ struct HeadPack {
     if (hi - lo > MAX_KEYS) return false;
     if (b_ == b && head_ == head && from <= lo && hi <= to && (lo - from) % PANEL == 0)
       return true;
-    const int64_t need = (hi - lo + PANEL - 1) / PANEL * PANEL * width;
-    if (static_cast<int64_t>(data.size()) < need) data.resize(need);
-    pack_transposed(x, x_ld, hi - lo, width, data.data());
+    pack_panels(x, x_ld, hi - lo, width, data);
     b = b_, head = head_, from = lo, to = hi;
     return true;
   }
