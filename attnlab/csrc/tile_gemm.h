@@ -42,7 +42,7 @@ namespace attnlab {
 
 namespace tile {
 
-template <int MR, int NV>
+template <int MR, int NV, bool PF>
 ATTNLAB_AVX512 __attribute__((always_inline)) inline void block(int64_t k, const float* a, int64_t a_rs,
                                                  int64_t a_cs, const float* b, int64_t ldb,
                                                  __mmask16 last, float alpha, bool add,
@@ -56,7 +56,7 @@ ATTNLAB_AVX512 __attribute__((always_inline)) inline void block(int64_t k, const
   for (int64_t p = 0; p < k; ++p) {
     const float* bp = b + p * ldb;
     const float* ap = a + p * a_cs;
-    if (pf != nullptr && p == pf_row) {  // one row of the next panel (see panel())
+    if (PF && p == pf_row) {  // one row of the next panel (see panel(), prefetched_or_not())
       for (int j = 0; j < pf_nv; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(pf + p * ldb + 16 * j), _MM_HINT_T0);
       pf_row += pf_step;
@@ -87,17 +87,17 @@ ATTNLAB_AVX512 __attribute__((always_inline)) inline void block(int64_t k, const
 }
 
 // Rows rows (< MR) at the bottom of a panel: the same block, fewer registers.
-template <int MR, int NV>
+template <int MR, int NV, bool PF>
 ATTNLAB_AVX512 inline void tail(int rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                  const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
                  float* c, int64_t ldc, const float* pf, int pf_nv, int64_t pf_row,
                  int64_t pf_step) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      block<MR, NV>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv, pf_row,
+      block<MR, NV, PF>(k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv, pf_row,
                     pf_step);
     } else {
-      tail<MR - 1, NV>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv,
+      tail<MR - 1, NV, PF>(rows, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv,
                        pf_row, pf_step);
     }
   }
@@ -108,7 +108,7 @@ ATTNLAB_AVX512 inline void tail(int rows, int64_t k, const float* a, int64_t a_r
 // pf: the next panel's B (or null), pf_nv its vectors of 16: the row blocks share the
 // prefetch of its rows, block i taking rows i, i + blocks, ..., so the next panel
 // streams in from memory while this one is multiplied.
-template <int NV>
+template <int NV, bool PF>
 ATTNLAB_AVX512 inline void panel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                   const float* b, int64_t ldb, __mmask16 last, float alpha, bool add,
                   float* c, int64_t ldc, const float* pf, int pf_nv) {
@@ -116,11 +116,28 @@ ATTNLAB_AVX512 inline void panel(int64_t m, int64_t k, const float* a, int64_t a
   const int64_t blocks = (m + MR - 1) / MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    block<MR, NV>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc, pf,
+    block<MR, NV, PF>(k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha, add, c + i * ldc, ldc, pf,
                   pf_nv, i / MR, blocks);
   if (i < m)
-    tail<MR - 1, NV>(static_cast<int>(m - i), k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha,
+    tail<MR - 1, NV, PF>(static_cast<int>(m - i), k, a + i * a_rs, a_rs, a_cs, b, ldb, last, alpha,
                      add, c + i * ldc, ldc, pf, pf_nv, i / MR, blocks);
+}
+
+// panel<NV, PF> with PF = whether there is a next panel to prefetch. The prefetch is a
+// template argument, not a test on pf inside the k loop: its pointers and counters
+// were held through the loop even where pf is null, and the register allocator then
+// spilled two of the four B vectors to the stack (12 of 24 FMAs of the 6 x 4 block
+// reading memory). Without them: 3-7% off the flash forward and backward at one
+// thread (A/B against the spilling build, T=256-4096).
+template <int NV>
+ATTNLAB_AVX512 inline void prefetched_or_not(int64_t m, int64_t k, const float* a, int64_t a_rs,
+                                             int64_t a_cs, const float* b, int64_t ldb,
+                                             __mmask16 last, float alpha, bool add, float* c,
+                                             int64_t ldc, const float* pf, int pf_nv) {
+  if (pf != nullptr)
+    panel<NV, true>(m, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv);
+  else
+    panel<NV, false>(m, k, a, a_rs, a_cs, b, ldb, last, alpha, add, c, ldc, pf, pf_nv);
 }
 
 }  // namespace tile
@@ -151,16 +168,16 @@ ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_
     float* cj = c + j;
     switch (nv) {
       case 4:
-        tile::panel<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        tile::prefetched_or_not<4>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
         break;
       case 3:
-        tile::panel<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        tile::prefetched_or_not<3>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
         break;
       case 2:
-        tile::panel<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        tile::prefetched_or_not<2>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
         break;
       default:
-        tile::panel<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
+        tile::prefetched_or_not<1>(m, k, a, a_rs, a_cs, bj, ldb, last, alpha, add, cj, ldc, pf, pf_nv);
         break;
     }
   }
