@@ -147,9 +147,9 @@ def seen_busy(monkeypatch):
     seen: list[int] = []
     time_once = runner._time_once
 
-    def counting(step):
+    def counting(step, calls=1):
         seen.append(len(_busy_children()))
-        return time_once(step)
+        return time_once(step, calls)
 
     monkeypatch.setattr(runner, "_time_once", counting)
     return seen
@@ -188,11 +188,11 @@ def test_under_load_stops_the_spinners_when_a_case_fails(monkeypatch, error):
     calls = []
     time_once = runner._time_once
 
-    def failing(step):  # the quiet rounds pass; the first loaded one fails (Ctrl-C)
+    def failing(step, n=1):  # the quiet rounds pass; the first loaded one fails (Ctrl-C)
         calls.append(len(_busy_children()))
         if calls[-1]:
             raise error("boom")
-        return time_once(step)
+        return time_once(step, n)
 
     monkeypatch.setattr(runner, "_time_once", failing)
     with pytest.raises(error):
@@ -212,3 +212,29 @@ def test_busy_stops_every_spinner_even_if_one_already_died():
     with pytest.raises(ValueError, match=r"n \(busy processes\) must be an int >= 0, got -1"), \
             load.busy(-1):
         pass
+
+
+def test_a_short_call_is_timed_in_blocks_and_a_long_one_alone(monkeypatch):
+    """A sample of a short step is several calls back to back, timed per call; a step
+    longer than a sample is one call. Every call is counted: warm-up, the calibrating
+    call, then repeats x calls_per_sample."""
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+    calls = {"short": 0, "long": 0}
+
+    def step_of(name, seconds):
+        def step():
+            calls[name] += 1
+            clock[0] += seconds
+        return step
+
+    steps = {"short": step_of("short", 0.002), "long": step_of("long", 0.030)}
+    monkeypatch.setattr(runner, "build", lambda factory: steps[factory[2]["name"]])
+    impls = [runner.Impl(name, ("x", "y", {"name": name})) for name in steps]
+    case = runner.Case("attention", "blocks", impls, repeats=3)
+    results = runner.time_case(case)
+    assert results["short"]["calls_per_sample"] == int(runner.SAMPLE_MS / 2.0) == 10
+    assert results["long"]["calls_per_sample"] == 1
+    assert results["short"]["times_ms"] == pytest.approx([2.0] * 3)
+    assert results["long"]["times_ms"] == pytest.approx([30.0] * 3)
+    assert calls == {"short": 1 + 1 + 3 * 10, "long": 1 + 1 + 3}

@@ -4,7 +4,8 @@ Each suite module exposes ``cases(quick) -> list[Case]``; :func:`run` runs the
 chosen suites and returns one record per (case, implementation):
 ``{"suite", "case", "impl", "median_ms", "times_ms", "peak_mb", "ratio_to": {peer: x}}``
 where ``x`` is this implementation's median time over the peer's (lower is faster)
-and ``times_ms`` the time of each round. ``under_load=True`` adds
+and ``times_ms`` the time per call of each round's sample (``calls_per_sample`` calls
+back to back: one, or more for a short call; see :mod:`.runner`). ``under_load=True`` adds
 ``median_ms_under_load``, ``times_ms_under_load`` and ``ratio_to_under_load`` (the same
 rounds beside a busy process per core); the attention suite adds ``flop``,
 ``gflops``, ``peak_share``, ``peak_gflops`` and ``cpu`` (see :mod:`.machine`); the

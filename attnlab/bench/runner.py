@@ -10,7 +10,11 @@ so both measure the same thing.
 Timing: every implementation of a case is warmed up, then the implementations
 take turns (``repeats`` rounds, each in its own order, seeded by the case's name)
 so that a noisy neighbour, or the one before, slows all of them alike; we report
-the median and the ratio of medians to each peer.
+the median and the ratio of medians to each peer. A sample is one call, or as many
+back-to-back calls as fill about ``SAMPLE_MS`` for a short one (``calls_per_sample``
+in the record; the time is per call), as ``timeit`` and ``torch.utils.benchmark`` time
+blocks: a 1 ms call timed alone right after another implementation measures that
+one's leftovers in the caches and the thread pool's wake-up as much as itself.
 
 Memory: a fresh ``python -m attnlab.bench.memprobe`` per (case, implementation)
 builds the step and runs it once; ``peak_mb`` is its RSS high-water mark
@@ -88,10 +92,26 @@ class Case:
     check: Callable[[dict[str, Any]], dict[str, dict]] | None = None
 
 
-def _time_once(step: Callable[[], object]) -> float:
+# A short call is timed in blocks of back-to-back calls of about this many ms (at most
+# MAX_CALLS calls): see the module docstring.
+SAMPLE_MS = 20.0
+MAX_CALLS = 50
+
+
+def _time_once(step: Callable[[], object], calls: int = 1) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls of ``step``."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    return (time.perf_counter() - start) * 1000.0 / calls
+
+
+def _calls_per_sample(step: Callable[[], object]) -> int:
+    """How many calls of the (warm) step fill a sample of about SAMPLE_MS."""
     start = time.perf_counter()
     step()
-    return (time.perf_counter() - start) * 1000.0
+    ms = (time.perf_counter() - start) * 1000.0
+    return max(1, min(MAX_CALLS, int(SAMPLE_MS / max(ms, 1e-3))))
 
 
 def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str, dict]:
@@ -100,6 +120,7 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
     ``under_load``: time the same rounds again beside a busy process per core.
     """
     steps: dict[str, Callable[[], object]] = {}
+    calls: dict[str, int] = {}
     results: dict[str, dict] = {}
     outputs: dict[str, Any] = {}
     for impl in case.impls:
@@ -112,6 +133,7 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
                 out = steps[impl.name]()
                 if i == 0 and case.check:
                     outputs[impl.name] = out
+            calls[impl.name] = _calls_per_sample(steps[impl.name])
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             step = steps.pop(impl.name, None)
             if hasattr(step, "close"):
@@ -121,13 +143,13 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
     try:
         checked = case.check(outputs) if case.check else {}
         outputs.clear()
-        times = _rounds(case, steps)
+        times = _rounds(case, steps, calls)
         for name, ts in times.items():
             results[name] = {"median_ms": statistics.median(ts), "times_ms": ts,
-                             "checked": checked.get(name, {})}
+                             "calls_per_sample": calls[name], "checked": checked.get(name, {})}
         if under_load and steps:
             with load.busy():
-                loaded = _rounds(case, steps)
+                loaded = _rounds(case, steps, calls)
             for name, ts in loaded.items():
                 results[name].update(median_ms_under_load=statistics.median(ts),
                                      times_ms_under_load=ts)
@@ -144,7 +166,8 @@ def _build_for_timing(impl: Impl) -> Callable[[], object]:
     return worker.spawn(impl.factory) if impl.isolated else build(impl.factory)
 
 
-def _rounds(case: Case, steps: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+def _rounds(case: Case, steps: dict[str, Callable[[], object]],
+            calls: dict[str, int]) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     order = random.Random(f"{case.suite}/{case.name}")  # the same orders on every run
@@ -154,7 +177,7 @@ def _rounds(case: Case, steps: dict[str, Callable[[], object]]) -> dict[str, lis
         # large score buffers, ran 10-25% slower on a 2 ms attention).
         order.shuffle(names)
         for name in names:
-            times[name].append(_time_once(steps[name]))
+            times[name].append(_time_once(steps[name], calls[name]))
     return times
 
 
