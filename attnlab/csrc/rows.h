@@ -36,9 +36,21 @@ static inline bool any_nan(const T* x, int64_t n) {
 }
 
 // x = exp(x - shift) in place; returns the sum of the new x.
+// Two vectors of 16 a step, each with its own sum: one exp is a chain of about twenty
+// dependent operations, and with one vector a step the out-of-order window could not
+// overlap enough iterations to hide it: 0.67 -> 0.38 ns a value on rows of 512 (Zen 4,
+// one thread), the flash forward 5-6% faster (it had spent 17% of its kernel time here).
 ATTNLAB_PER_ISA static float exp_shift_sum(float* x, int64_t n, float shift) {
-  f8 sum{};
+  f16v sum0{}, sum1{};
   int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const f16v e0 = exp16(load16(x + j) - shift), e1 = exp16(load16(x + j + 16) - shift);
+    store16(x + j, e0);
+    store16(x + j + 16, e1);
+    sum0 += e0;
+    sum1 += e1;
+  }
+  f8 sum{};
   for (; j + 8 <= n; j += 8) {
     const f8 e = exp8(load8(x + j) - shift);
     store8(x + j, e);
@@ -49,7 +61,7 @@ ATTNLAB_PER_ISA static float exp_shift_sum(float* x, int64_t n, float shift) {
     for (int64_t k = 0; k < n - j; ++k) x[j + k] = e[k];
     sum += e;
   }
-  return sum8(sum);
+  return sum8(fold16(sum0 + sum1) + sum);
 }
 
 ATTNLAB_PER_ISA static void scale_row(float* x, int64_t n, float a) {

@@ -60,6 +60,7 @@ inline Level cpu_level() {
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
 
 ATTNLAB_INLINE f8 load8(const float* p) {
   f8 v;
@@ -86,34 +87,45 @@ ATTNLAB_INLINE f16v load16(const float* p) {
   return v;
 }
 ATTNLAB_INLINE void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+// The two halves of v added: eight partial sums.
+ATTNLAB_INLINE f8 fold16(f16v v) {
+  f8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
 ATTNLAB_INLINE float sum16(f16v v) {
   float t = 0.0f;
   for (int j = 0; j < 16; ++j) t += v[j];
   return t;
 }
 
-// e^x to about 1 ulp (Cephes expf): e^x = 2^n e^r with |r| <= ln2/2, branch-free so the
-// loops vectorise without -ffast-math. Exactly 0 below -87.33 and for -inf, so masked
-// scores give weights of exactly zero.
-ATTNLAB_INLINE f8 exp8(f8 x) {
-  const f8 lo = splat8(-87.33654f), hi = splat8(88.0f);
-  f8 xc = x < lo ? lo : x;
+// e^x to about 1 ulp (Cephes expf) for a vector V of floats (I: its int32 vector):
+// e^x = 2^n e^r with |r| <= ln2/2, branch-free so the loops vectorise without
+// -ffast-math. Exactly 0 below -87.33 and for -inf, so masked scores give weights of
+// exactly zero.
+template <typename V, typename I>
+ATTNLAB_INLINE V exp_v(V x) {
+  const V lo = V{} + -87.33654f, hi = V{} + 88.0f;
+  V xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const f8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const f8 n = (xc * 1.44269504088896341f + magic) - magic;
-  f8 r = xc - n * 0.693359375f;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (xc * 1.44269504088896341f + magic) - magic;
+  V r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  f8 y = splat8(1.9875691500e-4f);
+  V y = V{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  const f8 e = y * (f8)bits;  // a vector cast reinterprets the bits: 2^n
-  return x < lo ? f8{} : e;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  const V e = y * (V)bits;  // a vector cast reinterprets the bits: 2^n
+  return x < lo ? V{} : e;
 }
+ATTNLAB_INLINE f8 exp8(f8 x) { return exp_v<f8, i8>(x); }
+ATTNLAB_INLINE f16v exp16(f16v x) { return exp_v<f16v, i16v>(x); }
 
 // tanh as a rational function (Eigen's float tanh: odd degree-13 over even degree-6
 // polynomial, a few ulp): no exp, one division, exact in relative terms near 0 where
