@@ -112,6 +112,7 @@ def test_records_carry_gflops_and_peak_share(tmp_path, monkeypatch, capsys):
     for r in records:  # the old keys stay, the new ones agree with each other
         assert set(r) >= {"suite", "case", "impl", "median_ms", "times_ms", "peak_mb",
                           "ratio_to", "flop", "gflops", "peak_share", "peak_gflops", "cpu"}
+        assert 1 <= r["calls_per_sample"] <= runner.MAX_CALLS
         assert r["flop"] == flop[r["case"]]
         assert r["gflops"] == pytest.approx(r["flop"] / r["median_ms"] * 1e-6)
         assert r["peak_share"] == pytest.approx(r["gflops"] / r["peak_gflops"])

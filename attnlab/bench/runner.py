@@ -208,7 +208,8 @@ def run_cases(cases: Iterable[Case], *, memory: bool = True,
             s = stats.get(impl.name, {})
             record = {"suite": case.suite, "case": case.name, "impl": impl.name,
                       "median_ms": s.get("median_ms"), "times_ms": s.get("times_ms"),
-                      "peak_mb": None, "ratio_to": {}, **case.extra}
+                      "calls_per_sample": s.get("calls_per_sample"), "peak_mb": None,
+                      "ratio_to": {}, **case.extra}
             if "median_ms_under_load" in s:
                 record["median_ms_under_load"] = s["median_ms_under_load"]
                 record["times_ms_under_load"] = s["times_ms_under_load"]
