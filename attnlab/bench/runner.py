@@ -98,19 +98,21 @@ SAMPLE_MS = 20.0
 MAX_CALLS = 50
 
 
-def _time_once(step: Callable[[], object], calls: int = 1) -> float:
-    """Milliseconds per call of ``calls`` back-to-back calls of ``step``."""
+def _ms_per_call(step: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         step()
     return (time.perf_counter() - start) * 1000.0 / calls
 
 
+def _time_once(step: Callable[[], object], calls: int = 1) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls of ``step`` (one sample)."""
+    return _ms_per_call(step, calls)
+
+
 def _calls_per_sample(step: Callable[[], object]) -> int:
     """How many calls of the (warm) step fill a sample of about SAMPLE_MS."""
-    start = time.perf_counter()
-    step()
-    ms = (time.perf_counter() - start) * 1000.0
+    ms = _ms_per_call(step, 1)
     return max(1, min(MAX_CALLS, int(SAMPLE_MS / max(ms, 1e-3))))
 
 
