@@ -155,7 +155,8 @@ def test_ablate_prints_json_only_when_asked(fast_ablate, tmp_path, capsys):
     assert main(["ablate", "--ckpt", str(ckpt), "--json", "-"]) == 0
     assert json.loads(_after_report(capsys.readouterr().out)) == results
     assert main(["ablate", "--ckpt", str(ckpt), "--json", str(tmp_path / "r.json")]) == 0
-    assert json.loads((tmp_path / "r.json").read_text()) == results
+    written = json.loads((tmp_path / "r.json").read_text())  # signed as attnlab's
+    assert written == {"written_by": f"attnlab {attnlab.__version__}", **results}
 
 
 def test_ablate_says_up_front_that_it_trains_the_demo_model_and_how_long(monkeypatch, capsys,

@@ -186,6 +186,7 @@ def test_cli_ablate_without_ckpt_trains_the_demo_model_first(tmp_path, monkeypat
     assert "training the demo model first (40 steps" in out
     assert (tmp_path / "attnlab-demo" / "model.safetensors").exists()
     results = json.loads((tmp_path / "ab.json").read_text())
+    assert results.pop("written_by") == f"attnlab {attnlab.__version__}"  # its signature
     assert set(results) == {"baseline", "constant_q", "zero_v", "constant_k",
                             "uniform_attention", "dropout_placement"}
     assert set(results["dropout_placement"]) == {"none", "weights", "output"}

@@ -91,6 +91,8 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
         records.extend(suite_records)
     if json_path is not None:
         from ..io import atomic_write_text
+        from ..io.outdir import check_out_file, signed
 
-        atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
+        check_out_file(json_path, "json_path")  # again: a file may have appeared meanwhile
+        atomic_write_text(json_path, json.dumps(signed(records), indent=1) + "\n")
     return records

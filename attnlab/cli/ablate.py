@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import Callable
 
@@ -67,18 +68,36 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_out_dir(args.out)  # the demo model's checkpoint (run_demo checks it again)
     if args.heads:
         check_out_file(args.png, "--png")
+    for path, name in _out_files(args):
+        check_out_file(path, name)
+
+
+def _out_files(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The single files this run writes, each with its option's name."""
+    files = [(args.png, "--png")] if args.heads else []
     if args.json is not None and args.json != "-":
-        check_out_file(args.json, "--json")
+        files.append((args.json, "--json"))
+    return files
 
 
 def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
-    from ..demo import run_demo
+    from ..io.locks import output_lock
 
     if args.head is not None and args.layer is None:
         raise ValueError("--head needs --layer L (the layer the head is in)")
     if args.heads and args.layer is not None:
         raise ValueError("--heads knocks out every head in turn; leave out --layer/--head")
     _check_outputs(args)
+    with contextlib.ExitStack() as held:  # one run writes these files at a time
+        for path, name in _out_files(args):
+            held.enter_context(output_lock(path, name))
+        return _ablate(args, read_text)
+
+
+def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
+    from ..demo import run_demo
+    from ..io.outdir import check_out_file
+
     ckpt = args.ckpt
     if ckpt is None and args.model is None:
         ckpt = args.out
@@ -93,6 +112,7 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
         print(heads.format_head_table(results))
         from ..viz import save_head_importance
 
+        check_out_file(args.png, "--png")  # again: a file may have appeared meanwhile
         png = save_head_importance(args.png, {"head output zeroed": results["zero"],
                                               "uniform attention": results["uniform"]},
                                    measure=results["measure"])
@@ -120,7 +140,9 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
         print(json.dumps(results, indent=1))
     elif args.json:
         from ..io import atomic_write_json
+        from ..io.outdir import signed
 
-        atomic_write_json(args.json, results)
+        check_out_file(args.json, "--json")
+        atomic_write_json(args.json, signed(results))
         print(f"wrote {args.json}")
     return 0

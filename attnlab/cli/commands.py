@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -207,6 +208,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .. import bench
+    from ..io.locks import output_lock
     from ..io.outdir import check_out_file
 
     if args.baseline is not None and not args.markdown:
@@ -215,9 +217,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_out_file(args.json, "--json")
     # bench.run checks --baseline against the chosen cases before any case runs.
-    records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
-                        json_path=args.json, case_filter=args.case, baseline=args.baseline,
-                        under_load=args.under_load)
+    with output_lock(args.json, "--json") if args.json is not None else nullcontext():
+        records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
+                            json_path=args.json, case_filter=args.case,
+                            baseline=args.baseline, under_load=args.under_load)
     if args.markdown:
         print(bench.markdown_table(records, baseline=args.baseline))
     return 0

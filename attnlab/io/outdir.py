@@ -1,11 +1,17 @@
-"""Which entries of an output folder are attnlab's: the one rule for every writer.
+"""Which files are attnlab's: the one rule for every writer.
 
-attnlab writes into a folder only the files named in :data:`OWN_FILES`, the lesson
-pictures ``lesson-NN-<name>.png`` (and the temp files an atomic write killed by SIGKILL
-leaves beside them, the marker :func:`attnlab.io.atomic_dir` puts in the folders it
-builds, and training's ``best/`` checkpoint of such files). A folder holding
+Folders: attnlab writes into a folder only the files named in :data:`OWN_FILES`, the
+lesson pictures ``lesson-NN-<name>.png`` (and the temp files an atomic write killed by
+SIGKILL leaves beside them, the marker :func:`attnlab.io.atomic_dir` puts in the folders
+it builds, and training's ``best/`` checkpoint of such files). A folder holding
 anything else is the user's, and no writer (a checkpoint, ``show``, the demo)
 may replace or fill it.
+
+Single files (``--json FILE``, ``--png FILE``): whatever their name, attnlab signs what it
+writes (:data:`SIGNATURE`: a JSON document's first key ``"written_by"``, in a list of
+records every record's; a PNG's ``Software`` text chunk; an SVG's creator) and replaces an
+existing file only where that signature is found (:func:`is_signed`). Anything else there
+is the user's.
 """
 
 from __future__ import annotations
@@ -14,10 +20,23 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from .._version import __version__
 from .files import ATOMIC_MARKER, BEST_DIR, OWN_FILES, PathLike
 
-__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_out_file"]
+__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_out_file",
+           "SIGNATURE", "signed", "figure_metadata", "is_signed"]
+
+#: What attnlab writes into a single output file to show, when it meets the file again,
+#: that the file is its own (see the module's docstring).
+SIGNATURE = f"attnlab {__version__}"
+# A file is read this far to find the signature: a JSON's first key, a PNG's chunks
+# before its pixels, an SVG's metadata all come first.
+_SIGNATURE_BYTES = 64 * 1024
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JSON_SIGNED = re.compile(rb'\s*(\[\s*)?\{\s*"written_by"\s*:\s*"attnlab[ "]')
+_SVG_SIGNED = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>attnlab[ <]")
 
 # ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
@@ -84,15 +103,63 @@ def check_own_dir(out: PathLike, name: str = "--out") -> None:
             "expected a new or empty directory or one attnlab wrote")
 
 
+def signed(document: Any) -> Any:
+    """A JSON document as attnlab writes it to a file: an object with ``"written_by":
+    SIGNATURE`` as its first key, or a list with every object in it so signed."""
+    if isinstance(document, dict):
+        return {"written_by": SIGNATURE, **{k: v for k, v in document.items()
+                                             if k != "written_by"}}
+    if isinstance(document, list):
+        return [signed(item) if isinstance(item, dict) else item for item in document]
+    raise TypeError(f"document must be a JSON object or list, got {type(document).__name__}")
+
+
+def figure_metadata(fmt: str) -> dict[str, str]:
+    """The ``metadata=`` that signs a figure matplotlib saves as ``fmt`` ("png", "svg")."""
+    return {"Software": SIGNATURE} if fmt == "png" else {"Creator": SIGNATURE}
+
+
+def _png_signed(head: bytes) -> bool:
+    at = len(_PNG_MAGIC)
+    while at + 8 <= len(head):
+        size = int.from_bytes(head[at:at + 4], "big")
+        kind, data = head[at + 4:at + 8], head[at + 8:at + 8 + size]
+        if kind == b"IDAT":
+            return False
+        if kind == b"tEXt" and data.startswith(b"Software\x00attnlab"):
+            return True
+        at += 12 + size
+    return False
+
+
+def is_signed(path: PathLike) -> bool:
+    """Whether the regular file at ``path`` carries attnlab's :data:`SIGNATURE` (only its
+    first 64 KiB are read; a FIFO or device is never opened)."""
+    target = Path(path)
+    if target.is_symlink() or not target.is_file():
+        return False
+    try:
+        with open(target, "rb") as f:
+            head = f.read(_SIGNATURE_BYTES)
+    except OSError:
+        return False
+    if head.startswith(_PNG_MAGIC):
+        return _png_signed(head)
+    if _SVG_SIGNED.search(head):
+        return True
+    return _JSON_SIGNED.match(head) is not None
+
+
 def check_out_file(path: PathLike, name: str = "--json") -> None:
     """Refuse an output file ``path`` (``--json``, ``--png``) that cannot be written,
     before any work: a run must not train or measure for minutes and then fail on its
     last line.
 
-    ``path`` may be new or an existing regular file (replaced atomically, as
-    :func:`attnlab.io.atomic_write_bytes` does). Refused, with ValueError naming
-    ``name``: a directory, a FIFO or device (``/dev/stdout`` would be replaced, not
-    written to), a parent folder that does not exist (unlike an output folder, whose
+    ``path`` may be new or a file attnlab wrote (:func:`is_signed`; replaced atomically,
+    as :func:`attnlab.io.atomic_write_bytes` does). Refused, with ValueError naming
+    ``name``: an existing file without attnlab's signature (the user's), a symlink, a
+    directory, a FIFO or device (``/dev/stdout`` would be replaced, not written to), a
+    parent folder that does not exist (unlike an output folder, whose
     parents are created: a file's folder missing is a typo more often than a wish),
     a parent that is a file, and a parent that takes no new entries (the temp file
     of the atomic write goes there).
@@ -100,9 +167,16 @@ def check_out_file(path: PathLike, name: str = "--json") -> None:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{name} {str(path)!r} is a directory; expected a file path")
+    if target.is_symlink():
+        raise ValueError(f"{name} {str(path)!r} is a symlink; expected a new file or one "
+                         "attnlab wrote (the link would be replaced, not followed)")
     if target.exists() and not target.is_file():
         raise ValueError(f"{name} {str(path)!r} is not a regular file; expected a new file "
-                         "or one to replace")
+                         "or one attnlab wrote")
+    if target.exists() and not is_signed(target):
+        raise ValueError(f"{name} {str(path)!r} is a file attnlab did not write (it carries "
+                         "no attnlab signature), so it is left as it is; expected a new file "
+                         "or one attnlab wrote: choose another name or move that file")
     parent = Path(os.path.abspath(path)).parent
     if not parent.is_dir():
         blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io import atomic_write_bytes
+from ..io.outdir import figure_metadata
 from .data import as_labels, as_layers, as_mask, as_matrix, as_rollout
 from .fonts import font_context
 
@@ -330,7 +331,9 @@ FORMATS = ("png", "svg")
 def figure_bytes(fig: Figure, fmt: str = "png", **savefig_kw: Any) -> bytes:
     """``fig`` rendered as PNG or SVG (``fmt``, one of :data:`FORMATS`) bytes, in memory,
     so the file is then written in one atomic step (:func:`attnlab.io.atomic_write_bytes`).
-    An SVG draws its text as paths: it shows the same glyphs wherever it is opened."""
+    An SVG draws its text as paths: it shows the same glyphs wherever it is opened. The
+    picture is signed as attnlab's (:func:`attnlab.io.outdir.figure_metadata`), so that a
+    later run may replace it and no other file."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt (--format) must be one of {', '.join(FORMATS)}, got {fmt!r}")
     buf = io.BytesIO()
@@ -338,7 +341,7 @@ def figure_bytes(fig: Figure, fmt: str = "png", **savefig_kw: Any) -> bytes:
 
     texts = [t.get_text() for t in fig.findobj(Text)]
     with font_context(texts):  # glyph warnings for what the hint already named stay quiet
-        fig.savefig(buf, format=fmt, **savefig_kw)
+        fig.savefig(buf, format=fmt, **{"metadata": figure_metadata(fmt), **savefig_kw})
     return buf.getvalue()
 
 

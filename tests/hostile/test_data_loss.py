@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -172,3 +173,81 @@ def test_two_concurrent_trainers_one_is_refused(tmp_path, cli, one_line_error):
         first.wait()
     # Killed mid-run, the folder still holds the last whole checkpoint.
     assert load_checkpoint(tmp_path / "shared").config.context_length == 16
+
+
+# ------------------------------------------------------- single output files (--json, --png)
+
+
+def _figure(**savefig_kw):
+    import io as stdio
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1, 1))
+    fig.add_subplot().plot([0, 1])
+    buf = stdio.BytesIO()
+    fig.savefig(buf, **savefig_kw)
+    return fig, buf.getvalue()
+
+
+def test_an_output_file_is_replaced_only_where_attnlab_signed_it(tmp_path, snap):
+    from attnlab.io.outdir import check_out_file, is_signed, signed
+    from attnlab.viz.heatmap import figure_bytes
+
+    fig, plain_png = _figure(format="png")  # matplotlib's own "Software" chunk
+    _, plain_svg = _figure(format="svg")
+    users = {
+        "notes.json": b'{"my": "results", "written_by": "me"}\n',
+        "records.json": b'[{"suite": "attention", "case": "x", "impl": "y"}]\n',
+        "fake.json": b'{"written_by": "attnlabs inc."}',  # a prefix, not the signature
+        "plot.png": plain_png,
+        "plot.svg": plain_svg,
+        "notes.txt": "注意力 🙂 my notes\n".encode(),
+        "empty.json": b"",
+    }
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.json")
+    ours = {
+        "bench.json": json.dumps(signed([{"suite": "a", "case": "b", "impl": "c"}] * 2),
+                                 indent=1).encode(),
+        "ablate.json": json.dumps(signed({"heads": [[0, 1]]})).encode(),
+        "heads.png": figure_bytes(fig, "png"),
+        "heads.svg": figure_bytes(fig, "svg"),
+    }
+    for name, data in ours.items():
+        (tmp_path / name).write_bytes(data)
+    before = snap(tmp_path)
+    for name in [*users, "link.json"]:
+        assert not is_signed(tmp_path / name), name
+        with pytest.raises(ValueError, match=r"^--json '.*" + name.replace(".", r"\.")
+                           + r"' is (a file attnlab did not write|a symlink)"):
+            check_out_file(tmp_path / name, "--json")
+    for name in ours:
+        assert is_signed(tmp_path / name), name
+        check_out_file(tmp_path / name, "--json")  # its own: may be replaced
+    check_out_file(tmp_path / "new.json", "--json")
+    assert snap(tmp_path) == before
+    assert json.loads(ours["bench.json"])[1]["written_by"].startswith("attnlab ")
+
+
+def test_bench_json_replaces_its_own_records_and_refuses_a_users_file(tmp_path, monkeypatch,
+                                                                      snap):
+    from attnlab import bench
+
+    record = {"suite": "attention", "case": "c", "impl": "i", "median_ms": 1.0}
+    monkeypatch.setattr(bench, "run_cases", lambda cases, **kw: [dict(record)])
+    out = tmp_path / "b.json"
+    for _ in range(2):  # the second run replaces the first run's file
+        (returned,) = bench.run(["attention"], quick=True, json_path=out, log=None)
+        assert returned["median_ms"] == 1.0 and "written_by" not in returned
+        assert json.loads(out.read_text()) == [{"written_by": io.outdir.SIGNATURE, **returned}]
+    mine = tmp_path / "mine.json"
+    mine.write_text('[{"suite": "attention", "mine": true}]')
+    before = snap(tmp_path)
+    with pytest.raises(ValueError, match="json_path .*mine.json' is a file attnlab did not"):
+        bench.run(["attention"], quick=True, json_path=mine, log=None)
+    assert snap(tmp_path) == before
