@@ -160,3 +160,31 @@ def test_generation_allocates_its_caches_once(monkeypatch):
     monkeypatch.setattr(model, "new_cache", lambda *a: calls.append(a) or real(*a))
     model.generate([[1, 2, 3], [4]], 6, temperature=0)  # left-padded: a mask too
     assert calls == [(2, 9)]
+
+
+def test_bf16_weights_are_packed_by_rows_once():
+    """bf16 groups are packed as row blocks (what vdpbf16ps reads): each weight a plain
+    contiguous slice of one (sum of out, in) tensor, the tied table (vocab, d_model) rows,
+    still the only copy; the one-row product agrees with the layers run one by one."""
+    model = _gpt(qkv_bias=True).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2]])
+    want = model(ids)[:, -1:].float()  # with gradients: layer by layer, torch's bf16 products
+    caches = model.new_cache(1, 4)
+    with torch.no_grad():
+        model(ids[:, :1], caches=caches)
+        got = model(ids[:, 1:2], caches=caches).float()  # one row: packs by rows, then streams
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    group = (attn.W_query, attn.W_key, attn.W_value)
+    assert fused.is_packed(group) and fused.is_packed((mlp.gate, mlp.fc))
+    assert attn.W_query.weight.stride() == (32, 1) and attn.W_key.weight.stride() == (32, 1)
+    assert attn.W_key.weight.data_ptr() == attn.W_query.weight.data_ptr() + 32 * 32 * 2
+    assert attn.W_value.bias.data_ptr() == attn.W_query.bias.data_ptr() + (32 + 16) * 2
+    weight, bias = fused.block(group)
+    assert weight.shape == (64, 32) and weight.is_contiguous()
+    torch.testing.assert_close(weight, torch.cat([m.weight for m in group]))
+    torch.testing.assert_close(bias, torch.cat([m.bias for m in group]))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.tok_emb.weight.stride() == (32, 1)  # tied: (vocab, d_model) rows
+    reachable, params = _held_bytes(model)
+    assert reachable == params
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)

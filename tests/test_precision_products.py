@@ -81,11 +81,15 @@ def test_bf16_one_row_equals_the_oracle(kind, n_in, n_out, by_rows, extras, seed
 
 
 @needs_native
-def test_bf16_paths_agree_and_the_dot_path_is_there_where_the_cpu_has_it():
+@pytest.mark.parametrize("layout", ["columns", "rows"])
+def test_bf16_paths_agree_and_the_dot_path_is_there_where_the_cpu_has_it(layout):
     """Both paths compute bf16 x bf16 products summed in float32 (their sums differ in
-    order only); the switch really switches where the CPU has the instruction."""
+    order only); the switch really switches where the CPU has the instruction. Columns:
+    the packed (in, out) block; rows: the (out, in) rows modules.fused packs bf16 in."""
     torch.manual_seed(0)
-    w = torch.randn(1536, 576).to(torch.bfloat16).t().contiguous().t()  # packed (in, out)
+    w = torch.randn(1536, 576).to(torch.bfloat16)
+    if layout == "columns":
+        w = w.t().contiguous().t()
     x = torch.randn(1, 576)
     with path("dot"):
         a = ops.linear(x, w, None, None)

@@ -1,9 +1,16 @@
-// The bf16 one-row product by columns on vdpbf16ps (vec.h's Avx512Dot level).
+// The bf16 one-row products on vdpbf16ps (vec.h's Avx512Dot level).
 //
 // vdpbf16ps adds to each float lane the products of one PAIR of bf16 values:
-// acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1]. A weight packed (in, out) (modules/
-// fused.py) holds W[i, :] and W[i + 1, :] as two rows, so two rows are interleaved as
-// they are read (vpunpck{l,h}wd: 32 outputs of two rows -> two vectors of 16 output
+// acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1].
+//
+// By rows (the layout modules/fused.py packs bf16 weights in): a row W[o, :] is already
+// pairs along its inputs, and so is x as bf16 (bf16_pairs), so a row's dot product is
+// 32 weights a vdpbf16ps with nothing rearranged. This streams a weight at about the
+// speed of a plain read of memory, where the columns' loop below reaches about three
+// quarters of it (one Zen 5 core, SmolLM-135M's matrices).
+//
+// By columns: a weight packed (in, out) holds W[i, :] and W[i + 1, :] as two rows, so two
+// rows are interleaved as they are read (vpunpck{l,h}wd: 32 outputs of two rows -> two vectors of 16 output
 // pairs), and x[i], x[i + 1] is one 32-bit pair broadcast to every lane. The unpacks work
 // within 128-bit lanes, so a chunk of 32 outputs comes out in "pair order": the low
 // vector holds outputs {0-3, 8-11, 16-19, 24-27}, the high one {4-7, 12-15, 20-23,
@@ -77,6 +84,31 @@ inline void bf16_dot_order(float* acc, int64_t n) {
 
 namespace attnlab {
 
+// One chunk of 32 outputs (Tail: the last, n_out % 32 of them, read by masked loads; a
+// whole chunk by plain ones, as a masked load runs at half the speed here) of P pairs of
+// rows: acc[c, c + 32) += the pairs' products.
+template <bool Tail>
+ATTNLAB_AVX512_DOT inline __m512i bf16_load(const uint16_t* q, __mmask32 tail) {
+  if constexpr (Tail) return _mm512_maskz_loadu_epi16(tail, q);
+  return _mm512_loadu_si512(q);
+}
+
+template <int P, bool Tail>
+ATTNLAB_AVX512_DOT inline void bf16_pair_chunk(const uint16_t* const* r, const __m512i* xv,
+                                               int64_t c, __mmask32 tail, float* acc) {
+  __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+    const __m512i a = bf16_load<Tail>(r[2 * p] + c, tail);
+    const __m512i b =
+        r[2 * p + 1] ? bf16_load<Tail>(r[2 * p + 1] + c, tail) : _mm512_setzero_si512();
+    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), (__m512bh)xv[p]);
+    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), (__m512bh)xv[p]);
+  }
+  _mm512_storeu_ps(acc + c, lo);
+  _mm512_storeu_ps(acc + c + 16, hi);
+}
+
 // Rows [i, i + 2P) of W in P pairs (the last row of an odd i1 paired with zeros), every
 // chunk of 32 outputs: P pairs of row streams advance side by side, the partial loaded
 // and stored once per chunk.
@@ -93,19 +125,43 @@ ATTNLAB_AVX512_DOT inline void bf16_pair_rows(const uint16_t* w, int64_t ld,
     r[2 * p] = w + (i + 2 * p) * ld;
     r[2 * p + 1] = i + 2 * p + 1 < i1 ? r[2 * p] + ld : nullptr;
   }
-  for (int64_t c = 0; c < n_out; c += 32) {
-    const __mmask32 m = c + 32 <= n_out ? ~__mmask32(0) : tail;
-    __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) {
-      const __m512i a = _mm512_maskz_loadu_epi16(m, r[2 * p] + c);
-      const __m512i b = r[2 * p + 1] ? _mm512_maskz_loadu_epi16(m, r[2 * p + 1] + c)
-                                     : _mm512_setzero_si512();
-      lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), (__m512bh)xv[p]);
-      hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), (__m512bh)xv[p]);
+  int64_t c = 0;
+  for (; c + 32 <= n_out; c += 32) bf16_pair_chunk<P, false>(r, xv, c, tail, acc);
+  if (rem) bf16_pair_chunk<P, true>(r, xv, c, tail, acc);
+}
+
+// y[o] = W[o, :] . x (+ bias, residual) for o in [o0, o1), W (out, in) bf16 bits with row
+// stride ld, x as bf16_pairs. One row after another, two chains of sums a row: the rows
+// of a packed block follow one another in memory, so the product reads one stream, where
+// eight rows side by side (eight streams) ran 10-18% slower (interleaved rounds, one
+// Zen 5 core, SmolLM-135M's matrices).
+ATTNLAB_AVX512_DOT static void dots_bf16_dot(const uint16_t* w, int64_t ld, const uint32_t* pairs,
+                                             int64_t n_in, int64_t o0, int64_t o1,
+                                             const float* bias, const float* residual, float* y) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(pairs);
+  const int64_t rem = n_in % 32;
+  const __mmask32 tail = rem ? (__mmask32(1) << rem) - 1 : ~__mmask32(0);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint16_t* row = w + o * ld;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    // Plain loads: a masked load runs at half the speed here.
+    for (; i + 64 <= n_in; i += 64) {
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + i),
+                            (__m512bh)_mm512_loadu_si512(x + i));
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + i + 32),
+                            (__m512bh)_mm512_loadu_si512(x + i + 32));
     }
-    _mm512_storeu_ps(acc + c, lo);
-    _mm512_storeu_ps(acc + c + 16, hi);
+    if (i + 32 <= n_in) {
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + i),
+                            (__m512bh)_mm512_loadu_si512(x + i));
+      i += 32;
+    }
+    if (rem)
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + i),
+                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i));
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    y[o] = s + (bias ? bias[o] : 0.0f) + (residual ? residual[o] : 0.0f);
   }
 }
 
@@ -127,6 +183,8 @@ ATTNLAB_AVX512_DOT static void axpys_bf16_dot(const uint16_t* w, int64_t ld,
 namespace attnlab {
 inline void axpys_bf16_dot(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
                            int64_t, float*) {}
+inline void dots_bf16_dot(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t,
+                          const float*, const float*, float*) {}
 }  // namespace attnlab
 
 #endif

@@ -148,7 +148,7 @@ template <typename S>
 void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n_in,
                  int64_t n_out, const float* bias, const float* residual, float* y) {
   constexpr bool bf16 = std::is_same_v<S, c10::BFloat16>;
-  const bool dot = bf16 && !by_rows && bf16_dot_active();
+  const bool dot = bf16 && bf16_dot_active();
   Bf16Row row;
   if constexpr (bf16) {
     if (dot) {
@@ -164,8 +164,17 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1))
-        dots(w, ld, x, n_in, n_out * k / pieces, n_out * (k + 1) / pieces, bias, residual, y);
+      for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
+        const int64_t o0 = n_out * k / pieces, o1 = n_out * (k + 1) / pieces;
+        if constexpr (bf16) {
+          if (dot) {
+            dots_bf16_dot(reinterpret_cast<const uint16_t*>(w), ld, row.pairs.data(), n_in, o0,
+                          o1, bias, residual, y);
+            continue;
+          }
+        }
+        dots(w, ld, x, n_in, o0, o1, bias, residual, y);
+      }
     });
     return;
   }
