@@ -217,12 +217,22 @@ def _with_fakes(ops):
         one = {"device": "cpu", "dtype": torch.float32}
         tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
         tiles = tiles is not None
-        for name, fake in _fakes(tiles).items():
+        # And whether it has the bf16 tile kernel (more than FEW_ROWS rows times a bf16
+        # weight by rows): asked the same way.
+        bf16 = {"device": "cpu", "dtype": torch.bfloat16}
+        bf16_tiles = ops.linear(torch.ones(FEW_ROWS + 1, 2, **bf16), torch.ones(1, 2, **bf16),
+                                None, None) is not None
+        for name, fake in _fakes(tiles, bf16_tiles).items():
             torch.library.register_fake(f"{LIBRARY}::{name}", fake)
     return ops
 
 
-def _fakes(tiles: bool) -> dict:
+# Rows up to which linear leaves a bf16 weight to torch's product (csrc/decode.cpp's
+# FEW_ROWS; a test holds the two equal).
+FEW_ROWS = 64
+
+
+def _fakes(tiles: bool, bf16_tiles: bool = False) -> dict:
     """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
 
     def flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed, block_q,
@@ -272,10 +282,22 @@ def _fakes(tiles: bool) -> dict:
                 return None
         return x.new_empty(*x.shape[:-1], n_out)
 
+    def bf16_by_rows(x, weight, bias, residual, rows) -> bool:
+        n_out, n_in = weight.shape if weight.dim() == 2 else (0, 0)
+        return (bf16_tiles and residual is None and floating(x) and x.dim() >= 1
+                and x.is_contiguous() and x.shape[-1] == n_in and rows > FEW_ROWS
+                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and n_in > 0 and n_in % 2 == 0 and weight.stride(1) == 1
+                and (n_out <= 1 or weight.stride(0) >= n_in)
+                and (bias is None or (floating(bias) and bias.numel() == n_out
+                                      and bias.is_contiguous())))
+
     def linear(x, weight, bias, residual):
         rows = math.prod(x.shape[:-1]) if x.dim() >= 1 else 0
         if x.dim() >= 1 and rows == 1:
             return one_row(x, weight, bias, residual)
+        if bf16_by_rows(x, weight, bias, residual, rows):
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
         if (not tiles or residual is not None or not usable(x) or not usable(weight)
                 or weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
                 or not x.is_contiguous() or weight.stride(0) != 1

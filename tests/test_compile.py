@@ -94,6 +94,10 @@ def test_linear_fake_takes_and_declines_as_the_op_does():
         (torch.randn(3, 10), w, None, None),  # a few rows by rows: declined
         (torch.randn(1, 10).double(), w.double(), None, None),  # float64: declined
         (torch.randn(1, 20)[:, ::2], w, None, None),  # not contiguous: declined
+        (torch.randn(100, 10), w.bfloat16(), torch.randn(6), None),  # bf16 by rows: tiles
+        (torch.randn(2, 50, 10).bfloat16(), w.bfloat16(), None, None),  # in bf16, out bf16
+        (torch.randn(64, 10), w.bfloat16(), None, None),  # few rows: declined
+        (torch.randn(100, 9), torch.randn(6, 9).bfloat16(), None, None),  # odd: declined
     ]
     for args in cases:
         _fake_equals_real(ops.linear.default, args)

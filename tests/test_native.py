@@ -90,6 +90,13 @@ def test_the_tile_shapes_know_how_many_keys_a_worker_holds_packed():
     assert _flash._blocks(4096, _flash.HEAD_PACK_KEYS + 1, True, 0)[0] == 128
 
 
+def test_the_bf16_tile_threshold_is_the_kernels():
+    """_native.FEW_ROWS (the rows up to which linear leaves a bf16 weight to torch, which
+    the fake kernel repeats) is csrc/decode.cpp's FEW_ROWS."""
+    source = (Path(_native.__file__).parent / "csrc" / "decode.cpp").read_text()
+    assert f"constexpr int64_t FEW_ROWS = {_native.FEW_ROWS};" in source
+
+
 @needs_native
 def test_auto_picks_flash_where_a_rule_leaves_work_to_skip(monkeypatch):
     q, k, _ = _qkv(1, 2, 256, 8)

@@ -14,6 +14,7 @@
 #include "row_product.h"
 #include "tile_gemm.h"
 #include "rows.h"
+#include "tile_bf16.h"
 
 namespace attnlab {
 namespace {
@@ -215,14 +216,62 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
   }
 }
 
+// Whether many rows times w go to the bf16 tile kernel (tile_bf16.h): more than FEW_ROWS
+// rows (fewer are bound by reading W, where torch's product is as fast), a bf16 weight
+// packed by rows with an even number of inputs, a CPU with the bf16 dot product.
+bool bf16_tiles(int64_t rows, const at::Tensor& w) {
+  return rows > FEW_ROWS && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
+         w.dim() == 2 && w.size(1) > 0 && w.size(1) % 2 == 0 && w.stride(1) == 1 &&
+         (w.size(0) <= 1 || w.stride(0) >= w.size(1)) && bf16_dot_active();
+}
+
+// x W^T + bias for many rows of x (float32 or bf16, rounded to bf16 as vdpbf16ps reads
+// it) and a bf16 weight packed by rows, in x's dtype: threads take bands of 64 outputs,
+// each packing its band into pairs once (tile_bf16.h) and multiplying every row by it.
+template <typename C>
+void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                    at::Tensor& y) {
+  const int64_t n_in = w.size(1), n_out = w.size(0), ldw = w.stride(0), rows = leading_rows(x);
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  C* c = y.data_ptr<C>();
+  const int64_t bands = (n_out + PANEL - 1) / PANEL;
+  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> panel(n_in / 2 * PANEL);
+    for (int64_t band = begin; band < end; ++band) {
+      const int64_t j0 = band * PANEL, width = std::min(PANEL, n_out - j0);
+      tile_bf16::pack_pairs(b + j0 * ldw, ldw, width, n_in, panel.data());
+      tile_bf16_panel(rows, n_in, a, n_in, panel.data(), width, bp ? bp + j0 : nullptr, c + j0,
+                      n_out);
+    }
+  });
+}
+
 // linear (inference): x W^T + bias (+ residual) for x (..., in) and an nn.Linear weight
 // (out, in): one row by one_row; more, W float32 stored by columns (the packed blocks),
 // by the AVX-512 tile kernel where the CPU has it (few rows and many as above), threads
-// taking bands of 64 outputs; None otherwise (the caller runs F.linear).
+// taking bands of 64 outputs; many rows times a bf16 weight packed by rows by the bf16
+// tile kernel (bf16_tiles); None otherwise (the caller runs F.linear).
 std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
   if (x.dim() >= 1 && leading_rows(x) == 1) return one_row(x, w, bias, residual);
+  if (!residual.has_value() && floating(x) && x.dim() >= 1 && x.is_contiguous() &&
+      x.size(-1) == w.size(-1) && bf16_tiles(leading_rows(x), w) &&
+      (!bias.has_value() ||
+       (floating(*bias) && bias->numel() == w.size(0) && bias->is_contiguous()))) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = w.size(0);
+    at::Tensor y = at::empty(shape, x.options());
+    const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+    const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (x.scalar_type() == at::kFloat)
+      many_rows_bf16<float>(xb, w, b, y);
+    else
+      many_rows_bf16<c10::BFloat16>(xb, w, b, y);
+    return y;
+  }
   if (!tile_gemm_supported() || residual.has_value() || !usable(x) || !usable(w) ||
       w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
       w.stride(0) != 1 || w.stride(1) < w.size(0))

@@ -8,15 +8,16 @@
 //
 // y (n_out) = residual + bias + W x, with W given as the (n_out, n_in) weight of
 // an nn.Linear in either storage:
-//   - rows:    W[o][i] at w[o * ld + i] (the usual layout): a thread takes a band of
-//              outputs, four dot products at a time;
+//   - rows:    W[o][i] at w[o * ld + i] (the usual layout, and modules/fused.py's packed
+//              bf16 blocks): a thread takes a band of outputs, four dot products at a
+//              time (bf16 on vdpbf16ps: one row at a time, dot_bf16.h);
 //   - columns: W[o][i] at w[i * ld + o] (modules/fused.py's packed (in, out) blocks):
 //              a thread takes a band of inputs and sums x[i] * W[i, :] over it, four
 //              rows at a time, into its own partial output; the partials are added.
 // The weights are float32 or bf16 (S): the loops are templates on S, reading through
 // convert.h's load16. A bf16 product multiplies bf16 by bf16 (x is rounded to bf16
-// first, as vdpbf16ps does) and sums in float32; by columns on a CPU with the bf16 dot
-// product (vec.h's Avx512Dot) it runs dot_bf16.h's vdpbf16ps loop, elsewhere these.
+// first, as vdpbf16ps does) and sums in float32; on a CPU with the bf16 dot product
+// (vec.h's Avx512Dot) it runs dot_bf16.h's vdpbf16ps loops, elsewhere these.
 // The loops are compiled per instruction set (ATTNLAB_PER_ISA) and picked at load time.
 #pragma once
 

@@ -112,9 +112,10 @@ class GPT(GenerationMixin, nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        # The output layer is stored (d_model, vocab): a one-row product streams it in
-        # order, much faster than F.linear's rows. Tied, the embedding is that same tensor
-        # (its rows are then strided, which a lookup of a few tokens does not notice).
+        # The output layer is stored (d_model, vocab) in float32 (bf16: (vocab, d_model)
+        # rows, modules.fused.by_rows): a one-row product streams it in order, much faster
+        # than F.linear's rows. Tied, the embedding is that same tensor (its rows may then
+        # be strided, which a lookup of a few tokens does not notice).
         fused.pack((self.lm_head,))
 
     @staticmethod

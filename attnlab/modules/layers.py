@@ -117,8 +117,8 @@ class MLP(nn.Module):
             self.gate = nn.Linear(d_model, d_ff, bias=bias)
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
-        # Each stored (in, out) (modules.fused): the native products stream it faster;
-        # a gated MLP's gate and up in one (d_model, 2 * d_ff) tensor, one product.
+        # Each packed as the native products stream it fastest (modules.fused: (in, out),
+        # bf16 by rows); a gated MLP's gate and up in one tensor, one product.
         self.product_groups = (("gate", "fc") if gated else ("fc",), ("proj",))
         fused.pack_groups(self)
 

@@ -152,8 +152,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         self.out_proj = nn.Linear(inner, d_out, bias=out_bias)
         self._init_scores(num_heads, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
-        # One (d_in, q + k + v) tensor holds the three weights, views of it (see
-        # modules.fused); the output projection is stored (in, out) too: it streams faster.
+        # One (d_in, q + k + v) tensor (bf16: (q + k + v, d_in) rows) holds the three
+        # weights, views of it (see modules.fused); the output projection is packed too.
         fused.pack_groups(self)
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
