@@ -47,6 +47,18 @@ def test_describe_cpu_without_avx512_or_without_cpuinfo():
     assert empty["flags"] == [] and "none of avx512f" in machine.cpu_line(empty)
 
 
+def test_the_peak_is_read_off_torch_mm_and_attnlab_s_own_tile_product():
+    """On AMD CPUs MKL's torch.mm takes its AVX2 path (half a Zen 5's 512-bit rate): the
+    kernel's own tile product is timed too where it is built, and both compute the same
+    product (a yardstick that skipped work would read high)."""
+    from attnlab import _flash
+
+    products = machine._products(128)
+    assert len(products) == (2 if _flash.tile_kernel() else 1)
+    for product in products[1:]:
+        torch.testing.assert_close(product(), products[0](), rtol=1e-4, atol=1e-3)
+
+
 def test_fma_peak_is_positive_finite_and_restores_threads():
     before = torch.get_num_threads()
     for threads in (1, 2):

@@ -6,13 +6,16 @@ attention suite prints the CPU (``/proc/cpuinfo``) and measures the peak it read
 each case against, rather than trusting a data sheet.
 
 The peak is a microbenchmark, not a theory: the best of 40 short rounds (about 2
-ms each) of ``torch.mm`` on float32 matrices small enough to stay in the caches
-(n=256 on one thread, n=512 on all), counted as ``2 n^3`` FLOPs a product. The
-BLAS reaches close to the FMA units' limit there, so this is a slight
-*under*-estimate of the true peak: a share of it is an upper bound on the share of
-the hardware's. Rounds are short and many because on a busy machine only the best
-of them sees the cores free (measured at load 11 on two cores: 7 rounds of 30 ms
-found 16 GFLOP/s on two threads, 40 rounds of 2 ms found 333).
+ms each) of float32 products on matrices small enough to stay in the caches
+(n=256 on one thread, n=512 on all), counted as ``2 n^3`` FLOPs a product: the
+better of ``torch.mm`` and attnlab's own AVX-512 tile product (``linear`` on more than
+64 rows) where it is built. One of them reaches close to the FMA units' limit there
+(on AMD CPUs MKL takes its AVX2 path, half the 512-bit units' rate on a Zen 5, where
+the kernel's cases then read 164% "of the peak"), so this is a slight *under*-estimate
+of the true peak: a share of it is an upper bound on the share of the hardware's.
+Rounds are short and many because on a busy machine only the best of them sees the
+cores free (measured at load 11 on two cores: 7 rounds of 30 ms found 16 GFLOP/s on
+two threads, 40 rounds of 2 ms found 333).
 """
 
 from __future__ import annotations
@@ -80,10 +83,11 @@ def cpu_line(cpu: dict) -> str:
 
 def fma_peak(threads: int, *, rounds: int = 40, size: int | None = None,
              seconds: float = 0.002) -> float:
-    """Float32 GFLOP/s of ``torch.mm`` at ``threads`` threads: the best of ``rounds``.
+    """Float32 GFLOP/s of an ``size x size`` product at ``threads`` threads: the best of
+    ``rounds`` for each of :func:`_products`, the better of them.
 
-    Each round repeats an ``size x size`` product for about ``seconds``; the thread
-    count of torch is restored afterwards.
+    Each round repeats the product for about ``seconds``; the thread count of torch is
+    restored afterwards.
     """
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
@@ -91,23 +95,41 @@ def fma_peak(threads: int, *, rounds: int = 40, size: int | None = None,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-        out = torch.empty(n, n)
-        torch.mm(a, b, out=out)  # warm: thread pool, BLAS dispatch, caches
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        reps = max(1, math.ceil(seconds / max(time.perf_counter() - start, 1e-6)))
-        best = 0.0
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b, out=out)
-            elapsed = time.perf_counter() - start
-            best = max(best, 2.0 * n ** 3 * reps / elapsed / 1e9)
-        return best
+        return max(_best_rate(product, n, rounds, seconds) for product in _products(n))
     finally:
         torch.set_num_threads(before)
+
+
+def _products(n: int) -> list:
+    """``torch.mm`` of two ``n x n`` float32 matrices, and attnlab's tile product of the
+    same size where the native kernel has it (``linear`` takes more than 64 rows times a
+    weight stored by columns only on its AVX-512 tiles)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    out = torch.empty(n, n)
+    products = [lambda: torch.mm(a, b, out=out)]
+    from .. import _native
+
+    ops = _native.load()
+    weight = b.t()  # a @ b as x W^T, W stored by columns as modules.fused packs float32
+    if ops is not None and n > 64 and ops.linear(a, weight, None, None) is not None:
+        products.append(lambda: ops.linear(a, weight, None, None))
+    return products
+
+
+def _best_rate(product, n: int, rounds: int, seconds: float) -> float:
+    product()  # warm: thread pool, dispatch, caches
+    start = time.perf_counter()
+    product()
+    reps = max(1, math.ceil(seconds / max(time.perf_counter() - start, 1e-6)))
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            product()
+        elapsed = time.perf_counter() - start
+        best = max(best, 2.0 * n ** 3 * reps / elapsed / 1e9)
+    return best
 
 
 def measure(log=print) -> dict:
@@ -120,7 +142,8 @@ def measure(log=print) -> dict:
     every = one if threads == 1 else max(one, fma_peak(threads))
     if log:
         log(f"CPU: {cpu_line(cpu)}")
-        log(f"float32 FMA peak (torch.mm, best of 40, measured in this run): {one:.0f} "
+        log(f"float32 FMA peak (torch.mm or attnlab's tile product, best of 40, measured "
+            f"in this run): {one:.0f} "
             f"GFLOP/s on 1 thread, {every:.0f} GFLOP/s on the bench's {threads} threads")
     return {"cpu": cpu, "threads": threads, "peak_gflops_1": one, "peak_gflops": every}
 
