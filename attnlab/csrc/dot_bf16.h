@@ -10,8 +10,9 @@
 // quarters of it (one Zen 5 core, SmolLM-135M's matrices).
 //
 // By columns: a weight packed (in, out) holds W[i, :] and W[i + 1, :] as two rows, so two
-// rows are interleaved as they are read (vpunpck{l,h}wd: 32 outputs of two rows -> two vectors of 16 output
-// pairs), and x[i], x[i + 1] is one 32-bit pair broadcast to every lane. The unpacks work
+// rows are interleaved as they are read (vpunpck{l,h}wd: 32 outputs of two rows -> two
+// vectors of 16 output pairs), and x[i], x[i + 1] is one 32-bit pair broadcast to every
+// lane. The unpacks work
 // within 128-bit lanes, so a chunk of 32 outputs comes out in "pair order": the low
 // vector holds outputs {0-3, 8-11, 16-19, 24-27}, the high one {4-7, 12-15, 20-23,
 // 28-31}; the partial output stays in that order until bf16_dot_order puts it back.
@@ -84,15 +85,16 @@ inline void bf16_dot_order(float* acc, int64_t n) {
 
 namespace attnlab {
 
-// One chunk of 32 outputs (Tail: the last, n_out % 32 of them, read by masked loads; a
-// whole chunk by plain ones, as a masked load runs at half the speed here) of P pairs of
-// rows: acc[c, c + 32) += the pairs' products.
+// 32 bf16 values at q; Tail: only those of the mask tail (a masked load runs at half the
+// speed of a plain one here, so only the last chunk of a row takes one).
 template <bool Tail>
 ATTNLAB_AVX512_DOT inline __m512i bf16_load(const uint16_t* q, __mmask32 tail) {
   if constexpr (Tail) return _mm512_maskz_loadu_epi16(tail, q);
   return _mm512_loadu_si512(q);
 }
 
+// One chunk of 32 outputs of P pairs of rows (Tail: the last, n_out % 32 of them):
+// acc[c, c + 32) += the pairs' products.
 template <int P, bool Tail>
 ATTNLAB_AVX512_DOT inline void bf16_pair_chunk(const uint16_t* const* r, const __m512i* xv,
                                                int64_t c, __mmask32 tail, float* acc) {
