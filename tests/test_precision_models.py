@@ -16,6 +16,7 @@ import transformers as T  # noqa: E402
 
 from attnlab import _native  # noqa: E402
 from attnlab.models import GPT  # noqa: E402
+from attnlab.modules import fused  # noqa: E402
 from attnlab.modules.quantized import Int8Embedding, Int8Linear  # noqa: E402
 
 needs_native = pytest.mark.skipif(_native.load() is None, reason="native kernel not built")
@@ -67,8 +68,11 @@ def test_loading_in_a_precision_equals_converting_after(f32, folder):
     to = copy.deepcopy(f32).to(torch.bfloat16)
     for (name, a), (_, b) in zip(bf.state_dict().items(), to.state_dict().items()):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
-    w = bf.blocks[0].attn.W_key.weight
-    assert w.stride(0) == 1  # the packed (in, out) layout of modules.fused
+    attn = bf.blocks[0].attn
+    w = attn.W_key.weight  # loaded in bf16's packed layout (modules.fused): by rows
+    assert w.stride() == (w.shape[1], 1)
+    assert fused.is_packed((attn.W_query, attn.W_key, attn.W_value))
+    assert fused.is_packed((bf.lm_head,)) and bf.lm_head.weight is bf.tok_emb.weight
     q = GPT.from_hf(folder, quantize="int8")
     done = copy.deepcopy(f32).quantize()
     assert type(q.lm_head) is Int8Linear and type(q.tok_emb) is Int8Embedding

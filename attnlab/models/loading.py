@@ -16,7 +16,7 @@ from torch import nn
 
 from ..io.files import CheckpointError
 from ..io.weights import CHUNK, SafetensorsState, read_into
-from ..modules import quantized
+from ..modules import fused, quantized
 
 __all__ = ["load_state", "state_mismatches", "check_fits", "build_loaded"]
 
@@ -143,6 +143,8 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     tied = _tied_groups(model)
     aliases = {name for names in tied for name in names[1:]}
     check_fits(model, state, source=source, allow_missing=aliases)
+    if dtype is not None and quantize is None:
+        fused.repack(model, dtype)  # each dtype's packed layout (bf16: by rows)
     # One buffer for every chunk read from a file: a new one per tensor would leave
     # holes between the blocks that the allocator keeps.
     bounce = torch.empty(CHUNK, dtype=torch.uint8)
