@@ -46,3 +46,21 @@ def test_the_compiled_flexattention_peer_computes_the_same_attention(variant):
     torch.testing.assert_close(variants.make_step("torch-flex", **small)(), want,
                                atol=2e-5, rtol=2e-5)
     assert variants.COMPILE_S.pop(f"test {variant}") > 0
+
+
+def test_each_flex_case_compiles_from_a_fresh_dynamo_cache(monkeypatch):
+    """Past dynamo's recompile_limit (8 frames of flex_attention) FlexAttention falls back
+    to its unfused path, 10-20x slower: a full run would time that for its later cases.
+    Every case's compile starts from a reset cache, the window cases' as the variants'."""
+    import torch._dynamo
+
+    resets, compiled = [], []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(len(compiled)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    variants.compiled_flex()
+    variants.compiled_flex()
+    assert resets == [0, 1] and len(compiled) == 2  # a reset before each compile
+    monkeypatch.setattr(bench.variants, "compiled_flex",
+                        lambda: compiled.append("window") or (lambda *a, **kw: None))
+    bench._flex_step(*(torch.zeros(1, 1, 128, 8),) * 3, 128, True, 16)
+    assert compiled[-1] == "window"  # the window cases compile through it too
