@@ -60,6 +60,7 @@ def test_show_and_ablate_on_a_checkpoint(demo_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "uniform_attention" in done.stdout
     results = json.loads((tmp_path / "ab.json").read_text())
+    assert results.pop("written_by").startswith("attnlab ")  # its signature
     assert set(results) == {"baseline", "constant_q", "zero_v", "constant_k",
                             "uniform_attention", "dropout_placement"}
 
