@@ -270,7 +270,6 @@ def _write_log(exc: Exception) -> Path | None:
 
 
 PRODUCT_DTYPES = _fakes.PRODUCT_DTYPES
-FEW_ROWS = _fakes.FEW_ROWS
 
 
 def for_inference(*tensors: torch.Tensor | None, dtypes=(torch.float32,)):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnlab
-from attnlab import _flash, _native
+from attnlab import _fakes, _flash, _native
 from attnlab import reference as ref
 from attnlab.functional import _choose
 
@@ -91,10 +91,10 @@ def test_the_tile_shapes_know_how_many_keys_a_worker_holds_packed():
 
 
 def test_the_bf16_tile_threshold_is_the_kernels():
-    """_native.FEW_ROWS (the rows up to which linear leaves a bf16 weight to torch, which
+    """_fakes.FEW_ROWS (the rows up to which linear leaves a bf16 weight to torch, which
     the fake kernel repeats) is csrc/decode.cpp's FEW_ROWS."""
     source = (Path(_native.__file__).parent / "csrc" / "decode.cpp").read_text()
-    assert f"constexpr int64_t FEW_ROWS = {_native.FEW_ROWS};" in source
+    assert f"constexpr int64_t FEW_ROWS = {_fakes.FEW_ROWS};" in source
 
 
 @needs_native

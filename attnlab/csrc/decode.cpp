@@ -97,6 +97,13 @@ ATTNLAB_PER_ISA static void gelu_mul_row(float* out, const float* gate, const fl
 
 }  // namespace
 
+// x's sizes with the last one replaced by n: the shape of a row-wise op's result.
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
 // act(gate) * up from the joint (..., 2F) product [gate | up] to (..., F), a row at a time.
 template <typename Row>
 at::Tensor gated(const at::Tensor& gate_up, const char* name, Row row) {
@@ -105,9 +112,7 @@ at::Tensor gated(const at::Tensor& gate_up, const char* name, Row row) {
               "attnlab ", name, ": CPU float32 (..., 2F)");
   const at::Tensor gu = gate_up.contiguous();
   const int64_t n = gu.size(-1) / 2, rows = n == 0 ? 0 : gu.numel() / (2 * n);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, gu.options());
+  at::Tensor out = at::empty(with_last(gu, n), gu.options());
   const float* src = gu.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n));
@@ -158,9 +163,7 @@ std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xf = as_float(x);
   const at::Tensor b = bias.has_value() ? as_float(*bias) : at::Tensor();
   const at::Tensor r = residual.has_value() ? as_float(*residual) : at::Tensor();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n_out;
-  at::Tensor y = at::empty(shape, xf.options());
+  at::Tensor y = at::empty(with_last(x, n_out), xf.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   const int64_t ld = by_rows ? w.stride(0) : w.stride(1);
@@ -257,13 +260,11 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
   if (x.dim() >= 1 && leading_rows(x) == 1) return one_row(x, w, bias, residual);
-  if (!residual.has_value() && floating(x) && x.dim() >= 1 && x.is_contiguous() &&
-      x.size(-1) == w.size(-1) && bf16_tiles(leading_rows(x), w) &&
+  if (x.dim() >= 1 && bf16_tiles(leading_rows(x), w) && !residual.has_value() &&
+      floating(x) && x.is_contiguous() && x.size(-1) == w.size(1) &&
       (!bias.has_value() ||
        (floating(*bias) && bias->numel() == w.size(0) && bias->is_contiguous()))) {
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = w.size(0);
-    at::Tensor y = at::empty(shape, x.options());
+    at::Tensor y = at::empty(with_last(x, w.size(0)), x.options());
     const at::Tensor xb = x.to(at::kBFloat16).contiguous();
     const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     if (x.scalar_type() == at::kFloat)
@@ -281,9 +282,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
   if (n_in == 0) return std::nullopt;
   if (bias.has_value() && (!usable(*bias) || bias->numel() != n_out || !bias->is_contiguous()))
     return std::nullopt;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n_out;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = at::empty(with_last(x, n_out), x.options());
   const float* a = x.data_ptr<float>();
   const float* b = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
