@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,27 @@ def test_memprobe_sees_the_step_allocate():
     # eager at T=2048, H=4 holds (4, 2048, 2048) float32 scores: at least 64 MB.
     assert small is not None and big is not None
     assert big - small > 60
+
+
+def test_memprobe_takes_its_baseline_after_the_modules_preload(tmp_path, monkeypatch):
+    """What a module's ``preload`` holds (its libraries, as a peer's import loads its own)
+    is below the baseline; what ``make_step`` builds is the step's."""
+    from attnlab.bench.runner import measure_memory
+
+    (tmp_path / "probe_preload.py").write_text(
+        "import numpy as np\n"
+        "HELD = []\n"
+        "def preload():\n"
+        "    HELD.append(np.ones(80 * 2**20 // 8))\n"
+        "def make_step(build):\n"
+        "    if build:\n"
+        "        HELD.append(np.ones(80 * 2**20 // 8))\n"
+        "    return lambda: None\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    preloaded = measure_memory(("probe_preload", "make_step", {"build": False}))
+    built = measure_memory(("probe_preload", "make_step", {"build": True}))
+    assert preloaded is not None and built is not None
+    assert preloaded < 20 and built > 70
 
 
 def test_of_ceiling_pairs_each_round_with_the_ceilings_round():

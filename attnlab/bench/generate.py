@@ -31,7 +31,9 @@ the two medians would take in.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
 importing the factory's module, which imports torch, transformers and attnlab's models
-(and the peer's package). Whatever loading a model imports later (torch's Python
+(and the peer's package), then runs its ``preload`` where it has one: here attnlab's
+native extension and safetensors, which attnlab loads on first use and a peer's import
+loads of its own (3-4 MB). Whatever loading a model imports later (torch's Python
 decompositions, about 70 MB, if a random initialisation runs on the meta device)
 counts against it.
 """
@@ -136,6 +138,16 @@ def weight_bytes(shape: str, precision: str = "f32") -> int:
         else:
             total += n * (2 if precision in ("bf16", "f16") else 4)
     return round(total)
+
+
+def preload() -> None:
+    """Load the libraries attnlab's steps load on first use (the memory probe's baseline
+    is taken after this, as after a peer's import of its own library)."""
+    import safetensors.torch  # noqa: F401
+
+    from .. import _native
+
+    _native.load()
 
 
 def prompt_ids(batch: int, prompt_len: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``python -m attnlab.bench.memprobe '["module", "function", {kwargs}]'``
 
-Prints the RSS high-water mark (VmHWM) above the RSS measured after imports: what
-building the inputs and running the step once added at its worst.
+Prints the RSS high-water mark (VmHWM) above the RSS measured after imports (and the
+module's ``preload()``, where it has one): what building the inputs and running the step
+once added at its worst.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def main(argv: list[str]) -> int:
 
     from .factory import build
 
-    importlib.import_module(module)  # imports are not part of the step's memory
+    # Imports, and the libraries the module's ``preload`` loads, are not part of the
+    # step's memory.
+    preload = getattr(importlib.import_module(module), "preload", None)
+    if preload is not None:
+        preload()
 
     baseline = _status_mb("VmRSS")
     step = build((module, function, kwargs))
