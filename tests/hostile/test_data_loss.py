@@ -150,6 +150,45 @@ def test_a_stale_lock_file_of_a_dead_process_is_taken_over(tmp_path, tiny_ckpt):
     assert type(load_checkpoint(tiny_ckpt)) is ToyAttnLM
 
 
+@pytest.mark.parametrize("kind", ["text", "empty", "link", "folder"])
+def test_a_file_of_the_lock_files_name_that_attnlab_did_not_write_is_left_alone(
+        tmp_path, tiny_ckpt, kind, snap):
+    """The user's own ``.ckpt.lock`` (or a link, or a folder of that name) is never
+    truncated, written through or removed: the run is refused and the checkpoint kept."""
+    lock = tmp_path / ".ckpt.lock"
+    target = tmp_path / "notes.txt"
+    target.write_text("注意力 notes 🙂\n", encoding="utf-8")
+    if kind == "text":
+        lock.write_text("my own lock notes\n")
+    elif kind == "empty":
+        lock.touch()
+    elif kind == "link":
+        lock.symlink_to(target)
+    else:
+        lock.mkdir()
+    before = snap(tiny_ckpt)
+    with pytest.raises(ValueError, match="is not a lock file attnlab wrote"):
+        save_checkpoint(ToyAttnLM(ToyConfig()), tiny_ckpt)
+    assert snap(tiny_ckpt) == before
+    assert target.read_text(encoding="utf-8") == "注意力 notes 🙂\n"
+    if kind == "text":
+        assert lock.read_text() == "my own lock notes\n"
+    elif kind == "empty":
+        assert lock.is_file() and lock.stat().st_size == 0
+    elif kind == "link":
+        assert lock.is_symlink()
+    else:
+        assert lock.is_dir()
+
+
+def test_the_lock_file_names_attnlab_and_the_holder(tmp_path):
+    from attnlab.io.locks import output_lock
+
+    with output_lock(tmp_path / "out") as path:
+        assert path.read_text() == f"attnlab lock {os.getpid()}\n"
+    assert not path.exists()
+
+
 @pytest.mark.slow
 def test_two_concurrent_trainers_one_is_refused(tmp_path, cli, one_line_error):
     # The first run trains far longer than the test lasts and is stopped once the second
