@@ -14,8 +14,10 @@ import torch
 PRODUCT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# Rows up to which linear leaves a bf16 weight to torch's product (csrc/decode.cpp's
-# FEW_ROWS; a test holds the two equal).
+# Rows up to which linear multiplies a bf16 weight by its one-row loop (BF16_DOT_ROWS), and
+# past which by the bf16 tile kernel (FEW_ROWS), leaving those between to torch's product
+# (csrc/decode.cpp's constants; a test holds them equal).
+BF16_DOT_ROWS = 16
 FEW_ROWS = 64
 
 
@@ -70,9 +72,11 @@ def fakes(tiles: bool, bf16_tiles: bool = False) -> dict:
         return x.new_empty(*x.shape[:-1], n_out)
 
     def bf16_by_rows(x, weight, bias, residual, rows) -> bool:
+        # (bf16_tiles: the CPU has the bf16 dot product, which both paths run on)
         n_out, n_in = weight.shape if weight.dim() == 2 else (0, 0)
         return (bf16_tiles and residual is None and floating(x) and x.dim() >= 1
-                and x.is_contiguous() and x.shape[-1] == n_in and rows > FEW_ROWS
+                and x.is_contiguous() and x.shape[-1] == n_in
+                and (1 < rows <= BF16_DOT_ROWS or rows > FEW_ROWS)
                 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
                 and n_in > 0 and n_in % 2 == 0 and weight.stride(1) == 1
                 and (n_out <= 1 or weight.stride(0) >= n_in)

@@ -90,11 +90,12 @@ def test_the_tile_shapes_know_how_many_keys_a_worker_holds_packed():
     assert _flash._blocks(4096, _flash.HEAD_PACK_KEYS + 1, True, 0)[0] == 128
 
 
-def test_the_bf16_tile_threshold_is_the_kernels():
-    """_fakes.FEW_ROWS (the rows up to which linear leaves a bf16 weight to torch, which
-    the fake kernel repeats) is csrc/decode.cpp's FEW_ROWS."""
+def test_the_bf16_row_thresholds_are_the_kernels():
+    """_fakes.BF16_DOT_ROWS and FEW_ROWS (between them linear leaves a bf16 weight to
+    torch, which the fake kernel repeats) are csrc/decode.cpp's."""
     source = (Path(_native.__file__).parent / "csrc" / "decode.cpp").read_text()
     assert f"constexpr int64_t FEW_ROWS = {_fakes.FEW_ROWS};" in source
+    assert f"constexpr int64_t BF16_DOT_ROWS = {_fakes.BF16_DOT_ROWS};" in source
 
 
 @needs_native

@@ -106,13 +106,16 @@ def test_bf16_paths_agree_and_the_dot_path_is_there_where_the_cpu_has_it(layout)
 
 @needs_native
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(65, 200), half_in=st.integers(1, 150), n_out=st.integers(1, 150),
+@given(rows=st.one_of(st.integers(2, 16), st.integers(65, 200)), half_in=st.integers(1, 150),
+       n_out=st.integers(1, 150),
        x_bf16=st.booleans(), bias=st.booleans(), wide=st.booleans(),
        seed=st.integers(0, 2**31))
 def test_bf16_many_rows_equal_the_oracle(rows, half_in, n_out, x_bf16, bias, wide, seed):
-    """More than FEW_ROWS rows times a bf16 weight packed by rows (a prompt): the bf16 tile
-    kernel where the CPU has the dot product, else torch's product (the op declines);
-    either way x rounded to bf16 times the weight, summed in float32, in x's dtype."""
+    """2 to BF16_DOT_ROWS rows times a bf16 weight packed by rows (a batch being decoded,
+    a short prompt), or more than FEW_ROWS (a prompt): the one-row loop four rows at a time
+    or the bf16 tile kernel where the CPU has the dot product, else torch's product (the op
+    declines); either way x rounded to bf16 times the weight, summed in float32, in x's
+    dtype."""
     n_in = 2 * half_in
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n_out, n_in + (7 if wide else 0), generator=g).to(torch.bfloat16)
@@ -133,13 +136,14 @@ def test_bf16_many_rows_equal_the_oracle(rows, half_in, n_out, x_bf16, bias, wid
 
 
 @needs_native
-def test_bf16_many_rows_decline_what_the_tiles_do_not_take():
+def test_bf16_rows_decline_what_the_kernels_do_not_take():
     w = torch.randn(8, 10).to(torch.bfloat16)
     x = torch.randn(100, 10)
     assert ops.linear(x, w, None, torch.randn(100, 8)) is None  # a residual
     assert ops.linear(torch.randn(100, 9), torch.randn(8, 9).to(torch.bfloat16), None,
                       None) is None  # odd inputs: A's last pair would reach past its row
-    assert ops.linear(torch.randn(64, 10), w, None, None) is None  # few rows: torch's
+    for rows in (17, 64):  # between the two: torch's
+        assert ops.linear(torch.randn(rows, 10), w, None, None) is None
     assert ops.linear(x, w.t().contiguous().t(), None, None) is None  # by columns
     with path("portable"):
         assert ops.linear(x, w, None, None) is None  # no dot product: torch's

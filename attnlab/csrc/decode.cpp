@@ -181,6 +181,11 @@ namespace {
 // Up to this many rows, threads take bands of 64 outputs over all rows at once, the
 // next band's weight prefetched (a prompt, a batch being decoded: bound by reading W).
 constexpr int64_t FEW_ROWS = 64;
+// Up to this many rows a bf16 weight's rows are multiplied by the one-row loop, four rows
+// of x at a time (few_rows_bf16): reading the weight bounds them, and 2-4 rows take the
+// time of one. From there to FEW_ROWS torch's product is the faster (at 32 rows 1.05-1.14x
+// the loop's speed, one Zen 5 core), past it the bf16 tile kernel.
+constexpr int64_t BF16_DOT_ROWS = 16;
 // More rows (prefill, an encoder's batch) are bound by the products: each band of 64
 // outputs is multiplied ROW_CHUNK rows at a time (the chunk of x stays in L2 across the
 // band's k loop), and with more than PACK_IN inputs the band's weight columns, whose
@@ -219,13 +224,42 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
   }
 }
 
-// Whether many rows times w go to the bf16 tile kernel (tile_bf16.h): more than FEW_ROWS
-// rows (fewer are bound by reading W, where torch's product is as fast), a bf16 weight
+// Whether more than one row times w goes to attnlab's bf16 products: up to BF16_DOT_ROWS
+// rows (few_rows_bf16) or more than FEW_ROWS (the tile kernel, tile_bf16.h), a bf16 weight
 // packed by rows with an even number of inputs, a CPU with the bf16 dot product.
-bool bf16_tiles(int64_t rows, const at::Tensor& w) {
-  return rows > FEW_ROWS && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
+bool bf16_rows(int64_t rows, const at::Tensor& w) {
+  return rows > 1 && (rows <= BF16_DOT_ROWS || rows > FEW_ROWS) && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
          w.dim() == 2 && w.size(1) > 0 && w.size(1) % 2 == 0 && w.stride(1) == 1 &&
          (w.size(0) <= 1 || w.stride(0) >= w.size(1)) && bf16_dot_active();
+}
+
+// x W^T + bias for up to BF16_DOT_ROWS rows of x (bf16) and a bf16 weight packed by rows into
+// y (float32): threads take bands of 64 outputs, and each band's weight, read from memory
+// once, serves the rows four at a time from cache (dot_bf16.h's one-row loop): 0.55-0.61x
+// torch's time for 2-4 rows, 0.89-0.96x for 16 (SmolLM-135M's matrices, one Zen 5 core).
+void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                   at::Tensor& y) {
+  const int64_t n_in = w.size(1), n_out = w.size(0), ldw = w.stride(0), rows = leading_rows(x);
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* c = y.data_ptr<float>();
+  const int64_t bands = (n_out + PANEL - 1) / PANEL;
+  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t band = begin; band < end; ++band) {
+      const int64_t o0 = band * PANEL, o1 = std::min(n_out, o0 + PANEL);
+      for (int64_t r = 0; r < rows; r += 4) {
+        const uint16_t* xr = a + r * n_in;
+        float* yr = c + r * n_out;
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 1: dots_bf16_dot<1>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
+          case 2: dots_bf16_dot<2>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
+          case 3: dots_bf16_dot<3>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
+          default: dots_bf16_dot<4>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out);
+        }
+      }
+    }
+  });
 }
 
 // x W^T + bias for many rows of x (float32 or bf16, rounded to bf16 as vdpbf16ps reads
@@ -254,19 +288,24 @@ void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 // linear (inference): x W^T + bias (+ residual) for x (..., in) and an nn.Linear weight
 // (out, in): one row by one_row; more, W float32 stored by columns (the packed blocks),
 // by the AVX-512 tile kernel where the CPU has it (few rows and many as above), threads
-// taking bands of 64 outputs; many rows times a bf16 weight packed by rows by the bf16
-// tile kernel (bf16_tiles); None otherwise (the caller runs F.linear).
+// taking bands of 64 outputs; more than one row times a bf16 weight packed by rows by
+// attnlab's bf16 products (bf16_rows); None otherwise (the caller runs F.linear).
 std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
   if (x.dim() >= 1 && leading_rows(x) == 1) return one_row(x, w, bias, residual);
-  if (x.dim() >= 1 && bf16_tiles(leading_rows(x), w) && !residual.has_value() &&
+  if (x.dim() >= 1 && bf16_rows(leading_rows(x), w) && !residual.has_value() &&
       floating(x) && x.is_contiguous() && x.size(-1) == w.size(1) &&
       (!bias.has_value() ||
        (floating(*bias) && bias->numel() == w.size(0) && bias->is_contiguous()))) {
-    at::Tensor y = at::empty(with_last(x, w.size(0)), x.options());
     const at::Tensor xb = x.to(at::kBFloat16).contiguous();
     const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (leading_rows(x) <= BF16_DOT_ROWS) {
+      at::Tensor y = at::empty(with_last(x, w.size(0)), x.options().dtype(at::kFloat));
+      few_rows_bf16(xb, w, b, y);
+      return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+    }
+    at::Tensor y = at::empty(with_last(x, w.size(0)), x.options());
     if (x.scalar_type() == at::kFloat)
       many_rows_bf16<float>(xb, w, b, y);
     else

@@ -132,38 +132,52 @@ ATTNLAB_AVX512_DOT inline void bf16_pair_rows(const uint16_t* w, int64_t ld,
   if (rem) bf16_pair_chunk<P, true>(r, xv, c, tail, acc);
 }
 
-// y[o] = W[o, :] . x (+ bias, residual) for o in [o0, o1), W (out, in) bf16 bits with row
-// stride ld, x as bf16_pairs. One row after another, two chains of sums a row: the rows
-// of a packed block follow one another in memory, so the product reads one stream, where
-// eight rows side by side (eight streams) ran 10-18% slower (interleaved rounds, one
-// Zen 5 core, SmolLM-135M's matrices).
-ATTNLAB_AVX512_DOT static void dots_bf16_dot(const uint16_t* w, int64_t ld, const uint32_t* pairs,
-                                             int64_t n_in, int64_t o0, int64_t o1,
-                                             const float* bias, const float* residual, float* y) {
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(pairs);
+// y[r * ldy + o] = W[o, :] . x_r (+ bias, residual) for o in [o0, o1) and the R rows x_r
+// (bf16 bits, row r at x + r * ldx; as bf16_pairs for R = 1), W (out, in) bf16 bits with
+// row stride ld; residual only for R = 1. One row of W after another, two chains of sums
+// per row of x, each load of W serving the R rows of x: the rows of a packed block follow
+// one another in memory, so the product reads one stream, where eight rows of W side by
+// side (eight streams) ran 10-18% slower (interleaved rounds, one Zen 5 core, SmolLM-135M's
+// matrices). A prompt's few rows (R = 4) share each pass over W from cache.
+template <int R>
+ATTNLAB_AVX512_DOT static void dots_bf16_dot(const uint16_t* w, int64_t ld, const uint16_t* x,
+                                             int64_t ldx, int64_t n_in, int64_t o0, int64_t o1,
+                                             const float* bias, const float* residual, float* y,
+                                             int64_t ldy) {
   const int64_t rem = n_in % 32;
   const __mmask32 tail = rem ? (__mmask32(1) << rem) - 1 : ~__mmask32(0);
   for (int64_t o = o0; o < o1; ++o) {
     const uint16_t* row = w + o * ld;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     int64_t i = 0;
     // Plain loads: a masked load runs at half the speed here.
     for (; i + 64 <= n_in; i += 64) {
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + i),
-                            (__m512bh)_mm512_loadu_si512(x + i));
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + i + 32),
-                            (__m512bh)_mm512_loadu_si512(x + i + 32));
+      const __m512i w0 = _mm512_loadu_si512(row + i), w1 = _mm512_loadu_si512(row + i + 32);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)w0,
+                                 (__m512bh)_mm512_loadu_si512(x + r * ldx + i));
+        a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)w1,
+                                 (__m512bh)_mm512_loadu_si512(x + r * ldx + i + 32));
+      }
     }
     if (i + 32 <= n_in) {
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + i),
-                            (__m512bh)_mm512_loadu_si512(x + i));
+      const __m512i w0 = _mm512_loadu_si512(row + i);
+      for (int r = 0; r < R; ++r)
+        a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)w0,
+                                 (__m512bh)_mm512_loadu_si512(x + r * ldx + i));
       i += 32;
     }
-    if (rem)
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + i),
-                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i));
-    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    y[o] = s + (bias ? bias[o] : 0.0f) + (residual ? residual[o] : 0.0f);
+    if (rem) {
+      const __m512i w1 = _mm512_maskz_loadu_epi16(tail, row + i);
+      for (int r = 0; r < R; ++r)
+        a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)w1,
+                                 (__m512bh)_mm512_maskz_loadu_epi16(tail, x + r * ldx + i));
+    }
+    for (int r = 0; r < R; ++r) {
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+      y[r * ldy + o] = s + (bias ? bias[o] : 0.0f) + (residual ? residual[o] : 0.0f);
+    }
   }
 }
 
@@ -185,8 +199,9 @@ ATTNLAB_AVX512_DOT static void axpys_bf16_dot(const uint16_t* w, int64_t ld,
 namespace attnlab {
 inline void axpys_bf16_dot(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
                            int64_t, float*) {}
-inline void dots_bf16_dot(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t,
-                          const float*, const float*, float*) {}
+template <int R>
+inline void dots_bf16_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
+                          int64_t, const float*, const float*, float*, int64_t) {}
 }  // namespace attnlab
 
 #endif

@@ -169,8 +169,9 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
         const int64_t o0 = n_out * k / pieces, o1 = n_out * (k + 1) / pieces;
         if constexpr (bf16) {
           if (dot) {
-            dots_bf16_dot(reinterpret_cast<const uint16_t*>(w), ld, row.pairs.data(), n_in, o0,
-                          o1, bias, residual, y);
+            dots_bf16_dot<1>(reinterpret_cast<const uint16_t*>(w), ld,
+                             reinterpret_cast<const uint16_t*>(row.pairs.data()), 0, n_in, o0,
+                             o1, bias, residual, y, 0);
             continue;
           }
         }

@@ -200,9 +200,9 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     """All outputs side by side ``(..., sum of out_features)`` from one product over the
     packed block, for inference (one row, a batch being decoded, a prompt, an encoder's
     batch); or None where the layers should run one by one: with gradients, with hooks on a
-    layer, for more than one row where the native tile kernel does not take them (bf16
-    weights, a CPU without AVX-512: BLAS multiplies a packed block slower than each
-    layer's own weight).
+    layer, for more than one row where the native products do not take them (a CPU
+    without AVX-512, or bf16 weights on one without the bf16 dot product: BLAS multiplies
+    a packed block slower than each layer's own weight).
 
     The weights may be float32 or bf16 (one row by the native streamed product either
     way), or int8 (:class:`~.quantized.Int8Linear` layers, by the native int8 product);
