@@ -233,54 +233,60 @@ bool bf16_rows(int64_t rows, const at::Tensor& w) {
          (w.size(0) <= 1 || w.stride(0) >= w.size(1)) && bf16_dot_active();
 }
 
-// x W^T + bias for up to BF16_DOT_ROWS rows of x (bf16) and a bf16 weight packed by rows into
-// y (float32): threads take bands of 64 outputs, and each band's weight, read from memory
-// once, serves the rows four at a time from cache (dot_bf16.h's one-row loop): 0.55-0.61x
+// The operands of rows of x (bf16) times a bf16 weight packed by rows, + bias, into y
+// (C: float32 or bf16), which threads take by bands of PANEL outputs.
+template <typename C>
+struct Bf16Product {
+  int64_t n_in, n_out, ldw, rows, bands;
+  const uint16_t* a;  // x
+  const uint16_t* b;  // W
+  const float* bias;
+  C* c;  // y
+  Bf16Product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias_, at::Tensor& y)
+      : n_in(w.size(1)), n_out(w.size(0)), ldw(w.stride(0)), rows(leading_rows(x)),
+        bands((n_out + PANEL - 1) / PANEL),
+        a(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>())),
+        b(reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>())),
+        bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr), c(y.data_ptr<C>()) {}
+};
+
+// Up to BF16_DOT_ROWS rows, into y float32: each band's weight, read from memory once,
+// serves the rows four at a time from cache (dot_bf16.h's one-row loop): 0.55-0.61x
 // torch's time for 2-4 rows, 0.89-0.96x for 16 (SmolLM-135M's matrices, one Zen 5 core).
 void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                    at::Tensor& y) {
-  const int64_t n_in = w.size(1), n_out = w.size(0), ldw = w.stride(0), rows = leading_rows(x);
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* c = y.data_ptr<float>();
-  const int64_t bands = (n_out + PANEL - 1) / PANEL;
-  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+  const Bf16Product<float> p(x, w, bias, y);
+  at::parallel_for(0, p.bands, 1, [&](int64_t begin, int64_t end) {
     for (int64_t band = begin; band < end; ++band) {
-      const int64_t o0 = band * PANEL, o1 = std::min(n_out, o0 + PANEL);
-      for (int64_t r = 0; r < rows; r += 4) {
-        const uint16_t* xr = a + r * n_in;
-        float* yr = c + r * n_out;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 1: dots_bf16_dot<1>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
-          case 2: dots_bf16_dot<2>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
-          case 3: dots_bf16_dot<3>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out); break;
-          default: dots_bf16_dot<4>(b, ldw, xr, n_in, n_in, o0, o1, bp, nullptr, yr, n_out);
+      const int64_t o0 = band * PANEL, o1 = std::min(p.n_out, o0 + PANEL);
+      for (int64_t r = 0; r < p.rows; r += 4) {
+        const uint16_t* xr = p.a + r * p.n_in;
+        float* yr = p.c + r * p.n_out;
+        const int64_t n = p.n_in, ld = p.n_out;
+        switch (std::min<int64_t>(4, p.rows - r)) {
+          case 1: dots_bf16_dot<1>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
+          case 2: dots_bf16_dot<2>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
+          case 3: dots_bf16_dot<3>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
+          default: dots_bf16_dot<4>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld);
         }
       }
     }
   });
 }
 
-// x W^T + bias for many rows of x (float32 or bf16, rounded to bf16 as vdpbf16ps reads
-// it) and a bf16 weight packed by rows, in x's dtype: threads take bands of 64 outputs,
-// each packing its band into pairs once (tile_bf16.h) and multiplying every row by it.
+// More than FEW_ROWS rows (float32 or bf16, rounded to bf16 as vdpbf16ps reads them), in
+// x's dtype: each band packed into pairs once (tile_bf16.h) and every row multiplied by it.
 template <typename C>
 void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                     at::Tensor& y) {
-  const int64_t n_in = w.size(1), n_out = w.size(0), ldw = w.stride(0), rows = leading_rows(x);
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  C* c = y.data_ptr<C>();
-  const int64_t bands = (n_out + PANEL - 1) / PANEL;
-  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> panel(n_in / 2 * PANEL);
+  const Bf16Product<C> p(x, w, bias, y);
+  at::parallel_for(0, p.bands, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> panel(p.n_in / 2 * PANEL);
     for (int64_t band = begin; band < end; ++band) {
-      const int64_t j0 = band * PANEL, width = std::min(PANEL, n_out - j0);
-      tile_bf16::pack_pairs(b + j0 * ldw, ldw, width, n_in, panel.data());
-      tile_bf16_panel(rows, n_in, a, n_in, panel.data(), width, bp ? bp + j0 : nullptr, c + j0,
-                      n_out);
+      const int64_t j0 = band * PANEL, width = std::min(PANEL, p.n_out - j0);
+      tile_bf16::pack_pairs(p.b + j0 * p.ldw, p.ldw, width, p.n_in, panel.data());
+      tile_bf16_panel(p.rows, p.n_in, p.a, p.n_in, panel.data(), width,
+                      p.bias ? p.bias + j0 : nullptr, p.c + j0, p.n_out);
     }
   });
 }
