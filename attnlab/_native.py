@@ -218,8 +218,9 @@ def _with_fakes(ops):
         one = {"device": "cpu", "dtype": torch.float32}
         tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
         tiles = tiles is not None
-        # And whether it has the bf16 tile kernel (more than FEW_ROWS rows times a bf16
-        # weight by rows): asked the same way.
+        # And whether it has the bf16 dot product, on which more than one row times a
+        # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS): asked
+        # the same way.
         bf16 = {"device": "cpu", "dtype": torch.bfloat16}
         bf16_tiles = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
                                 torch.ones(1, 2, **bf16),

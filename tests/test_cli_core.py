@@ -85,6 +85,7 @@ def test_memprobe_takes_its_baseline_after_the_modules_preload(tmp_path, monkeyp
         "def preload():\n"
         "    HELD.append(np.ones(80 * 2**20 // 8))\n"
         "def make_step(build):\n"
+        "    assert HELD, 'preload ran first'\n"
         "    if build:\n"
         "        HELD.append(np.ones(80 * 2**20 // 8))\n"
         "    return lambda: None\n")

@@ -62,7 +62,7 @@ ATTNLAB_INLINE f8 lane_sums(const f8* a) {
 // The query heads of a kv head's group that one pass over its cached rows serves: each
 // key and value is loaded (and, from bf16, widened) once for all of them, in registers
 // (three heads' accumulators fill 28 of AVX-512's 32 vector registers in `scores`).
-constexpr int64_t HEADS_A_PASS = 3;
+constexpr int64_t HEADS_A_PASS = 3;  // group_scores and group_weighted dispatch 3, 2, 1
 
 // s[g * ls + j] = q[g] . keys[j] for the GH heads g of q (GH rows of D) and the n rows of
 // keys (row stride D): eight keys at a time, sixteen dimensions a vector, one accumulator
@@ -147,6 +147,7 @@ ATTNLAB_INLINE void weighted_rows(float* o, int64_t lo, const float* p, int64_t 
 
 // Scores, then (after the softmax between) weighted rows, for `heads` query heads of one
 // group, HEADS_A_PASS at a time: compiled once per instruction set.
+static_assert(HEADS_A_PASS == 3, "group_scores and group_weighted take 3, 2 or 1 heads");
 template <typename T>
 ATTNLAB_PER_ISA static void group_scores(float* s, int64_t ls, const float* q, const T* keys,
                                          int64_t n, int64_t D, int64_t heads) {
@@ -257,8 +258,8 @@ void attend_new(const at::Tensor& qkv, const float* cos, const float* sin, T* kc
       // 96 positions 21 -> 13 us).
       for (const T* rows : {keys, vals}) {
         const char* p = reinterpret_cast<const char*>(rows);
-        for (int64_t b = 0; b < std::min<int64_t>(m, 32) * D * int64_t(sizeof(T)); b += 64)
-          __builtin_prefetch(p + b);
+        for (int64_t at = 0; at < std::min<int64_t>(m, 32) * D * int64_t(sizeof(T)); at += 64)
+          __builtin_prefetch(p + at);
       }
       group_scores(s.data(), m, q.data(), keys, m, D, G);  // s: (G, m)
       for (int64_t g = 0; g < G; ++g) {

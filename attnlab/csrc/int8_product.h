@@ -61,7 +61,9 @@ inline void quantize_row(const float* x, int64_t n, int64_t blocks, int8_t* q, f
     const float id = amax != 0.0f && finite ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int64_t i = lo; i < lo + Q8_BLOCK; ++i) {
-      const int8_t v = i < hi ? static_cast<int8_t>(std::nearbyint(x[i] * id)) : 0;
+      // (a block with NaN or an infinity: q = 0, d = NaN; x * 0 would be NaN, whose
+      // conversion to an integer is undefined)
+      const int8_t v = i < hi && finite ? static_cast<int8_t>(std::nearbyint(x[i] * id)) : 0;
       q[i] = v;
       sum += v;
     }
@@ -99,9 +101,9 @@ ATTNLAB_PER_ISA static void q8_band(const uint8_t* w, const uint16_t* scales, in
 namespace attnlab {
 
 // quantize_row on AVX-512: the same maximum, the same products x * (127 / max) and the
-// same rounding (the default mode, ties to even), so the same bytes where x is finite
-// (a block with NaN or an infinity gets d = NaN here too). The scalar loop took about 2%
-// of an int8 token (one Zen 5 core) and 16% of a prompt's time.
+// same rounding (the default mode, ties to even), so the same bytes (a block with NaN or
+// an infinity: q = 0 and d = NaN in both). The scalar loop took about 2% of an int8 token
+// (one Zen 5 core) and 16% of a prompt's time.
 ATTNLAB_AVX512_DOT inline void quantize_row_dot(const float* x, int64_t n, int64_t blocks,
                                                 int8_t* q, float* d, int32_t* corr) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -116,8 +118,9 @@ ATTNLAB_AVX512_DOT inline void quantize_row_dot(const float* x, int64_t n, int64
     const float amax = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
     const __m512 id = _mm512_set1_ps(amax != 0.0f && finite ? 127.0f / amax : 0.0f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    const __mmask16 keep = finite ? 0xFFFF : 0;  // q = 0 where d is NaN, as quantize_row
+    const __m512i q0 = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(v0, id));
+    const __m512i q1 = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(v1, id));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j * Q8_BLOCK), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j * Q8_BLOCK + 16), _mm512_cvtepi32_epi8(q1));
     d[j] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();

@@ -17,9 +17,11 @@ earlier versions wrote it, the pid alone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,44 +47,75 @@ def lock_path(out: PathLike) -> Path:
 
 
 SIGNATURE = "attnlab lock"
+_MAX_BYTES = 64  # a lock file attnlab wrote is never longer
 
 
-def _pid_in(text: str) -> str | None:
-    """The pid an attnlab lock file's text names, or None where attnlab did not write it."""
-    text = text.strip()
+def _content() -> bytes:
+    return f"{SIGNATURE} {os.getpid()}\n".encode("ascii")
+
+
+def _pid_in(data: bytes) -> str | None:
+    """The pid an attnlab lock file's bytes name, or None where attnlab did not write them
+    (``attnlab lock <pid>``, or the pid alone as earlier versions wrote it)."""
+    if len(data) > _MAX_BYTES:
+        return None
+    text = data.decode("ascii", "replace").strip()
     if text.startswith(SIGNATURE):
         text = text[len(SIGNATURE):].strip()
-    return text if text.isdigit() else None
+    return text if text.isdigit() and len(text) <= 10 else None
 
 
 def _holder(path: Path) -> str:
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return _pid_in(f.read(64)) or "unknown"
+        with open(path, "rb") as f:
+            return _pid_in(f.read(_MAX_BYTES + 1)) or "unknown"
     except OSError:
         return "unknown"
 
 
-def _open(path: Path, out: PathLike, name: str) -> tuple[int, bool]:
-    """The lock file opened for writing, and whether this call created it; a path that is
-    not a regular file (a link, a fifo, a folder) is refused."""
-    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+def _create(path: Path) -> int | None:
+    """The lock file created with attnlab's content already in it (written to a file of
+    this process's own, then linked to the name, which fails where the name exists: a run
+    killed at any point leaves either no lock file or a whole one), opened; None where the
+    name exists."""
+    part = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}")
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 0o644)
     try:
-        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:  # the holder before us removed it meanwhile: create it
-        return _open(path, out, name)
-    except OSError as exc:
-        if exc.errno in (13, 30):  # EACCES, EROFS: handled by the caller
-            raise
-        raise _not_ours(path, out, name) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.write(fd, _content())
+        try:
+            os.link(part, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        return fd
+    except BaseException:
         os.close(fd)
-        raise _not_ours(path, out, name)
-    return fd, False
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+
+
+def _open(path: Path, out: PathLike, name: str) -> tuple[int, bool]:
+    """The lock file opened for writing, and whether this call created it. An existing path
+    that is not a regular file attnlab may open (a link, a fifo, a folder, the file of a
+    user this process may not write) is refused."""
+    while True:
+        fd = _create(path)  # EACCES, EROFS here (a folder nobody may write): the caller's
+        if fd is not None:
+            return fd, True
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:  # the holder before us removed it meanwhile: create it
+            continue
+        except OSError:
+            raise _not_ours(path, out, name) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _not_ours(path, out, name)
+        return fd, False
 
 
 def _not_ours(path: Path, out: PathLike, name: str) -> ValueError:
@@ -90,6 +123,14 @@ def _not_ours(path: Path, out: PathLike, name: str) -> ValueError:
         f"{name} {str(out)!r}: {str(path)!r} beside it is not a lock file attnlab wrote "
         f"(expected {SIGNATURE!r} and a pid in it, or nothing there); it is left as it is: "
         f"move it away or choose another {name}")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _acquire(path: Path, out: PathLike, name: str) -> int:
@@ -105,18 +146,20 @@ def _acquire(path: Path, out: PathLike, name: str) -> int:
         except BaseException:
             os.close(fd)
             raise
-        try:  # the holder before us may have unlinked the file we opened: lock the live one
-            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
+        # The holder before us may have unlinked the file we opened: lock the live one.
+        if not _same_file(fd, path):
             os.close(fd)
             continue
-        if not created and _pid_in(os.pread(fd, 64, 0).decode("ascii", "replace")) is None:
+        if created:
+            return fd
+        if _pid_in(os.pread(fd, _MAX_BYTES + 1, 0)) is None:
             os.close(fd)  # the user's file (or an empty one): never written or removed
             raise _not_ours(path, out, name)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{SIGNATURE} {os.getpid()}\n".encode("ascii"), 0)
+        # A killed run's lock, taken over: written before it is cut to length, so it is
+        # never without a pid in it.
+        content = _content()
+        os.pwrite(fd, content, 0)
+        os.ftruncate(fd, len(content))
         return fd
 
 
@@ -149,7 +192,7 @@ def output_lock(out: PathLike, name: str = "--out") -> Iterator[Path]:
         try:
             fd = _acquire(path, out, name)
         except OSError as exc:  # a read-only parent: nobody else can write there either
-            if exc.errno not in (13, 30):  # EACCES, EROFS
+            if exc.errno not in (errno.EACCES, errno.EROFS):
                 raise
     with _GUARD:
         _HELD[key] = 1
@@ -159,6 +202,9 @@ def output_lock(out: PathLike, name: str = "--out") -> Iterator[Path]:
         with _GUARD:
             _HELD.pop(key, None)
         if fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # still locked by us: nobody can be waiting on this inode
+            # Still locked by us: nobody can be waiting on this inode. Removed only while
+            # the name is still our file (whatever was put there meanwhile stays).
+            if _same_file(fd, path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             os.close(fd)

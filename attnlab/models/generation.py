@@ -278,25 +278,30 @@ class GenerationMixin:
             ``(batch, prompt_len + new)`` ids: the (left-padded) prompts and what was
             generated. Sequences that stopped early are filled with ``eos_id``.
         """
-        check_sampling(max_new_tokens, temperature, top_k, top_p)  # before allocating
         prompt, _ = _as_batch(ids, self.pad_id)
         batch, length = prompt.shape
-        # Built outside inference mode (stream runs in it, for speed): the result is an
-        # ordinary tensor that may feed a later forward with autograd. Allocated once:
-        # a list of one small tensor per token, kept while each token's logits come and
-        # go, broke up malloc's heap (SmolLM-135M int8: 11 MB more at the peak).
-        out = torch.empty(batch, length + max_new_tokens, dtype=prompt.dtype,
-                          device=next(self.parameters()).device)
-        out[:, :length] = prompt
         # With no callback nothing of the user's runs until the last token (where the
         # model runs only library code): the fused decoding plan is made once.
         decoder = self.decoder(ids) if on_token is None and hasattr(self, "decoder") else None
-        for tok in self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                               eos_id, generator, decoder=decoder, cache_dtype=cache_dtype):
+        tokens = self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
+                             eos_id, generator, decoder=decoder, cache_dtype=cache_dtype)
+        out = None
+        for tok in tokens:
+            if out is None:  # after the first token: the stream has checked the request
+                # Built outside inference mode (stream runs in it, for speed): the result
+                # is an ordinary tensor that may feed a later forward with autograd.
+                # Allocated once: a list of one small tensor per token, kept while each
+                # token's logits come and go, broke up malloc's heap (SmolLM-135M int8:
+                # 11 MB more at the peak).
+                out = torch.empty(batch, length + max_new_tokens, dtype=prompt.dtype,
+                                  device=tok.device)
+                out[:, :length] = prompt
             out[:, length] = tok
             length += 1
             if on_token is not None:
                 on_token(tok)
+        if out is None:  # no new token asked for
+            return prompt.to(next(self.parameters()).device).clone()
         return out if length == out.shape[1] else out[:, :length].clone()
 
 

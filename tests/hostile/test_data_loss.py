@@ -187,6 +187,28 @@ def test_the_lock_file_names_attnlab_and_the_holder(tmp_path):
     with output_lock(tmp_path / "out") as path:
         assert path.read_text() == f"attnlab lock {os.getpid()}\n"
     assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # nothing else left beside the output
+
+
+def test_a_user_file_put_in_the_lock_files_place_during_a_run_stays(tmp_path):
+    from attnlab.io.locks import output_lock
+
+    with output_lock(tmp_path / "out") as path:
+        path.unlink()
+        path.write_text("mine\n")
+    assert path.read_text() == "mine\n"
+
+
+def test_digits_then_more_are_not_a_lock_file(tmp_path):
+    """Only a whole short file of a pid (or 'attnlab lock <pid>') is attnlab's."""
+    from attnlab.io.locks import output_lock
+
+    lock = tmp_path / ".out.lock"
+    lock.write_text("1" * 70 + " and the rest of my notes\n")
+    with (pytest.raises(ValueError, match="is not a lock file attnlab wrote"),
+          output_lock(tmp_path / "out")):
+        pass
+    assert lock.read_text() == "1" * 70 + " and the rest of my notes\n"
 
 
 @pytest.mark.slow
