@@ -21,7 +21,7 @@ BF16_DOT_ROWS = 16
 FEW_ROWS = 64
 
 
-def fakes(tiles: bool, bf16_tiles: bool = False) -> dict:
+def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
     """The fake kernels, by op name (the C++ signatures in csrc/*.cpp)."""
 
     def flash_forward(q, k, v, mask, causal, window, offset, scale, dropout_p, seed, block_q,
@@ -72,9 +72,8 @@ def fakes(tiles: bool, bf16_tiles: bool = False) -> dict:
         return x.new_empty(*x.shape[:-1], n_out)
 
     def bf16_by_rows(x, weight, bias, residual, rows) -> bool:
-        # (bf16_tiles: the CPU has the bf16 dot product, which both paths run on)
         n_out, n_in = weight.shape if weight.dim() == 2 else (0, 0)
-        return (bf16_tiles and residual is None and floating(x) and x.dim() >= 1
+        return (bf16_dot and residual is None and floating(x) and x.dim() >= 1
                 and x.is_contiguous() and x.shape[-1] == n_in
                 and (1 < rows <= BF16_DOT_ROWS or rows > FEW_ROWS)
                 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"

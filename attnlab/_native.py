@@ -222,10 +222,9 @@ def _with_fakes(ops):
         # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS): asked
         # the same way.
         bf16 = {"device": "cpu", "dtype": torch.bfloat16}
-        bf16_tiles = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
-                                torch.ones(1, 2, **bf16),
-                                None, None) is not None
-        for name, fake in _fakes.fakes(tiles, bf16_tiles).items():
+        bf16_dot = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
+                              torch.ones(1, 2, **bf16), None, None) is not None
+        for name, fake in _fakes.fakes(tiles, bf16_dot).items():
             torch.library.register_fake(f"{LIBRARY}::{name}", fake)
     return ops
 

@@ -228,8 +228,9 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
 // rows (few_rows_bf16) or more than FEW_ROWS (the tile kernel, tile_bf16.h), a bf16 weight
 // packed by rows with an even number of inputs, a CPU with the bf16 dot product.
 bool bf16_rows(int64_t rows, const at::Tensor& w) {
-  return rows > 1 && (rows <= BF16_DOT_ROWS || rows > FEW_ROWS) && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
-         w.dim() == 2 && w.size(1) > 0 && w.size(1) % 2 == 0 && w.stride(1) == 1 &&
+  return rows > 1 && (rows <= BF16_DOT_ROWS || rows > FEW_ROWS) &&
+         w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.dim() == 2 &&
+         w.size(1) > 0 && w.size(1) % 2 == 0 && w.stride(1) == 1 &&
          (w.size(0) <= 1 || w.stride(0) >= w.size(1)) && bf16_dot_active();
 }
 

@@ -276,7 +276,10 @@ void attend_new(const at::Tensor& qkv, const float* cos, const float* sin, T* kc
       } else {
         float* pd = part.data() + item * G * stride;
         group_weighted(pd, stride, s.data(), m, vals, m, D, G);
-        for (int64_t g = 0; g < G; ++g) pd[g * stride + D] = top[g], pd[g * stride + D + 1] = sum[g];
+        for (int64_t g = 0; g < G; ++g) {
+          pd[g * stride + D] = top[g];
+          pd[g * stride + D + 1] = sum[g];
+        }
       }
     }
   });
