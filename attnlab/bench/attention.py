@@ -231,18 +231,29 @@ def _case(name, impls, repeats, **kw):
 
 
 def summary_table(records: list[dict]) -> str:
-    """With ``--under-load``: flash's time over SDPA's, quiet and under load. (The CPU
-    and the peak are in the log, and in every record.)"""
+    """With ``--under-load``: flash's time over SDPA's, quiet and under load, and the
+    milliseconds a call of each gains under load. (The CPU and the peak are in the log,
+    and in every record.)
+
+    The ratio's target compares a fast kernel with a slow one: a thread that the OS
+    hands to a busy neighbour during a call delays that call by about one time slice,
+    whichever kernel it runs, and that delay is a larger share of the faster call. The
+    added milliseconds show which kernel loses more time to the load."""
     flash, peer = LOAD_PAIR
+    peers = {r["case"]: r for r in records
+             if r["impl"] == peer and r.get("median_ms_under_load") is not None}
     lines = [f"| case | {flash} / {peer} quiet | under load | under load / quiet "
-             f"(target <= {LOAD_TARGET}) |", "|---|---:|---:|---:|"]
+             f"(target <= {LOAD_TARGET}) | ms added under load: {flash} | {peer} |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in records:
         if r["impl"] != flash or r.get("load_over_quiet") is None:
             continue
-        x = r["load_over_quiet"]
+        x, other = r["load_over_quiet"], peers.get(r["case"])
+        added = [f"{p['median_ms_under_load'] - p['median_ms']:+.2f}" if p else "-"
+                 for p in (r, other)]
         lines.append(f"| {r['case']} | {r['ratio_to'][peer]:.2f}x | "
                      f"{r['ratio_to_under_load'][peer]:.2f}x | {x:.2f}"
-                     f"{'' if x <= LOAD_TARGET else ' (over)'} |")
+                     f"{'' if x <= LOAD_TARGET else ' (over)'} | {added[0]} | {added[1]} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
