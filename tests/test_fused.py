@@ -188,3 +188,70 @@ def test_bf16_weights_are_packed_by_rows_once():
     reachable, params = _held_bytes(model)
     assert reachable == params
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def _encoder():
+    from attnlab.models import Encoder, EncoderConfig
+
+    torch.manual_seed(0)
+    return Encoder(EncoderConfig(vocab_size=50, context_length=32, d_model=32, num_layers=2,
+                                 num_heads=4, d_ff=128)).eval()
+
+
+def _encode(model, ids, mask):
+    with torch.inference_mode():
+        return model(ids, attention_mask=mask)
+
+
+def test_inference_reuses_its_own_buffers_and_gives_the_training_path_values():
+    # In inference the encoder sums each residual into its branch and runs GELU in
+    # place; with autograd on it allocates as before. Both give the same values (the
+    # same operations, in the same order, on the same numbers).
+    model = _encoder()
+    ids = torch.randint(1, 50, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    fast = _encode(model, ids, mask)
+    slow = model(ids, attention_mask=mask)  # grad enabled: parameters require grad
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), rtol=0, atol=0)
+
+
+def test_outputs_a_hook_kept_are_not_overwritten():
+    # A forward hook may keep a layer's output (as interpretability code does); the
+    # in-place steps must then leave it as the layer returned it.
+    model = _encoder()
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    reference = _encode(model, ids, mask)
+    block = model.blocks[0]
+    for module in (block.attn, block.mlp, block.mlp.fc, block.attn.out_proj):
+        kept: list = []
+        handle = module.register_forward_hook(
+            lambda m, args, out, kept=kept: kept.append((out, out.clone())))
+        try:
+            torch.testing.assert_close(_encode(model, ids, mask), reference, rtol=0, atol=0)
+        finally:
+            handle.remove()
+        assert kept, module
+        for out, copy in kept:
+            assert torch.equal(out, copy), module
+
+
+def test_a_layer_that_returns_its_input_is_not_written_through():
+    # nn.Identity in place of a projection hands back its input: the activation and the
+    # residual sum must not then change the tensor the caller passed in.
+    model = _encoder()
+    model.blocks[0].mlp.fc = nn.Identity()
+    model.blocks[0].mlp.proj = nn.Identity()
+    x = torch.randn(2, 5, 32)
+    before = x.clone()
+    with torch.inference_mode():
+        out = model.blocks[0].mlp(x)
+        torch.testing.assert_close(out, torch.nn.functional.gelu(before))
+        assert torch.equal(x, before)
+        hidden, _ = model.blocks[0](x, None, False)
+    assert torch.equal(x, before)
+    assert fused.may_overwrite(model.blocks[1].mlp, torch.randn(3), torch.randn(3))
+    shared = torch.randn(4)
+    assert not fused.may_overwrite(model.blocks[1].mlp, shared[1:], shared)

@@ -216,10 +216,15 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
     bj = panel.data();
     ldb = PANEL;
   }
+  // The first chunk fetches the next band's weight columns (read in place, ld apart)
+  // while it multiplies: they come from memory, too far apart for the hardware's
+  // prefetchers.
+  const bool fetch = n_in <= PACK_IN && j1 < n_out;
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t m = std::min(ROW_CHUNK, rows - r0);
     float* cr = c + r0 * n_out;
-    tile_gemm(m, width, n_in, 1.0f, a + r0 * n_in, n_in, 1, bj, ldb, false, cr + j0, n_out);
+    tile_gemm(m, width, n_in, 1.0f, a + r0 * n_in, n_in, 1, bj, ldb, false, cr + j0, n_out,
+              false, b + j1, fetch && r0 == 0 ? std::min(PANEL, n_out - j1) : 0);
     add_bias(cr, m, n_out, bias, j0, j1);
   }
 }

@@ -145,11 +145,14 @@ ATTNLAB_AVX512 inline void prefetched_or_not(int64_t m, int64_t k, const float* 
 // C = alpha * A B (+ C when add), the layout of the file comment.
 // prefetch: B is read from memory (a weight, not a packed tile): each panel of 64
 // columns fetches the next one's rows ahead (B's rows are ldb apart, too far for the
-// hardware's prefetchers to follow).
+// hardware's prefetchers to follow). after, after_n: the last panel fetches these
+// after_n columns (k rows, ldb apart) instead: the caller's next call reads them.
 ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha,
                                                 const float* a, int64_t a_rs, int64_t a_cs,
                                                 const float* b, int64_t ldb, bool add, float* c,
-                                                int64_t ldc, bool prefetch = false) {
+                                                int64_t ldc, bool prefetch = false,
+                                                const float* after = nullptr,
+                                                int64_t after_n = 0) {
   if (m <= 0 || n <= 0) return;
   if (k <= 0) {  // an empty sum: C = 0 (or unchanged)
     if (!add)
@@ -162,8 +165,9 @@ ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_
     const int nv = static_cast<int>((w + 15) / 16);
     const __mmask16 last = static_cast<__mmask16>((1u << (w - 16 * (nv - 1))) - 1u);
     const float* bj = b + j;
-    const float* pf = prefetch && j + 64 < n ? bj + 64 : nullptr;
-    const int64_t next = pf == nullptr ? 0 : std::min<int64_t>(64, n - j - 64);
+    const bool inside = j + 64 < n;
+    const float* pf = inside ? (prefetch ? bj + 64 : nullptr) : after_n > 0 ? after : nullptr;
+    const int64_t next = pf == nullptr ? 0 : std::min<int64_t>(64, inside ? n - j - 64 : after_n);
     const int pf_nv = static_cast<int>((next + 15) / 16);
     float* cj = c + j;
     switch (nv) {
@@ -188,7 +192,8 @@ ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_
 #else
 namespace attnlab {
 inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t,
-                      const float*, int64_t, bool, float*, int64_t, bool = false) {}
+                      const float*, int64_t, bool, float*, int64_t, bool = false,
+                      const float* = nullptr, int64_t = 0) {}
 }  // namespace attnlab
 #endif
 

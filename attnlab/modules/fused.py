@@ -48,7 +48,7 @@ from .. import _native
 from . import quantized
 
 __all__ = ["pack", "pack_groups", "repack", "is_packed", "by_rows", "block", "joint", "apply",
-           "split", "run", "takes", "dtype_device", "global_forward_hooks"]
+           "split", "run", "takes", "dtype_device", "global_forward_hooks", "may_overwrite"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -180,6 +180,22 @@ def global_forward_hooks() -> bool:
     """Whether forward hooks registered for every module are in force: they must see
     each module run, so the fused inference paths stand aside."""
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """Whether ``module`` may reuse the memory of ``out``, a result of its own
+    submodules, for its next result (an activation in place, a residual sum into a
+    branch): only where ``out`` shares no memory with ``inputs`` (a submodule that
+    returned its input, such as ``nn.Identity``), autograd recorded none of them, and no
+    forward hook might have kept ``out`` (on the module, any submodule or every module).
+    Reusing it spares an allocation of its size: on the encoder, each was one more
+    buffer to page-fault whenever malloc had handed the last one back to the system."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs)):
+        return False
+    memory = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == memory for t in inputs):
+        return False
+    return not (global_forward_hooks() or any(m._forward_hooks for m in module.modules()))
 
 
 def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

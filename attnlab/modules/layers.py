@@ -134,8 +134,11 @@ class MLP(nn.Module):
             act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
             return fused.apply(act * up, self.proj)
         h = fused.apply(x, self.fc)
+        inplace = fused.may_overwrite(self, h, x)
         if self.kind == "relu":
-            h = F.relu(h)
+            h = F.relu(h, inplace=inplace)
         else:
-            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+            approximate = "tanh" if self.kind == "gelu_tanh" else "none"
+            h = (torch.ops.aten.gelu_(h, approximate=approximate) if inplace
+                 else F.gelu(h, approximate=approximate))
         return fused.apply(h, self.proj)
