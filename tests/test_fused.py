@@ -4,6 +4,7 @@ nn.Linear layers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -190,6 +191,15 @@ def test_bf16_weights_are_packed_by_rows_once():
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
 
 
+@pytest.fixture
+def in_place_always(monkeypatch):
+    """The in-place steps at every size (they start at 65536 elements), so that these
+    small models take them."""
+    from attnlab.modules import layers
+
+    monkeypatch.setattr(layers, "IN_PLACE_FROM", 0)
+
+
 def _encoder():
     from attnlab.models import Encoder, EncoderConfig
 
@@ -203,21 +213,36 @@ def _encode(model, ids, mask):
         return model(ids, attention_mask=mask)
 
 
-def test_inference_reuses_its_own_buffers_and_gives_the_training_path_values():
+def _not_in_place(model, *args, **kwargs):
+    """model(*args, **kwargs) in inference with the in-place steps off."""
+    from attnlab.modules import layers
+
+    before, layers.IN_PLACE_FROM = layers.IN_PLACE_FROM, float("inf")
+    try:
+        with torch.inference_mode():
+            return model(*args, **kwargs)
+    finally:
+        layers.IN_PLACE_FROM = before
+
+
+def test_inference_reuses_its_own_buffers_and_gives_the_same_values(in_place_always):
     # In inference the encoder sums each residual into its branch and runs GELU in
-    # place; with autograd on it allocates as before. Both give the same values (the
-    # same operations, in the same order, on the same numbers).
+    # place: the same operations on the same numbers as with the steps off, bit for bit.
     model = _encoder()
     ids = torch.randint(1, 50, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0
     fast = _encode(model, ids, mask)
-    slow = model(ids, attention_mask=mask)  # grad enabled: parameters require grad
-    assert slow.requires_grad
-    torch.testing.assert_close(fast, slow.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(fast, _not_in_place(model, ids, attention_mask=mask),
+                               rtol=0, atol=0)
+    # with autograd on, the sums allocate as before and the gradients flow
+    slow = model(ids, attention_mask=mask)
+    slow.sum().backward()
+    assert model.blocks[0].mlp.fc.weight.grad is not None
+    torch.testing.assert_close(slow.detach(), fast, rtol=1e-5, atol=1e-5)
 
 
-def test_outputs_a_hook_kept_are_not_overwritten():
+def test_outputs_a_hook_kept_are_not_overwritten(in_place_always):
     # A forward hook may keep a layer's output (as interpretability code does); the
     # in-place steps must then leave it as the layer returned it.
     model = _encoder()
@@ -238,7 +263,7 @@ def test_outputs_a_hook_kept_are_not_overwritten():
             assert torch.equal(out, copy), module
 
 
-def test_a_layer_that_returns_its_input_is_not_written_through():
+def test_a_layer_that_returns_its_input_is_not_written_through(in_place_always):
     # nn.Identity in place of a projection hands back its input: the activation and the
     # residual sum must not then change the tensor the caller passed in.
     model = _encoder()
@@ -255,3 +280,34 @@ def test_a_layer_that_returns_its_input_is_not_written_through():
     assert fused.may_overwrite(model.blocks[1].mlp, torch.randn(3), torch.randn(3))
     shared = torch.randn(4)
     assert not fused.may_overwrite(model.blocks[1].mlp, shared[1:], shared)
+
+
+def test_a_gpt_block_sums_into_its_branch_only_where_nothing_else_holds_it(in_place_always):
+    # GPT's blocks take the same in-place sums in inference (a prompt): the logits are
+    # those of the training path, and a hook that kept the attention's output keeps it.
+    model = _gpt(num_layers=2)
+    ids = torch.randint(0, 61, (2, 11))
+    with torch.inference_mode():
+        fast = model(ids)
+    torch.testing.assert_close(fast, _not_in_place(model, ids), rtol=0, atol=0)
+    kept: list = []
+    handle = model.blocks[1].attn.register_forward_hook(
+        lambda m, args, out: kept.append((out, out.clone())))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), fast, rtol=0, atol=0)
+    handle.remove()
+    assert kept and all(torch.equal(out, copy) for out, copy in kept)
+    calls = []
+    original = torch.Tensor.add_
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.add_ = counting
+    try:
+        with torch.inference_mode():
+            model(ids)
+    finally:
+        torch.Tensor.add_ = original
+    assert len(calls) == 2 * len(model.blocks)  # each block's two sums, in place

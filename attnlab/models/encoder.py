@@ -23,8 +23,8 @@ from ..checks import (
 )
 from ..config import Config
 from ..layouts.hf import encoder_layout
-from ..modules import MultiHeadAttention, fused
-from ..modules.layers import MLP, dropout, embedding
+from ..modules import MultiHeadAttention
+from ..modules.layers import MLP, dropout, embedding, residual
 from .gpt import _source
 from .ids import check_ids
 from .loading import build_loaded
@@ -79,17 +79,9 @@ class EncoderBlock(nn.Module):
         weights = None
         if output_attentions:
             a, weights = a
-        x = self.norm1(self._residual(x, dropout(a, self.dropout, self.training)))
-        x = self.norm2(self._residual(x, dropout(self.mlp(x), self.dropout, self.training)))
+        x = self.norm1(residual(self, x, dropout(a, self.dropout, self.training)))
+        x = self.norm2(residual(self, x, dropout(self.mlp(x), self.dropout, self.training)))
         return x, weights
-
-    def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        """``x + branch``, summed into ``branch`` (this layer's own output) where that is
-        allowed (:func:`~attnlab.modules.fused.may_overwrite`) and gives the same tensor."""
-        if (branch.shape == x.shape and branch.dtype == x.dtype
-                and fused.may_overwrite(self, branch, x)):
-            return branch.add_(x)
-        return x + branch
 
 
 class Encoder(nn.Module):

@@ -24,7 +24,7 @@ from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
 from ..modules import MultiHeadAttention, fused, quantized
-from ..modules.layers import MLP, dropout, embedding, make_norm
+from ..modules.layers import MLP, dropout, embedding, make_norm, residual
 from . import decoding
 from .generation import GenerationMixin, check_precision
 from .gpt_config import GPTConfig
@@ -69,11 +69,11 @@ class Block(nn.Module):
             a, weights = a
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
-        x = x + a
+        x = residual(self, x, a)
         m = self.mlp(self.norm2(x))
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return x + dropout(m, self.dropout, self.training), weights
+        return residual(self, x, dropout(m, self.dropout, self.training)), weights
 
 
 class GPT(GenerationMixin, nn.Module):

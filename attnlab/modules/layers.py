@@ -15,7 +15,7 @@ from .. import _native
 from . import fused
 
 __all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "GATED_MLP_KINDS", "RMSNorm", "RMSNormPlusOne",
-           "make_norm", "norm_kind", "dropout", "embedding"]
+           "make_norm", "norm_kind", "dropout", "embedding", "residual"]
 
 # The names of the kinds, used by the configs, the modules and the fused decoding step
 # (csrc/decode_layers.cpp implements each under the same name).
@@ -33,6 +33,22 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """``F.dropout`` in training with ``p > 0``; otherwise ``x`` itself, without a call
     (decoding runs every layer once per token, where even a no-op call costs)."""
     return F.dropout(x, p) if training and p > 0 else x
+
+
+# Smaller sums allocate from malloc's free lists in about a microsecond, less than the
+# checks of may_overwrite (about 5 us): a token being decoded keeps the plain sum.
+IN_PLACE_FROM = 1 << 16  # elements
+
+
+def residual(module: nn.Module, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """``x + branch`` for a block ``module`` whose own submodules computed ``branch``:
+    summed into ``branch`` where :func:`~attnlab.modules.fused.may_overwrite` allows it
+    (inference), that gives the same tensor and it is large (a prompt, an encoder's
+    batch), so the block allocates one hidden-sized tensor fewer for each sum."""
+    if (branch.numel() >= IN_PLACE_FROM and branch.shape == x.shape
+            and branch.dtype == x.dtype and fused.may_overwrite(module, branch, x)):
+        return branch.add_(x)
+    return x + branch
 
 
 def embedding(num: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
@@ -134,7 +150,7 @@ class MLP(nn.Module):
             act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
             return fused.apply(act * up, self.proj)
         h = fused.apply(x, self.fc)
-        inplace = fused.may_overwrite(self, h, x)
+        inplace = h.numel() >= IN_PLACE_FROM and fused.may_overwrite(self, h, x)
         if self.kind == "relu":
             h = F.relu(h, inplace=inplace)
         else:
