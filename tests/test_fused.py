@@ -263,6 +263,20 @@ def test_outputs_a_hook_kept_are_not_overwritten(in_place_always):
             assert torch.equal(out, copy), module
 
 
+def test_an_input_a_pre_hook_kept_is_not_overwritten(in_place_always):
+    # With nn.Identity as the output projection, the attention's output is the
+    # projection's input: a pre-hook that kept that input must find it unchanged.
+    model = _encoder()
+    model.blocks[0].attn.out_proj = nn.Identity()
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    kept: list = []
+    model.blocks[0].attn.out_proj.register_forward_pre_hook(
+        lambda m, args: kept.append((args[0], args[0].clone())))
+    _encode(model, ids, mask)
+    assert kept and all(torch.equal(x, copy) for x, copy in kept)
+
+
 def test_a_layer_that_returns_its_input_is_not_written_through(in_place_always):
     # nn.Identity in place of a projection hands back its input: the activation and the
     # residual sum must not then change the tensor the caller passed in.

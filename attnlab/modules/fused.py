@@ -187,7 +187,8 @@ def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -
     submodules, for its next result (an activation in place, a residual sum into a
     branch): only where ``out`` shares no memory with ``inputs`` (a submodule that
     returned its input, such as ``nn.Identity``), autograd recorded none of them, and no
-    forward hook might have kept ``out`` (on the module, any submodule or every module).
+    hook might have kept ``out`` (a forward hook, or a pre-hook of a submodule that
+    returned its input, on the module, any submodule or every module).
     Reusing it spares an allocation of its size: on the encoder, each was one more
     buffer to page-fault whenever malloc had handed the last one back to the system."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs)):
@@ -195,7 +196,8 @@ def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -
     memory = out.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == memory for t in inputs):
         return False
-    return not (global_forward_hooks() or any(m._forward_hooks for m in module.modules()))
+    return not (global_forward_hooks()
+                or any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()))
 
 
 def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
