@@ -169,3 +169,42 @@ def test_train_pack_on_the_command_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith(
         "--pack: the text holds 1 document(s); documents are separated by blank lines, and "
         "training needs two or more")
+
+
+def _small_encoder(positions: str = "index"):
+    from attnlab.models import Encoder, EncoderConfig
+
+    torch.manual_seed(0)
+    return Encoder(EncoderConfig(vocab_size=40, context_length=12, d_model=16, num_layers=2,
+                                 num_heads=2, d_ff=32, positions=positions, pad_id=1)).eval()
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=6),  # RoBERTa: 12 - 2
+       positions=st.sampled_from(["index", "roberta"]), seed=st.integers(0, 99))
+def test_an_encoder_row_of_packed_sentences_gives_each_its_hidden_states_alone(
+        lengths, positions, seed):
+    # Packed rows (document_ids) are FlashAttention's varlen inputs: each sentence attends
+    # to its own tokens and counts its positions from 0, so its hidden states are those it
+    # gets alone, though the packed row may be longer than the model's context.
+    model = _small_encoder(positions)
+    g = torch.Generator().manual_seed(seed)
+    sentences = [torch.randint(2, 40, (1, n), generator=g) for n in lengths]
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = model(torch.cat(sentences, dim=1), document_ids=docs)[0]
+        alone = torch.cat([model(s)[0] for s in sentences])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_packing_errors_name_the_argument():
+    model = _small_encoder()
+    ids = torch.randint(2, 40, (1, 20))
+    with pytest.raises(ValueError, match="attention_mask .* or document_ids"):
+        model(ids, attention_mask=torch.ones(1, 20), document_ids=torch.zeros(1, 20).long())
+    with pytest.raises(ValueError, match="document of 13 tokens is longer than context_length=12"):
+        model(ids, document_ids=torch.tensor([[0] * 7 + [1] * 13]))
+    with pytest.raises(ValueError, match="document_ids must have the ids' shape"):
+        model(ids, document_ids=torch.zeros(1, 19).long())
+    with pytest.raises(ValueError, match="sequence of 20 tokens is longer than context_length=12"):
+        model(ids)  # unpacked, the row is one sequence

@@ -78,21 +78,19 @@ def embed(sentences: str | Sequence[str], batch_size: int = 32) -> torch.Tensor:
         return torch.zeros(0, encoder.config.d_model)
     ids, mask = tokenizer.encode_batch(list(sentences), max_length=max_len)
     rows = [r[:sum(m)] for r, m in zip(ids, mask)]
-    # Batch sentences of similar length together (longest first), as
-    # sentence-transformers does, so little compute goes to padding.
+    # Each batch is one packed row of its sentences' tokens, no padding: every sentence
+    # attends to its own tokens only and counts its positions from 0 (document_ids), so
+    # no product runs on padding. Sentences of similar length still go together
+    # (longest first, as sentence-transformers batches them).
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     out = torch.empty(len(rows), encoder.config.d_model)
-    pad = tokenizer.pad_id
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        width = len(rows[chunk[0]])
-        batch_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        batch_mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, i in enumerate(chunk):
-            batch_ids[j, :len(rows[i])] = torch.tensor(rows[i])
-            batch_mask[j, :len(rows[i])] = 1
-        hidden = encoder(batch_ids, attention_mask=batch_mask)  # (B, T, 384)
-        weights = batch_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        lengths = torch.tensor([len(rows[i]) for i in chunk])
+        packed = torch.tensor([t for i in chunk for t in rows[i]]).unsqueeze(0)  # (1, N)
+        sentence = torch.repeat_interleave(torch.arange(len(chunk)), lengths)  # (N,)
+        hidden = encoder(packed, document_ids=sentence.unsqueeze(0))[0]  # (N, 384)
+        pooled = torch.zeros(len(chunk), hidden.shape[1]).index_add_(0, sentence, hidden)
+        pooled /= lengths.unsqueeze(1).to(pooled.dtype)
         out[chunk] = torch.nn.functional.normalize(pooled, p=2, dim=1)
     return out

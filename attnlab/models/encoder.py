@@ -26,7 +26,7 @@ from ..layouts.hf import encoder_layout
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout, embedding, residual
 from .gpt import _source
-from .ids import check_ids
+from .ids import check_ids, document_positions
 from .loading import build_loaded
 from .outputs import with_extras
 
@@ -74,8 +74,8 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x, mask, output_attentions):
-        a = self.attn(x, mask=mask, return_weights=output_attentions)
+    def forward(self, x, mask, output_attentions, document_ids=None):
+        a = self.attn(x, mask=mask, return_weights=output_attentions, document_ids=document_ids)
         weights = None
         if output_attentions:
             a, weights = a
@@ -112,17 +112,26 @@ class Encoder(nn.Module):
         config = EncoderConfig.from_dict(config)
         return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
 
-    def embed(self, ids: torch.Tensor, *,
-              token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, *, token_type_ids: torch.Tensor | None = None,
+              document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """BERT's embedding block: token ids ``(batch, seq)`` to hidden states
         ``(batch, seq, d_model)``, the LayerNorm of token + position + segment
         embeddings (segment 0 unless ``token_type_ids`` is given). Positions are
         ``0 .. seq-1``, or with ``positions="roberta"`` RoBERTa's: ``pad_id + 1 + i`` for
-        the i-th non-padding token, ``pad_id`` for padding. Dropout is applied by
-        :meth:`forward`."""
+        the i-th non-padding token, ``pad_id`` for padding. With ``document_ids`` (packed
+        rows, see :meth:`forward`) each document counts its positions from the start.
+        Dropout is applied by :meth:`forward`."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(ids)
-        if self.config.positions == "roberta":
+        if document_ids is not None:
+            positions = document_positions(document_ids, tuple(ids.shape))
+            longest = int(positions.max()) + 1 if positions.numel() else 0
+            if longest > self.context_length:
+                raise ValueError(f"a document of {longest} tokens is longer than "
+                                 f"context_length={self.context_length}")
+            if self.config.positions == "roberta":
+                positions = positions + self.config.pad_id + 1
+        elif self.config.positions == "roberta":
             # RoBERTa: real tokens count from pad_id + 1, padding tokens sit at pad_id.
             real = (ids != self.config.pad_id).long()
             positions = real.cumsum(1) * real + self.config.pad_id
@@ -139,12 +148,19 @@ class Encoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        document_ids: torch.Tensor | None = None,
     ):
-        """Encode a padded batch.
+        """Encode a padded batch, or packed rows.
 
         Args:
             ids: ``(batch, seq)`` token ids.
             attention_mask: ``(batch, seq)`` 1/0 (or bool) key padding mask, 1 = real token.
+            document_ids: ``(batch, seq)`` integer ids, non-decreasing along each row:
+                several sequences packed into one row with no padding, each token
+                attending only to its own sequence's tokens and each sequence's
+                positions counting from 0 (FlashAttention's varlen inputs; each
+                sequence's hidden states equal those it gets alone). Not with
+                ``attention_mask``.
             token_type_ids: ``(batch, seq)`` segment ids (default zeros).
             output_attentions: also return one ``(batch, heads, seq, seq)`` weight
                 tensor per layer.
@@ -158,17 +174,20 @@ class Encoder(nn.Module):
         """
         check_ids(ids, self.config.vocab_size)
         batch, seq = ids.shape
-        if seq > self.context_length:
+        if document_ids is not None and attention_mask is not None:
+            raise ValueError("give attention_mask (padded rows) or document_ids (packed "
+                             "rows), not both")
+        if seq > self.context_length and document_ids is None:
             raise ValueError(f"sequence of {seq} tokens is longer than context_length="
                              f"{self.context_length}")
-        x = dropout(self.embed(ids, token_type_ids=token_type_ids), self.config.dropout,
-                    self.training)  # (B, T, d_model)
+        x = dropout(self.embed(ids, token_type_ids=token_type_ids, document_ids=document_ids),
+                    self.config.dropout, self.training)  # (B, T, d_model)
         if attention_mask is not None:
             attention_mask = attention_mask.to(ids.device)
         mask = _masks.as_attention_mask(attention_mask, batch, seq)  # (B, 1, 1, T)
         attentions, hidden = [], [x]
         for block in self.blocks:
-            x, w = block(x, mask, output_attentions)
+            x, w = block(x, mask, output_attentions, document_ids)
             if output_attentions:
                 attentions.append(w)
             hidden.append(x)
