@@ -325,3 +325,43 @@ def test_a_gpt_block_sums_into_its_branch_only_where_nothing_else_holds_it(in_pl
     finally:
         torch.Tensor.add_ = original
     assert len(calls) == 2 * len(model.blocks)  # each block's two sums, in place
+
+
+def test_a_wrapped_forward_or_a_users_module_keeps_the_steps_off(in_place_always):
+    # A forward put on the instance (accelerate's hooks, capture wrappers) may keep what
+    # it returns, and so may a user's module (activation patching returns a recorded
+    # tensor): the sums and the activation then allocate as before.
+    model = _encoder()
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    reference = _encode(model, ids, mask)
+    fc = model.blocks[0].mlp.fc
+    kept: list = []
+    inner = fc.forward
+
+    def recording(x):
+        out = inner(x)
+        kept.append((out, out.clone()))
+        return out
+
+    fc.forward = recording
+    torch.testing.assert_close(_encode(model, ids, mask), reference, rtol=0, atol=0)
+    assert kept and all(torch.equal(out, copy) for out, copy in kept)
+    del fc.forward
+
+    class Patched(nn.Module):  # returns the attention output it was given, every call
+        def __init__(self, out):
+            super().__init__()
+            self.out = out
+
+        def forward(self, x, **kwargs):
+            return self.out
+
+    with torch.inference_mode():
+        block = model.blocks[0]
+        recorded = block.attn(model.embed(ids), mask=mask)
+        copy = recorded.clone()
+        block.attn = Patched(recorded)
+        first, second = model(ids, attention_mask=mask), model(ids, attention_mask=mask)
+    assert torch.equal(recorded, copy)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)

@@ -182,22 +182,37 @@ def global_forward_hooks() -> bool:
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
+# Modules whose forward returns a new tensor, never one it keeps: attnlab's own and the
+# plain torch layers its blocks are built from. (A module that returns a tensor it
+# holds, as activation patching does, cannot be told from one that returns a new one.)
+_FRESH_OUTPUT = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.Dropout, nn.Identity,
+                 nn.ModuleList)
+
+
+def _as_built(m: nn.Module) -> bool:
+    """``m`` runs attnlab's code as it stands: a type of :data:`_FRESH_OUTPUT` or of
+    attnlab, no forward hook or pre-hook, no forward of its own put on the instance (as
+    accelerate's hooks and capture wrappers do)."""
+    return (not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
+            and (type(m) in _FRESH_OUTPUT or type(m).__module__.startswith("attnlab.")))
+
+
 def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -> bool:
     """Whether ``module`` may reuse the memory of ``out``, a result of its own
     submodules, for its next result (an activation in place, a residual sum into a
-    branch): only where ``out`` shares no memory with ``inputs`` (a submodule that
-    returned its input, such as ``nn.Identity``), autograd recorded none of them, and no
-    hook might have kept ``out`` (a forward hook, or a pre-hook of a submodule that
-    returned its input, on the module, any submodule or every module).
-    Reusing it spares an allocation of its size: on the encoder, each was one more
-    buffer to page-fault whenever malloc had handed the last one back to the system."""
+    branch). Only where nothing else can hold ``out``: autograd recorded none of the
+    tensors, ``out`` shares no memory with ``inputs`` (a submodule that returned its
+    input, such as ``nn.Identity``), no hook is registered for every module, and the
+    module and each submodule run as attnlab built them (:func:`_as_built`: a hook, a
+    wrapper or a user's own module might keep what it returned). Reusing ``out`` spares
+    an allocation of its size: on the encoder, each was one more buffer to page-fault
+    whenever malloc had handed the last one back to the system."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs)):
         return False
     memory = out.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == memory for t in inputs):
         return False
-    return not (global_forward_hooks()
-                or any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()))
+    return not global_forward_hooks() and all(_as_built(m) for m in module.modules())
 
 
 def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
