@@ -90,6 +90,27 @@ def test_the_tile_shapes_know_how_many_keys_a_worker_holds_packed():
     assert _flash._blocks(4096, _flash.HEAD_PACK_KEYS + 1, True, 0)[0] == 128
 
 
+@needs_native
+def test_short_packed_documents_tile_by_32_rows_and_agree_with_the_oracle():
+    """Documents of at most SHORT_DOCUMENT keys (packed sentences) take query blocks of 32
+    rows, longer ones keep the blocks they had; the kernel's values are the oracle's."""
+    short, long = _flash.SHORT_DOCUMENT, _flash.SHORT_DOCUMENT + 1
+    for causal in (False, True):
+        assert _flash._blocks(4096, 4096, causal, 0, documents=short) == (32, 512)
+    assert _flash._blocks(4096, 4096, False, 0, documents=long) == _flash._blocks(
+        4096, 4096, False, 0)
+    assert _flash._blocks(4096, 4096, True, 0, documents=long) == (128, 512)
+    lengths = torch.tensor([3, 17, 1, 40, 9, 30, 64, 12])
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+    q, k, v = _qkv(1, 3, int(lengths.sum()), 16, kv_heads=1, seed=5)
+    for causal in (False, True):
+        want = attnlab.reference.attention(q.double().numpy(), k.double().numpy(),
+                                           v.double().numpy(), causal=causal,
+                                           document_ids=doc.numpy())
+        got = attnlab.attention(q, k, v, causal=causal, document_ids=doc, backend="flash")
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_the_bf16_row_thresholds_are_the_kernels():
     """_fakes.BF16_DOT_ROWS and FEW_ROWS (between them linear leaves a bf16 weight to
     torch, which the fake kernel repeats) are csrc/decode.cpp's."""
