@@ -243,7 +243,8 @@ def summary_table(records: list[dict]) -> str:
     peers = {r["case"]: r for r in records
              if r["impl"] == peer and r.get("median_ms_under_load") is not None}
     lines = [f"| case | {flash} / {peer} quiet | under load | under load / quiet "
-             f"(target <= {LOAD_TARGET}) | ms added under load: {flash} | {peer} |",
+             f"(target <= {LOAD_TARGET}) | {flash}: ms added under load | "
+             f"{peer}: ms added under load |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in records:
         if r["impl"] != flash or r.get("load_over_quiet") is None:
