@@ -82,10 +82,16 @@ def _blocks(q_len: int, k_len: int, causal: bool, window: int,
     take blocks of 32 rows, whose tiles reach few documents past the rows' own: 12 heads,
     one thread, the forward, against the blocks above: documents of 14 keys (head_dim 32,
     T=454) 0.82x, of 40 (T=1024) 0.92x, of 64 (T=2048) causal 0.85x, dense 1.02x; of 128,
-    no gain."""
+    no gain. The backward tiles documents of up to 4 * SHORT_DOCUMENT keys by 64 x 64 (at
+    most SHORT_DOCUMENT) or 64 x 128, where key tiles of 512 were mostly outside them
+    (forward+backward, 12 heads, head_dim 64, against the blocks above: documents of 14
+    keys 0.51x dense and 0.73x causal, of 64 keys 0.39x and 0.85x, of 256 keys 0.58x and
+    0.98x; of 1024 keys these tiles were 3-10% slower, so the blocks above stay)."""
     ruled = bool(causal or window)
     if 0 < window < k_len // 2:  # a band of about 2W keys per query block
         block_q, block_k = (64, 128) if window <= 512 else (128, 256)
+    elif backward and documents is not None and documents <= 4 * SHORT_DOCUMENT:
+        block_q, block_k = 64, (64 if documents <= SHORT_DOCUMENT else 128)
     elif backward and ruled:
         block_q, block_k = 128, 128
     elif documents is not None and documents <= SHORT_DOCUMENT:
@@ -226,7 +232,7 @@ def _kernel_args(q, k, causal, window, softcap, alibi_slopes, documents, block_m
         span = None if documents is None else float((documents.ends - documents.starts)
                                                     .to(torch.float32).mean())
         blocks = (_blocks(q_len, k_len, causal, window, documents=span),
-                  _blocks(q_len, k_len, causal, window, backward=True))
+                  _blocks(q_len, k_len, causal, window, backward=True, documents=span))
         kinds = index = partial = None
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float64).reshape(-1, q_heads).contiguous()
