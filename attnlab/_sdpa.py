@@ -181,7 +181,7 @@ def sdpa_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, 
         if group > 1:
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(q.dtype).contiguous(), 0.0,
+            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(work).contiguous(), 0.0,
             is_causal, attn_mask=bias, scale=scale)
         if group > 1:  # the repeated heads' gradients summed back onto their kv head
             dk, dv = (t.unflatten(1, (kv_heads, group)).sum(2) for t in (dk, dv))

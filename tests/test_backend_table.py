@@ -202,60 +202,75 @@ def test_auto_picks_only_backends_that_take_the_call(t, s, causal, window, rows,
 # --------------------------------------------------------------------------- log-sum-exp steps
 
 
+# The CPU, and a CUDA device where torch sees one (torch's CUDA kernels in the sdpa step).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", [b.name for b in TABLE if b.lse is not None])
 @settings(max_examples=15, deadline=None)
 @given(q_len=st.integers(1, 9), k_len=st.integers(1, 12), cut=st.floats(0, 1),
        causal=st.booleans(), window=st.sampled_from([None, 1, 3]), group=st.sampled_from([1, 2]),
        padding=st.booleans(), variant=st.sampled_from([None, "softcap", "alibi"]),
+       dtype=st.sampled_from([torch.float64, torch.float64, torch.bfloat16]),
        seed=st.integers(0, 99))
-def test_lse_steps_merge_into_the_whole_attention(name, q_len, k_len, cut, causal, window,
-                                                  group, padding, variant, seed):
+def test_lse_steps_merge_into_the_whole_attention(device, name, q_len, k_len, cut, causal,
+                                                  window, group, padding, variant, dtype, seed):
     """Keys cut in two blocks, each attended with its own offset and merged by the
     log-sum-exp, give attention over all the keys; each block's backward with the
     merged output and log-sum-exp gives its share of the gradients (their sum is the
     whole gradient), with the variants a split call passes to its blocks (ALiBi at the
-    blocks' offsets). What ring attention builds on."""
+    blocks' offsets). What ring attention builds on. bf16 blocks (torch's fused kernels
+    where they take them) are checked against float64 on the same rounded inputs."""
     from attnlab import _variants
     from attnlab.distributed.pieces import merge
 
     backend = backends.TABLE[name]
     _runs_here(backend)
-    if variant == "softcap" and not backend.softcap:
+    if variant == "softcap" and not backend.softcap or (
+            device not in (backend.devices or (device,))):
         return
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2 * group, q_len, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, k_len, 8, generator=g, dtype=torch.float64) for _ in range(2))
     mask = torch.rand(2, 1, 1, k_len, generator=g) > 0.3 if padding else None
     grad = torch.randn(2, 2 * group, q_len, 8, generator=g, dtype=torch.float64)
+    q, k, v, grad = (t.to(dtype).double() for t in (q, k, v, grad))  # rounded as the step sees them
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     options = ({"softcap": 1.5} if variant == "softcap" else
                {"alibi_slopes": torch.tensor([0.5, 0.25] * group, dtype=torch.float64)}
                if variant == "alibi" else {})
-    variants = _variants.check(q, k, **options)
     want = attnlab.attention(*leaves, mask=mask, causal=causal, window=window, backend="eager",
                              **options)
     want_grads = torch.autograd.grad(want, leaves, grad)
+    tol = 1e-10 if dtype == torch.float64 else 3e-2
+    q, k, v, grad = (t.to(device, dtype) for t in (q, k, v, grad))
+    mask = None if mask is None else mask.to(device)
+    options = {n: x.to(device, dtype) if isinstance(x, torch.Tensor) else x
+               for n, x in options.items()}
+    variants = _variants.check(q, k, **options)
 
     at = round(cut * k_len)
     blocks = [(s, e) for s, e in ((0, at), (at, k_len)) if e > s]
-    out = torch.zeros_like(want)
-    lse = torch.full(want.shape[:3], float("-inf"), dtype=torch.float64)
+    out = torch.zeros(want.shape, dtype=torch.float64, device=device)
+    lse = torch.full(want.shape[:3], float("-inf"), dtype=torch.float64, device=device)
     scale = 8 ** -0.5
     for s, e in blocks:
         m = None if mask is None else mask[..., s:e]
         part, part_lse = backend.lse.forward(q, k[:, :, s:e], v[:, :, s:e], m, causal, window,
                                              scale, 0.0, variants, k_len - q_len - s)
-        merge(out, lse, part, part_lse)
-    torch.testing.assert_close(out, want.detach(), atol=1e-10, rtol=1e-10)
+        merge(out, lse, part.double(), part_lse.double())
+    torch.testing.assert_close(out.cpu(), want.detach(), atol=tol, rtol=tol)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq = torch.zeros_like(q)
+    dq = torch.zeros(q.shape, dtype=torch.float64, device=device)
     dks, dvs = [], []
     for s, e in blocks:
         m = None if mask is None else mask[..., s:e]
-        bq, bk, bv = backend.lse.backward(q, k[:, :, s:e], v[:, :, s:e], m, out, lse, grad,
+        bq, bk, bv = backend.lse.backward(q, k[:, :, s:e], v[:, :, s:e], m, out.to(dtype),
+                                          lse.float() if dtype != torch.float64 else lse, grad,
                                           causal, window, scale, variants, k_len - q_len - s)
-        dq += bq
+        dq += bq.double()
         dks.append(bk)
         dvs.append(bv)
     for got, expected in zip((dq, torch.cat(dks, 2), torch.cat(dvs, 2)), want_grads):
-        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(got.double().cpu(), expected, atol=tol, rtol=tol)
