@@ -19,8 +19,8 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
     """torch's fused kernel, with attnlab's causal alignment and empty-row rule. Of the
     variants it takes what a dense mask states exactly: documents and a ``mask_mod``
     (a bool mask), ALiBi (an additive one); O(q_len x k_len) memory for them."""
-    if (q.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))):
+    checked = _checks_inputs(q)
+    if checked and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
         # The fused kernel gives 0 for a row whose scores hold NaN (NaN in q or k, or
         # inf - inf from an infinite key entry) and a gradient of 0 to what such a row
         # weighs; the README's rule is IEEE's. On the CPU the check is free of a device
@@ -68,30 +68,55 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    # Elsewhere (CUDA: a check would sync the device), the NaN is carried instead. The
-    # fused kernels return 0 for a query row holding NaN; eager and tiled return NaN
-    # (what the math gives). Adding the row's sum times 0 carries it through here too.
-    nan_carry = q.sum(dim=-1, keepdim=True).to(out.dtype)
-    # They drop a NaN key the same way. Only NaN is carried from k (an infinite key entry
-    # can give a -inf score, which excludes the key and leaves the row finite); every row
-    # of the head gets it, which the rule allows for rows that may not see that key.
-    key_nan = k.isnan().any(dim=-1).any(dim=-1)  # (batch, kv_heads)
-    key_nan = key_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    nan_carry = nan_carry + torch.where(key_nan, float("nan"), 0.0).to(out.dtype)[..., None, None]
-    if out.requires_grad:
-        # torch's backward gives the values a NaN row weighs a gradient of 0. Tie every
-        # value to the carry, so theirs is NaN too (0 * NaN) and stays exactly 0 for a
-        # finite row; the mean's non-finite entries are zeroed so that the forward adds
-        # nothing a finite row would not otherwise get.
-        group = q.shape[1] // v.shape[1]
-        v_mean = torch.nan_to_num(v.mean(dim=-2, keepdim=True), nan=0.0, posinf=0.0,
-                                  neginf=0.0).repeat_interleave(group, dim=1)
-        out = out + nan_carry.mul(0) * v_mean.to(out.dtype)
-    else:  # decoding: in place, two small ops instead of four (0 * NaN is NaN)
-        out.add_(nan_carry, alpha=0)
+    if not checked:  # elsewhere (CUDA: a check would sync the device) NaN is carried
+        out = _CarryNaN.apply(out, q, k, v) if out.requires_grad else out.add_(
+            _nan_carry(q, k).to(out.dtype))
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
     return out
+
+
+def _checks_inputs(q) -> bool:
+    """Whether q and k are checked for NaN and inf before the fused kernel (on the CPU,
+    outside ``torch.compile``: free of a device sync); elsewhere :class:`_CarryNaN`
+    carries the NaN the kernel drops."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _nan_carry(q, k) -> torch.Tensor:
+    """``(B, Hq, Lq, 1)``: NaN for a query row holding NaN or inf (``x * 0``) and for every
+    row of a head whose keys hold NaN, else 0. Only NaN counts in k: an infinite key
+    entry can give a -inf score, which excludes the key and leaves the row finite; the
+    rule allows NaN in rows that may not see the key."""
+    key_nan = k.isnan().any(dim=-1).any(dim=-1)  # (B, Hkv)
+    if q.shape[1] != k.shape[1]:
+        key_nan = key_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q.sum(dim=-1, keepdim=True).mul(0).add(
+        torch.where(key_nan, float("nan"), 0.0).to(q.dtype)[..., None, None])
+
+
+class _CarryNaN(torch.autograd.Function):
+    """``out + carry`` (:func:`_nan_carry`), and in backward the NaN that torch's fused
+    backward drops: in dq of the carried rows, and in dk and dv of every key of a
+    (batch, kv head) that holds such a row. The kernels return 0 for a query row holding
+    NaN (eager and tiled return NaN: what the math gives). One autograd node with a
+    few small kernels (not a chain of broadcast ops): the checks cost nothing where
+    every input is finite."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        carry = _nan_carry(q, k)
+        ctx.save_for_backward(carry)
+        ctx.shapes = q.shape, k.shape, v.shape
+        return out + carry.to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (carry,) = ctx.saved_tensors  # (B, Hq, Lq, 1)
+        q_shape, k_shape, v_shape = ctx.shapes
+        head = carry.isnan().reshape(*k_shape[:2], -1).any(dim=-1)  # (B, Hkv)
+        keys = torch.where(head, float("nan"), 0.0).to(carry.dtype)[..., None, None]
+        return grad_out, carry.expand(q_shape), keys.expand(k_shape), keys.expand(v_shape)
 
 
 # --------------------------------------------------------------------------- block step

@@ -21,6 +21,8 @@ non-finite (dq_i; dk_j and dv_j of every key j it weighs with a NaN weight); in
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -28,9 +30,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnlab
-from attnlab import _flash, _native
+from attnlab import _flash, _native, _sdpa
 
-BACKENDS = ["eager", "sdpa", "tiled", "auto"] + (["flash"] if _native.available() else [])
+# "sdpa-carried": the sdpa backend as it runs on a GPU (no check of the inputs, which
+# would sync the device; the NaN that the fused kernel drops is carried instead).
+BACKENDS = (["eager", "sdpa", "sdpa-carried", "tiled", "auto"]
+            + (["flash"] if _native.available() else []))
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """The backend's name for ``attention``, with the GPU's route where it is carried."""
+    if name != "sdpa-carried":
+        yield name
+        return
+    before = _sdpa._checks_inputs
+    _sdpa._checks_inputs = lambda q: False
+    try:
+        yield "sdpa"
+    finally:
+        _sdpa._checks_inputs = before
 _SPECIALS = (float("nan"), float("inf"), float("-inf"))
 
 
@@ -117,7 +136,12 @@ def _check_case(backend, q, k, v, mask, causal, window):
     want, may, p, row_nan, allowed = _rule(q, k, v, _allowed(b, hq, lq, lk, causal, window,
                                                                mask), scale)
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attnlab.attention(*ins, mask=mask, causal=causal, window=window, backend=backend)
+    with _backend(backend) as name:
+        out = attnlab.attention(*ins, mask=mask, causal=causal, window=window, backend=name)
+        with torch.no_grad():  # the decoding route: carried in place
+            torch.testing.assert_close(attnlab.attention(q, k, v, mask=mask, causal=causal,
+                                                         window=window, backend=name),
+                                       out.detach(), equal_nan=True)
     got = out.detach().double().numpy()
     sure = ~may
     assert np.isnan(got[sure & np.isnan(want)]).all(), "a NaN came out hidden"
@@ -166,7 +190,8 @@ def test_a_nan_query_row_is_nan_with_nan_gradients(backend, q_len):
     mask[3] = False  # row 3 empty by the mask
     q[0, 0, 3, 0] = float("nan")  # ... NaN data in an empty row: still zeros
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attnlab.attention(*ins, mask=mask, causal=True, backend=backend)
+    with _backend(backend) as name:
+        out = attnlab.attention(*ins, mask=mask, causal=True, backend=name)
     assert out[0, 1, 2].isnan().all()
     assert torch.equal(out[0, 0, 3], torch.zeros(16))
     clean = torch.ones(q_len, dtype=torch.bool)
@@ -178,6 +203,35 @@ def test_a_nan_query_row_is_nan_with_nan_gradients(backend, q_len):
     # The empty row's own NaN may reach head 0's dk and dv (0 * NaN where its zero
     # weights meet its q; sdpa lets it see every key, then zeroes it), not other rows' dq.
     assert torch.isfinite(dq[0, 0, torch.arange(q_len) != 3]).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("poisoned", ["query", "key"])
+def test_the_nan_torchs_kernel_drops_is_carried_back(causal, poisoned):
+    """No mask: torch's fused kernel itself gives a NaN query row zeros (and, on a GPU, a
+    NaN key's rows too); the route that cannot check its inputs carries the NaN back:
+    the poisoned head's rows (just the row, for a query) and its gradients are NaN,
+    the other kv head's equal eager's. GQA: two query heads a kv head."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 8, generator=g)
+    k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(2))
+    (q[0, 1, 4, 3] if poisoned == "query" else k[0, 0, 2, 1]).fill_(float("nan"))
+    grads = []
+    for name in ("eager", "sdpa-carried"):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        with _backend(name) as backend:
+            out = attnlab.attention(*ins, causal=causal, backend=backend)
+        grads.append((out, *torch.autograd.grad(out, ins, torch.ones_like(out))))
+    (out, dq, dk, dv), (want, want_dq, want_dk, want_dv) = grads[1], grads[0]
+    if poisoned == "query":
+        assert out[0, 1, 4].isnan().all() and dq[0, 1, 4].isnan().all()
+    else:
+        assert out[0, :2].isnan().all() and dq[0, :2].isnan().all()
+    assert dk[0, 0].isnan().all() and dv[0, 0].isnan().all()
+    torch.testing.assert_close(out[0, 2:], want[0, 2:])  # the other kv head's query heads
+    for got, expected in ((dq[0, 2:], want_dq[0, 2:]), (dk[0, 1], want_dk[0, 1]),
+                          (dv[0, 1], want_dv[0, 1])):
+        torch.testing.assert_close(got, expected)
 
 
 def test_flash_nan_row_behind_an_allowed_tile(monkeypatch):
