@@ -285,8 +285,19 @@ _VARIANT_MIN_SCORES = 512 * 512
 _DENSE_MASK_MAX_BYTES = 1 << 30
 
 
+# tiled, off the CPU (a GPU): each op of eager and sdpa is one kernel over the whole
+# score matrix, and the tiled path's Python loop of small kernels lost to them in every
+# case measured (H100, torch 2.11, B=1, 12 heads, T=4096, bf16 and float32, forward and
+# forward+backward: softcap 4-5x eager's time, documents 8-18x sdpa's, prefix-LM 1.7-4x).
+# It is taken there only where the scores would need more than this many bytes per call.
+_DEVICE_MAX_SCORE_BYTES = 1 << 30
+
+
 def _tiled_pays(r: Request) -> bool:
     k_len = r.k.shape[-2]
+    if r.q.device.type != "cpu":
+        rows = r.q.shape[-2] if r.rows is None else len(r.rows)
+        return 4 * r.q.shape[0] * r.q.shape[1] * rows * k_len > _DEVICE_MAX_SCORE_BYTES
     if r.rows is not None:
         return len(r.rows) * k_len > _EAGER_MAX_SCORES
     if r.variants is not None and _tiles_pay_for_variants(r):

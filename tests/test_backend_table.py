@@ -274,3 +274,25 @@ def test_lse_steps_merge_into_the_whole_attention(device, name, q_len, k_len, cu
         dvs.append(bv)
     for got, expected in zip((dq, torch.cat(dks, 2), torch.cat(dvs, 2)), want_grads):
         torch.testing.assert_close(got.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("variant, seq, want", [
+    ({}, 4096, "sdpa"),
+    ({"softcap": 30.0}, 4096, "eager"),
+    ({"alibi_slopes": torch.ones(12)}, 4096, "sdpa"),
+    ({"document_ids": (torch.arange(4096) * 8 // 4096)[None]}, 4096, "sdpa"),  # 8 documents
+    ({"softcap": 30.0}, 16384, "tiled"),  # 12 GiB of float32 scores: tiles
+    ({"document_ids": (torch.arange(16384) * 8 // 16384)[None]}, 16384, "tiled"),
+])
+def test_auto_off_the_cpu_takes_whole_matrix_kernels_until_they_pass_a_gib(variant, seq,
+                                                                          want):
+    """On a GPU (here the meta device, which no CPU-only backend takes) the tiled
+    path's Python loop of small kernels lost to eager and sdpa in every case measured;
+    auto takes it only where a call's scores would pass 1 GiB."""
+    from attnlab import _variants
+
+    host = torch.empty(1, 1, 1, 1).expand(1, 12, seq, 64)  # the variants checked on the CPU
+    q = torch.empty(1, 12, seq, 64, device="meta")
+    request = backends.Request(q, q, None, True, None, 0.0, None,
+                               _variants.check(host, host, **variant))
+    assert backends.choose(request).name == want
