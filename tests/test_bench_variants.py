@@ -64,3 +64,32 @@ def test_each_flex_case_compiles_from_a_fresh_dynamo_cache(monkeypatch):
                         lambda: compiled.append("window") or (lambda *a, **kw: None))
     bench._flex_step(*(torch.zeros(1, 1, 128, 8),) * 3, 128, True, 16)
     assert compiled[-1] == "window"  # the window cases compile through it too
+
+
+def test_the_gpu_suite_refuses_in_one_line_without_a_gpu(monkeypatch):
+    from attnlab.bench import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="suite 'gpu' needs a CUDA device") as info:
+        run(["gpu"], memory=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("variant", ["causal", "alibi", "documents", "prefix-lm"])
+def test_the_gpu_suites_implementations_compute_the_same_attention(monkeypatch, variant,
+                                                                   dtype):
+    """Its steps on the CPU (the suite's device switched): attnlab on the device and
+    torch's SDPA with its mask (or is_causal) give the same output, in the case's dtype."""
+    from attnlab.bench import gpu
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    small = dict(variant=variant, heads=2, seq=64, dim=16, dtype=dtype)
+    got = gpu.make_step(impl="attnlab-auto", **small)()
+    want = gpu.make_step(impl="torch-sdpa", **small)()
+    assert got.dtype == want.dtype == getattr(torch, dtype)
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    names = {c.name: [i.name for i in c.impls] for c in gpu.cases()}
+    assert names["bf16 fwd+bwd T=4096 softcap"] == ["attnlab-auto", "torch-flex"]
+    assert names["fp32 fwd+bwd T=4096 documents"] == ["attnlab-auto", "torch-sdpa", "torch-flex"]

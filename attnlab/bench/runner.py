@@ -56,6 +56,7 @@ SUITES = {
     "generate": "attnlab.bench.generate",
     "encode": "attnlab.bench.encode",
     "distributed": "attnlab.bench.distributed",
+    "gpu": "attnlab.bench.gpu",
 }
 
 

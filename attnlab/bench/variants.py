@@ -70,7 +70,10 @@ def _slopes(heads: int) -> torch.Tensor:
 
 
 def _setting(variant: str, heads: int, seq: int) -> dict:
-    """attnlab's arguments for the variant (causal for all but prefix-LM)."""
+    """attnlab's arguments for the variant (causal for all but prefix-LM; ``"causal"``
+    alone: the plain call the others are read against)."""
+    if variant == "causal":
+        return dict(causal=True)
     if variant == "softcap":
         return dict(causal=True, softcap=SOFTCAP)
     if variant == "alibi":
@@ -88,9 +91,9 @@ def _setting(variant: str, heads: int, seq: int) -> dict:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _dense(variant: str, setting: dict, seq: int) -> torch.Tensor | None:
+def _dense(variant: str, setting: dict, seq: int, device="cpu") -> torch.Tensor | None:
     """The materialised mask SDPA (and the eager path) is given: float bias or bool."""
-    i = torch.arange(seq)
+    i = torch.arange(seq, device=device)
     causal = i[None, :] <= i[:, None]
     if variant == "alibi":
         bias = -setting["alibi_slopes"][:, None, None] * (i[:, None] - i[None, :]).abs()
@@ -116,7 +119,7 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, variant, setting, seq, case):
+def _flex(q, k, v, variant, setting, seq, case, device="cpu"):
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = setting.get("document_ids")
@@ -148,7 +151,7 @@ def _flex(q, k, v, variant, setting, seq, case):
     keys = seq + (sinks is not None)
     if sinks is not None:  # one more key of zeros, weighing a zero value
         k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
-    block_mask = create_block_mask(mask_mod, None, None, seq, keys, device="cpu")
+    block_mask = create_block_mask(mask_mod, None, None, seq, keys, device=device)
     compiled = compiled_flex()
 
     def run():
@@ -184,12 +187,15 @@ def _torch_eager(q, k, v, variant, setting, dense):
 
 
 def make_step(impl: str, variant: str, batch: int = 1, heads: int = 12, seq: int = 4096,
-              dim: int = 64, backward: bool = False, case: str = ""):
-    """Inputs built once; a zero-argument step running ``impl`` on the variant's case."""
+              dim: int = 64, backward: bool = False, case: str = "", device: str = "cpu",
+              dtype: str = "float32"):
+    """Inputs built once (on ``device``, in ``dtype``); a zero-argument step running
+    ``impl`` on the variant's case."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, seq, dim, generator=g).requires_grad_(backward)
-               for _ in range(3))
-    setting = _setting(variant, heads, seq)
+    q, k, v = (torch.randn(batch, heads, seq, dim, generator=g)
+               .to(device, getattr(torch, dtype)).requires_grad_(backward) for _ in range(3))
+    setting = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+               for name, value in _setting(variant, heads, seq).items()}
     if impl == "attnlab-per-document":  # the yardstick of document masks: one call each
         cuts = torch.nonzero(torch.diff(setting["document_ids"])).flatten().add(1).tolist()
         bounds = list(zip([0, *cuts], [*cuts, seq]))
@@ -203,14 +209,17 @@ def make_step(impl: str, variant: str, batch: int = 1, heads: int = 12, seq: int
         def fwd():
             return attention(q, k, v, backend=backend, **setting)
     elif impl == "torch-sdpa":
-        mask = _dense(variant, setting, seq)
+        mask = None if variant == "causal" else _dense(variant, setting, seq, device)
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(q.dtype)
 
         def fwd():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  is_causal=mask is None)
     elif impl == "torch-eager":
-        fwd = _torch_eager(q, k, v, variant, setting, _dense(variant, setting, seq))
+        fwd = _torch_eager(q, k, v, variant, setting, _dense(variant, setting, seq, device))
     elif impl == "torch-flex":
-        fwd = _flex(q, k, v, variant, setting, seq, case)
+        fwd = _flex(q, k, v, variant, setting, seq, case, device)
     else:
         raise ValueError(f"unknown impl {impl!r}")
 

@@ -166,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="the benchmark suite; --quick, --json FILE")
     bench.add_argument("--suite", action="append",
-                       choices=["attention", "modules", "generate", "encode", "distributed"],
-                       help="suite to run, repeatable (default: all but distributed, "
-                            "which is run only when named)")
+                       choices=["attention", "modules", "generate", "encode", "distributed",
+                                "gpu"],
+                       help="suite to run, repeatable (default: all but distributed and "
+                            "gpu, which run only when named; gpu needs a CUDA device)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
     bench.add_argument("--case", metavar="TEXT",
                        help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "
