@@ -69,7 +69,7 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
         enable_gqa=q.shape[1] != k.shape[1],
     )
     if not checked:  # elsewhere (CUDA: a check would sync the device) NaN is carried
-        out = _CarryNaN.apply(out, q, k, v) if out.requires_grad else out.add_(
+        out = _CarryNaN.apply(out, q, k, v)[0] if out.requires_grad else out.add_(
             _nan_carry(q, k).to(out.dtype))
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
@@ -84,15 +84,16 @@ def _checks_inputs(q) -> bool:
 
 
 def _nan_carry(q, k) -> torch.Tensor:
-    """``(B, Hq, Lq, 1)``: NaN for a query row holding NaN or inf (``x * 0``) and for every
-    row of a head whose keys hold NaN, else 0. Only NaN counts in k: an infinite key
-    entry can give a -inf score, which excludes the key and leaves the row finite; the
-    rule allows NaN in rows that may not see the key."""
+    """``(B, Hq, Lq, 1)``: NaN for a query row holding NaN or inf and for every row of a
+    head whose keys hold NaN, else 0. Only NaN counts in k: an infinite key entry can
+    give a -inf score, which excludes the key and leaves the row finite; the rule allows
+    NaN in rows that may not see the key. Flags, not arithmetic: ``q.sum() * 0``
+    overflowed for large finite rows (fp16) and inductor folds ``x * 0`` to 0."""
     key_nan = k.isnan().any(dim=-1).any(dim=-1)  # (B, Hkv)
     if q.shape[1] != k.shape[1]:
         key_nan = key_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return q.sum(dim=-1, keepdim=True).mul(0).add(
-        torch.where(key_nan, float("nan"), 0.0).to(q.dtype)[..., None, None])
+    bad = ~q.isfinite().all(dim=-1, keepdim=True) | key_nan[..., None, None]
+    return torch.where(bad, float("nan"), 0.0).to(q.dtype)
 
 
 class _CarryNaN(torch.autograd.Function):
@@ -100,18 +101,23 @@ class _CarryNaN(torch.autograd.Function):
     backward drops: in dq of the carried rows, and in dk and dv of every key of a
     (batch, kv head) that holds such a row. The kernels return 0 for a query row holding
     NaN (eager and tiled return NaN: what the math gives). One autograd node with a
-    few small kernels (not a chain of broadcast ops): the checks cost nothing where
-    every input is finite."""
+    few small kernels (not a chain of broadcast ops); ``setup_context`` apart, so that
+    ``torch.func`` transforms take it. Returns ``(out, carry)``."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v):
+    def forward(out, q, k, v):
         carry = _nan_carry(q, k)
-        ctx.save_for_backward(carry)
-        ctx.shapes = q.shape, k.shape, v.shape
-        return out + carry.to(out.dtype)
+        return out + carry.to(out.dtype), carry
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def setup_context(ctx, inputs, output):
+        _, q, k, v = inputs
+        ctx.save_for_backward(output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.shapes = q.shape, k.shape, v.shape
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
         (carry,) = ctx.saved_tensors  # (B, Hq, Lq, 1)
         q_shape, k_shape, v_shape = ctx.shapes
         head = carry.isnan().reshape(*k_shape[:2], -1).any(dim=-1)  # (B, Hkv)

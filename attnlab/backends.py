@@ -280,24 +280,43 @@ _WINDOW_MIN_LEN = 2048
 # tiled one is faster from this many scores per (batch, head) (its causal rows beat
 # eager's from T=512 on the bench grid) and needs no q_len x k_len buffer.
 _VARIANT_MIN_SCORES = 512 * 512
-# tiled, with variants SDPA takes as a dense mask (documents, mask_mod, ALiBi): above
-# this many bytes of mask, O(T^2) memory per call is not worth SDPA's speed.
-_DENSE_MASK_MAX_BYTES = 1 << 30
+# tiled, where the route without tiles would build an O(q_len x k_len) tensor of more
+# than this many bytes per call (_untiled_bytes): O(T^2) memory per call is not worth
+# its speed.
+_DENSE_MAX_BYTES = 1 << 30
+# What sdpa cannot state: calls with these go to eager (or tiled).
+_EAGER_VARIANTS = {"softcap", "sinks", "score_mod"}
 
 
-# tiled, off the CPU (a GPU): each op of eager and sdpa is one kernel over the whole
-# score matrix, and the tiled path's Python loop of small kernels lost to them in every
-# case measured (H100, torch 2.11, B=1, 12 heads, T=4096, bf16 and float32, forward and
-# forward+backward: softcap 4-5x eager's time, documents 8-18x sdpa's, prefix-LM 1.7-4x).
-# It is taken there only where the scores would need more than this many bytes per call.
-_DEVICE_MAX_SCORE_BYTES = 1 << 30
+def _untiled_bytes(r: Request) -> int:
+    """The bytes of the ``q_len x k_len`` tensor that the route without tiles builds for
+    ``r``: eager's float32 scores where weights or softcap, sinks or a score_mod send
+    the call there (every row's, whatever rows of weights are asked for); else sdpa's
+    dense mask (documents or a mask_mod per batch, ALiBi's float bias per head, the bool
+    mask of a window or of causal rows that torch's alignment does not match); 0 where
+    torch's fused kernels need none."""
+    v, (batch, heads, q_len, _) = r.variants, r.q.shape
+    k_len = r.k.shape[-2]
+    if r.rows is not None or (v is not None and _EAGER_VARIANTS & set(v.present())):
+        return 4 * batch * heads * q_len * k_len
+    if v is None:
+        ruled = r.window is not None or (r.causal and q_len not in (1, k_len))
+        return q_len * k_len if ruled else 0
+    size = q_len * k_len * (batch if v.documents or v.block_mask else 1)
+    if v.alibi_slopes is not None:
+        size *= 4 * heads * (batch if v.alibi_slopes.shape[0] > 1 else 1)
+    return size
 
 
 def _tiled_pays(r: Request) -> bool:
     k_len = r.k.shape[-2]
     if r.q.device.type != "cpu":
-        rows = r.q.shape[-2] if r.rows is None else len(r.rows)
-        return 4 * r.q.shape[0] * r.q.shape[1] * rows * k_len > _DEVICE_MAX_SCORE_BYTES
+        # On a GPU each op of eager and sdpa is one kernel over the whole matrix, and
+        # the tiled path's Python loop of small kernels lost to them in every case
+        # measured (H100, torch 2.11, B=1, 12 heads, T=4096, bf16 and float32, forward
+        # and forward+backward: softcap 4-5x eager's time, documents 8-18x sdpa's,
+        # prefix-LM 1.7-4x): tiles there only for memory.
+        return _untiled_bytes(r) > _DENSE_MAX_BYTES
     if r.rows is not None:
         return len(r.rows) * k_len > _EAGER_MAX_SCORES
     if r.variants is not None and _tiles_pay_for_variants(r):
@@ -307,14 +326,12 @@ def _tiled_pays(r: Request) -> bool:
 
 
 def _tiles_pay_for_variants(r: Request) -> bool:
-    """Where the tiled path beats the others on a call with variants: long rows where
-    only eager could take it; rows where documents or a mask_mod leave at most
-    1/_WINDOW_RATIO of the pairs (the tiles it skips), as for windows; and calls whose
-    dense mask for SDPA would be too large."""
-    v, (batch, heads, q_len, _) = r.variants, r.q.shape
-    k_len = r.k.shape[-2]
-    present = v.present()
-    if {"softcap", "sinks", "score_mod"} & set(present):
+    """On the CPU, where the tiled path beats the others on a call with variants: long
+    rows where only eager could take it; rows where documents or a mask_mod leave at
+    most 1/_WINDOW_RATIO of the pairs (the tiles it skips), as for windows; and calls
+    whose dense mask for SDPA would be too large."""
+    v, q_len, k_len = r.variants, r.q.shape[-2], r.k.shape[-2]
+    if _EAGER_VARIANTS & set(v.present()):
         return q_len * k_len >= _VARIANT_MIN_SCORES
     if q_len * k_len == 0:
         return False
@@ -327,10 +344,7 @@ def _tiles_pay_for_variants(r: Request) -> bool:
         live = min(live, float(v.block_mask.live_share()))
     if live * _WINDOW_RATIO <= 1 and k_len >= _WINDOW_MIN_LEN and q_len > 1:
         return True
-    mask_bytes = q_len * k_len * (batch if v.documents or v.block_mask else 1)
-    if v.alibi_slopes is not None:
-        mask_bytes *= 4 * heads * (batch if v.alibi_slopes.shape[0] > 1 else 1)
-    return mask_bytes > _DENSE_MASK_MAX_BYTES
+    return _untiled_bytes(r) > _DENSE_MAX_BYTES
 
 
 # flash takes bf16 and fp16 calls as well: its tiles are converted to float32 as they are

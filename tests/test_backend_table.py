@@ -282,17 +282,37 @@ def test_lse_steps_merge_into_the_whole_attention(device, name, q_len, k_len, cu
     ({"alibi_slopes": torch.ones(12)}, 4096, "sdpa"),
     ({"document_ids": (torch.arange(4096) * 8 // 4096)[None]}, 4096, "sdpa"),  # 8 documents
     ({"softcap": 30.0}, 16384, "tiled"),  # 12 GiB of float32 scores: tiles
-    ({"document_ids": (torch.arange(16384) * 8 // 16384)[None]}, 16384, "tiled"),
+    ({"document_ids": (torch.arange(16384) * 8 // 16384)[None]}, 16384, "sdpa"),  # 256 MB
+    ({"document_ids": (torch.arange(32768) * 8 // 32768)[None]}, 32768, "sdpa"),  # 1 GiB
+    ({"document_ids": (torch.arange(36864) * 8 // 36864)[None]}, 36864, "tiled"),
+    ({}, 65536, "sdpa"),  # torch's kernels form no scores: no bound
 ])
 def test_auto_off_the_cpu_takes_whole_matrix_kernels_until_they_pass_a_gib(variant, seq,
                                                                           want):
     """On a GPU (here the meta device, which no CPU-only backend takes) the tiled
     path's Python loop of small kernels lost to eager and sdpa in every case measured;
-    auto takes it only where a call's scores would pass 1 GiB."""
+    auto takes it only where the other route would build more than 1 GiB (eager's
+    scores, sdpa's dense mask)."""
     from attnlab import _variants
 
     host = torch.empty(1, 1, 1, 1).expand(1, 12, seq, 64)  # the variants checked on the CPU
     q = torch.empty(1, 12, seq, 64, device="meta")
     request = backends.Request(q, q, None, True, None, 0.0, None,
                                _variants.check(host, host, **variant))
+    assert backends.choose(request).name == want
+
+
+@pytest.mark.parametrize("batch, seq, window, rows, want", [
+    (8, 2048, None, None, "sdpa"),
+    (1, 8192, None, None, "sdpa"),
+    (1, 8192, 128, None, "sdpa"),      # a 64 MB bool mask for the window
+    (1, 65536, 128, None, "tiled"),    # a 4 GiB one
+    (1, 1024, None, [0, 5], "eager"),  # weights: eager's 48 MB of scores
+    (1, 16384, None, [0, 5], "tiled"),  # eager forms every row's scores, 12 GiB
+])
+def test_auto_off_the_cpu_counts_what_the_untiled_route_builds(batch, seq, window, rows,
+                                                                want):
+    q = torch.empty(batch, 12, seq, 64, device="meta")
+    request = backends.Request(q, q, None, True, window, 0.0,
+                               None if rows is None else torch.tensor(rows))
     assert backends.choose(request).name == want

@@ -273,3 +273,53 @@ def test_decode_step_keeps_nan():
                 assert heads[0].isnan().all() and torch.isfinite(heads[1]).all()
             else:
                 assert heads.isnan().all(), where
+
+
+def test_nan_survives_inductor_on_the_sdpa_backend():
+    """Under torch.compile nothing checks the inputs, so the carry is the route: inductor
+    folded the old ``q.sum() * 0`` flag to 0 and a NaN query row came out as zeros."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    q[0, 1, 2, 3] = float("nan")
+
+    def call(q, k, v):
+        return attnlab.attention(q, k, v, causal=True, backend="sdpa")
+
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = torch.compile(call, fullgraph=True)(*ins)
+    assert out[0, 1, 2].isnan().all() and torch.isfinite(out[0, 0]).all()
+    dq, dk, dv = torch.autograd.grad(out, ins, torch.ones_like(out))
+    assert dq[0, 1, 2].isnan().all() and dk[0, 1].isnan().any() and dv[0, 1].isnan().any()
+    assert torch.isfinite(dq[0, 0]).all() and torch.isfinite(dk[0, 0]).all()
+    with torch.no_grad():
+        out = torch.compile(call, fullgraph=True)(q, k, v)
+    assert out[0, 1, 2].isnan().all() and torch.isfinite(out[0, 0]).all()
+
+
+def test_large_finite_half_precision_rows_are_not_taken_for_nan():
+    """The carried route's old flag, ``q.sum() * 0``, overflowed to inf * 0 = NaN for a
+    finite fp16 row whose sum passes 65504 (and float32 rows near 3e38)."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.rand(1, 1, 4, 128, generator=g) + 1).mul(400).half()  # sums past 65504
+    k = torch.randn(1, 1, 4, 128, generator=g).mul(0.01).half()
+    v = torch.randn(1, 1, 4, 128, generator=g).half()
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attnlab.attention(q, k, v, backend="eager")
+    with _backend("sdpa-carried") as name:
+        out = attnlab.attention(*ins, backend=name)
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out, ins,
+                                                                   torch.ones_like(out)))
+
+
+def test_the_carry_takes_torch_func_transforms():
+    """``torch.func.grad`` through the carried route (an autograd.Function with its own
+    ``setup_context``), equal to eager's gradient on finite inputs."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with _backend("sdpa-carried") as name:
+        got = torch.func.grad(lambda q: attnlab.attention(q, k, v, causal=True,
+                                                           backend=name).sum())(q)
+    want = torch.func.grad(lambda q: attnlab.attention(q, k, v, causal=True,
+                                                        backend="eager").sum())(q)
+    torch.testing.assert_close(got, want)
