@@ -53,7 +53,9 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         empty = ~allowed.any(dim=-1, keepdim=True)
-        if bool(empty.any()):
+        # Off the CPU the test would sync the device: empty rows are opened and zeroed
+        # whether there are any or not (two ops over the mask and the output).
+        if not checked or bool(empty.any()):
             # Let empty rows see everything (no NaN in forward or backward), zero them after.
             attn_mask = attn_mask | empty if attn_mask.dtype == torch.bool else (
                 attn_mask.masked_fill(empty, 0.0)
