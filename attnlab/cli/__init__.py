@@ -9,6 +9,9 @@ on stderr and exits with status 2. Every option's help shows its default.
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -206,8 +209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # a bare `attnlab`: what it can do, as a usage error
         parser.print_help(sys.stderr)
         return 2
+    if sys.stdout is None:  # started with standard output closed (`>&-`)
+        print(f"attnlab {args.command}: error: standard output is closed; redirect it to "
+              "a file or /dev/null instead", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError as exc:
+        if not _reader_gone():  # another pipe (a worker's): an error like any other
+            print(f"attnlab {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        # The reader of stdout went away (`| head`): end quietly, as a program killed
+        # by SIGPIPE does, with its status; stdout goes to /dev/null so that the
+        # interpreter's last flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
@@ -215,6 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

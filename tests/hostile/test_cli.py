@@ -77,3 +77,39 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path, cli, one_line_erro
 def test_a_prompt_outside_the_tokenizer_is_one_line(tiny_ckpt, tmp_path, cli, one_line_error):
     proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "xyz"], cwd=tmp_path)
     one_line_error(proc, "--prompt")
+
+
+def _generate_args(ckpt) -> list[str]:
+    return ["generate", "--ckpt", str(ckpt), "--prompt", "abc", "--max-new-tokens", "400",
+            "--temperature", "0"]
+
+
+def test_a_closed_stdout_is_one_line(tiny_ckpt, tmp_path, one_line_error):
+    """`attnlab generate ... >&-` (no standard output at all) said AttributeError with a
+    traceback."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(f"{sys.executable} -m attnlab {' '.join(_generate_args(tiny_ckpt))} "
+                          ">&-", shell=True, cwd=tmp_path, env=env, capture_output=False,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    one_line_error(proc, "standard output is closed")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_ckpt, tmp_path):
+    """`attnlab generate ... | head -c 3` printed "error: [Errno 32] Broken pipe" and exited
+    2; now it ends as a program killed by SIGPIPE does (status 141), saying nothing."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        f"{sys.executable} -m attnlab {' '.join(_generate_args(tiny_ckpt))} | head -c 3 "
+        ">/dev/null; echo status=${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines() == ["status=141"], proc.stderr
