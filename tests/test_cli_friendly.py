@@ -153,7 +153,9 @@ def test_ablate_prints_json_only_when_asked(fast_ablate, tmp_path, capsys):
     assert main(["ablate", "--ckpt", str(ckpt)]) == 0
     assert _after_report(capsys.readouterr().out) == ""
     assert main(["ablate", "--ckpt", str(ckpt), "--json", "-"]) == 0
-    assert json.loads(_after_report(capsys.readouterr().out)) == results
+    printed = capsys.readouterr()  # stdout is the JSON alone (`| jq`), the report on stderr
+    assert json.loads(printed.out) == results
+    assert "REPORT" in printed.err
     assert main(["ablate", "--ckpt", str(ckpt), "--json", str(tmp_path / "r.json")]) == 0
     written = json.loads((tmp_path / "r.json").read_text())  # signed as attnlab's
     assert written == {"written_by": f"attnlab {attnlab.__version__}", **results}

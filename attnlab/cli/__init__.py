@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
                         help="where --heads draws its layer x head heatmap")
     ablate.add_argument("--json", metavar="FILE",
-                        help="also write the results as JSON to FILE ('-': print them)")
+                        help="also write the results as JSON to FILE ('-': print them on stdout, "
+                             "the report on stderr)")
     ablate.add_argument("--out", default="attnlab-demo",
                         help="where the demo model is trained when no --ckpt is given")
     ablate.add_argument("--seed", type=_seed, default=0, help="random seed")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import sys
 from collections.abc import Callable
 
 import torch
@@ -98,25 +100,27 @@ def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
     from ..demo import run_demo
     from ..io.outdir import check_out_file
 
+    # With --json - stdout carries the JSON alone; what a person reads goes to stderr.
+    say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)
     ckpt = args.ckpt
     if ckpt is None and args.model is None:
         ckpt = args.out
-        print(f"no --ckpt: training the demo model first ({_DEMO_STEPS} steps into {ckpt}/, "
+        say(f"no --ckpt: training the demo model first ({_DEMO_STEPS} steps into {ckpt}/, "
               "about a minute on a laptop CPU) ...", flush=True)
         run_demo(ckpt, steps=_DEMO_STEPS, seed=args.seed, log=lambda _msg: None)
     model, tokenizer, meta = load_for_cli(ckpt, args.model)
     ids, mask, source = _eval_batch(args, model, tokenizer, meta, read_text)
-    print(f"evaluating on {source}: {ids.shape[0]} row(s) of up to {ids.shape[1]} tokens")
+    say(f"evaluating on {source}: {ids.shape[0]} row(s) of up to {ids.shape[1]} tokens")
     if args.heads:
         results = heads.head_importance(model, ids, mask)
-        print(heads.format_head_table(results))
+        say(heads.format_head_table(results))
         from ..viz import save_head_importance
 
         check_out_file(args.png, "--png")  # again: a file may have appeared meanwhile
         png = save_head_importance(args.png, {"head output zeroed": results["zero"],
                                               "uniform attention": results["uniform"]},
                                    measure=results["measure"])
-        print(f"wrote {png}")
+        say(f"wrote {png}")
     elif args.layer is not None:
         layers = heads.attention_layers(model)
         if not 0 <= args.layer < len(layers):
@@ -127,7 +131,7 @@ def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
         results = heads.knockout(model, ids, mask, [(args.layer, h) for h in chosen])
         what = (f"layer {args.layer} head {args.head}" if args.head is not None
                 else f"every head of layer {args.layer}")
-        print(heads.format_knockout(results, what))
+        say(heads.format_knockout(results, what))
     else:
         if not heads.is_decoder(model):
             raise ValueError(f"the Q/K/V report measures next-token loss, which an encoder "
@@ -135,7 +139,7 @@ def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
                              "--layer L [--head H]")
         results = experiments.run_all(model, _full_rows(ids, mask), seed=args.seed,
                                       dropout_steps=None if args.model else 200)
-        print(experiments.format_report(results))
+        say(experiments.format_report(results))
     if args.json == "-":
         print(json.dumps(results, indent=1))
     elif args.json:
