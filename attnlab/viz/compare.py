@@ -54,9 +54,11 @@ def compare_figure(tokens_a: Sequence[str], a: Any, tokens_b: Sequence[str], b: 
     align = align_tokens(tokens_a, tokens_b)
     diff = difference(da, db, align)[layer, head]
     span = [float(np.clip(2.0 + 0.12 * len(t), 3.5, 9.0)) for t in (tokens_a, tokens_b, tokens_a)]
-    fig = _new_figure(sum(span) + 4.5, max(span) + 1.6, layout="constrained")
-    axes = fig.subplots(1, 3, width_ratios=span)
-    with font_context([*tokens_a, *tokens_b]):
+    # The figure and its axes are made inside the fonts' block: a text's fonts are fixed
+    # when it is created, and the axes create their tick labels and titles then.
+    with font_context([*tokens_a, *tokens_b, *titles]):
+        fig = _new_figure(sum(span) + 4.5, max(span) + 1.6, layout="constrained")
+        axes = fig.subplots(1, 3, width_ratios=span)
         for ax, toks, w, m, name in ((axes[0], tokens_a, da, mask_a, titles[0]),
                                      (axes[1], tokens_b, db, mask_b, titles[1])):
             heatmap(w[layer, head], toks, ax=ax,
@@ -78,7 +80,8 @@ def compare_figure(tokens_a: Sequence[str], a: Any, tokens_b: Sequence[str], b: 
         ax.set_xlabel("key")
         ax.set_title(f"{titles[0]} \u2212 {titles[1]} (light grey: no partner)", fontsize=10)
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03, label="weight difference")
-    fig.suptitle(f"layer {layer}, head {head}" + (f": {label}" if label else ""), fontsize=11)
+        fig.suptitle(f"layer {layer}, head {head}" + (f": {label}" if label else ""),
+                     fontsize=11)
     return fig
 
 
