@@ -50,6 +50,10 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     if kind in MODEL_TYPES and "format" in read_json(path / CONFIG_FILE, CONFIG_LIMIT, "config"):
         raise ValueError(f"--model {str(folder)!r} is an attnlab checkpoint: use --ckpt "
                          f"{str(folder)!r}")
+    if path.is_dir() and not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"--model {str(folder)!r} has no {CONFIG_FILE}; expected a folder "
+                         "written by save_pretrained (config.json, model.safetensors, "
+                         "tokenizer.json), a GGUF file, smollm2 or minilm")
     if path.is_dir() and kind not in GPT_LAYOUTS and kind not in ENCODER_LAYOUTS:
         raise ValueError(f"--model {str(folder)!r}: model_type {kind!r} is not supported "
                          f"(expected one of {sorted(GPT_LAYOUTS)} (decoders) or "

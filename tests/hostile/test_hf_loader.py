@@ -159,3 +159,14 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(
         GPT.from_hf(folder)
     message = _one_line(info.value)
     assert f"config {key}={layers}, but the weights hold layers 0 .. 1" in message, message
+
+
+def test_a_folder_without_config_json_says_so(tmp_path, cli, one_line_error):
+    """An empty folder (or one with only weights) said "model_type None is not supported"."""
+    (tmp_path / "weights_only").mkdir()
+    (tmp_path / "weights_only" / "model.safetensors").write_bytes(b"")
+    for folder in ("empty", "weights_only"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        proc = cli(["generate", "--model", str(tmp_path / folder), "--prompt", "hi"],
+                   cwd=tmp_path)
+        one_line_error(proc, "has no config.json", "save_pretrained")
