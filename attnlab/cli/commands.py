@@ -226,9 +226,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# What a learner's whole check may take: it runs on small inputs in well under a second.
+CHECK_SECONDS = 120
+
+
+class _TooLong(BaseException):
+    """Raised by the alarm: a BaseException, so that the learner's own ``except
+    Exception`` (and the sweep's) cannot swallow it."""
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    import signal
+
     from ..check import check_spec
 
-    report = check_spec(args.spec, lang=args.lang)
+    def stop(signum, frame):
+        raise _TooLong
+
+    # An endless loop in the learner's function would hang the command with no word.
+    timed = hasattr(signal, "SIGALRM")
+    before = signal.signal(signal.SIGALRM, stop) if timed else None
+    if timed:
+        signal.alarm(CHECK_SECONDS)
+    try:
+        report = check_spec(args.spec, lang=args.lang)
+    except _TooLong:
+        raise ValueError(f"{args.spec} ran for more than {CHECK_SECONDS} s on small inputs "
+                         "(a loop that never ends?); the check was stopped") from None
+    finally:
+        if timed:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, before)
     print(report)
     return 0 if report.ok else 1

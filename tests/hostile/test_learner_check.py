@@ -188,3 +188,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, cli, one_line_error, spe
                                               "    return v\n")
     (tmp_path / "broken.py").write_text("undefined_name\n")
     one_line_error(cli(["check", spec], cwd=tmp_path), needle)
+
+
+def test_cli_stops_a_function_that_never_returns(tmp_path, one_line_error):
+    """A learner's endless loop hung `attnlab check` with no word; now it is stopped after
+    CHECK_SECONDS (1 s here) in one line, even through the learner's `except Exception`."""
+    from conftest import ROOT
+
+    (tmp_path / "loops.py").write_text(
+        "def attention(q, k, v):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            pass\n"
+        "        except Exception:\n"
+        "            pass\n")
+    code = ("import sys; from attnlab.cli import commands, main; commands.CHECK_SECONDS = 1; "
+            "sys.exit(main(['check', 'loops.py:attention']))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    one_line_error(proc, "loops.py:attention ran for more than 1 s", "never ends")
