@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "a file or /dev/null instead", file=sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return status
     except BrokenPipeError as exc:
         if not _reader_gone():  # another pipe (a worker's): an error like any other
             print(f"attnlab {args.command}: error: {exc}", file=sys.stderr)

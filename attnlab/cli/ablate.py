@@ -106,7 +106,7 @@ def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
     if ckpt is None and args.model is None:
         ckpt = args.out
         say(f"no --ckpt: training the demo model first ({_DEMO_STEPS} steps into {ckpt}/, "
-              "about a minute on a laptop CPU) ...", flush=True)
+            "about a minute on a laptop CPU) ...", flush=True)
         run_demo(ckpt, steps=_DEMO_STEPS, seed=args.seed, log=lambda _msg: None)
     model, tokenizer, meta = load_for_cli(ckpt, args.model)
     ids, mask, source = _eval_batch(args, model, tokenizer, meta, read_text)

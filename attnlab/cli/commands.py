@@ -237,6 +237,7 @@ class _TooLong(BaseException):
 
 def cmd_check(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from ..check import check_spec
 
@@ -244,7 +245,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise _TooLong
 
     # An endless loop in the learner's function would hang the command with no word.
-    timed = hasattr(signal, "SIGALRM")
+    timed = (hasattr(signal, "SIGALRM")  # not on Windows; signals reach the main thread
+             and threading.current_thread() is threading.main_thread())
     before = signal.signal(signal.SIGALRM, stop) if timed else None
     if timed:
         signal.alarm(CHECK_SECONDS)
