@@ -303,9 +303,11 @@ def constant_under_compile(fn):
 @constant_under_compile
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
-    if disabled_reason() is not None:
-        return disabled_reason()
-    return None if load() is not None else _state["reason"]
+    why = disabled_reason()  # read at each call: the switch may change at run time
+    if why is not None:
+        return why
+    ops = _state["ops"] if _state["ops"] is not None or _state["tried"] else load()
+    return None if ops is not None else _state["reason"]
 
 
 def main(argv: list[str] | None = None) -> int:
