@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on the built-in corpus or --text FILE; "
                            "--resume")
     train.add_argument("--text", metavar="FILE",
-                       help="UTF-8 text to train on, char-level (default: the built-in corpus)")
+                       help="UTF-8 text to train on, char-level ('-': standard input; "
+                            "default: the built-in corpus)")
     train.add_argument("--model", choices=["toy", "gpt"], default="gpt", help="which model")
     train.add_argument("--steps", type=_step_count, default=500, help="total steps")
     train.add_argument("--batch-size", type=_positive_int, default=32, help="rows per step")
@@ -136,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(ablate, ckpt_help="a trained attnlab checkpoint (default: train the demo "
                    "model first, about a minute)")
     ablate.add_argument("--text", metavar="FILE",
-                        help="UTF-8 text to evaluate on (an encoder: one sentence a line); "
-                             "default: the checkpoint's held-out text; required with --model")
+                        help="UTF-8 text to evaluate on (an encoder: one sentence a line; "
+                             "'-': standard input); default: the checkpoint's held-out text; "
+                             "required with --model")
     ablate.add_argument("--heads", action="store_true",
                         help="the head-importance table: each head alone knocked out")
     ablate.add_argument("--layer", type=_index, default=None,

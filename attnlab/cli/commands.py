@@ -4,6 +4,7 @@ library (``ablate``'s longer work is :mod:`.ablate`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import nullcontext
 
@@ -19,13 +20,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: str | None) -> str:
-    from ..io.reading import TEXT_LIMIT, read_text
+    from ..io.reading import TEXT_LIMIT, read_stream_text, read_text
     from ..text.corpus import pattern_corpus
 
     if path is None:
         return pattern_corpus()
-    # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
-    text = read_text(path, TEXT_LIMIT, "--text")
+    if path == "-":  # standard input: `cat notes.txt | attnlab train --text -`
+        if sys.stdin is None:
+            raise ValueError("--text -: standard input is closed")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("--text -: under torchrun every process reads the text, and only "
+                             "one gets standard input; give --text FILE")
+        if sys.stdin.isatty():
+            print("reading --text from the terminal: end it with Ctrl-D", file=sys.stderr)
+        text = read_stream_text(sys.stdin.buffer, TEXT_LIMIT, "--text - (standard input)")
+    else:
+        # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
+        text = read_text(path, TEXT_LIMIT, "--text")
     if not text.strip():
         raise ValueError(f"--text {path!r} is empty")
     return text
@@ -37,7 +48,6 @@ _TRAIN_MODELS = {"toy": {"d_model": 64},
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
     from types import SimpleNamespace
 
     from ..checkpoint import check_out_dir
@@ -95,7 +105,7 @@ def _train(args: argparse.Namespace) -> int:
     model.to(train_device())
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer,
                     context_parallel=args.context_parallel)
-    rank0 = summary["world_size"] == 1 or int(__import__("os").environ.get("RANK", "0")) == 0
+    rank0 = summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0
     if rank0 and summary["resumed_from"] == summary["steps"]:
         print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
     elif rank0:

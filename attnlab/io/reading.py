@@ -79,8 +79,22 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
 
 def read_text(path: PathLike, limit: int, what: str = "file") -> str:
     """:func:`read_bytes` decoded as UTF-8 (CheckpointError naming the file otherwise)."""
-    data = read_bytes(path, limit, what)
-    name = _name(what, Path(path))
+    return _utf8(read_bytes(path, limit, what), _name(what, Path(path)))
+
+
+def read_stream_text(stream, limit: int, name: str) -> str:
+    """A binary stream (standard input: ``--text -``) read to its end, at most ``limit``
+    bytes, decoded as UTF-8; CheckpointError naming it (``name``) otherwise."""
+    chunks, total = [], 0
+    while chunk := stream.read(min(1 << 20, limit + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise CheckpointError(f"{name} holds more than {_size(limit)}, the limit")
+    return _utf8(b"".join(chunks), name)
+
+
+def _utf8(data: bytes, name: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -8,6 +8,8 @@ subprocess timeouts here are part of each assertion."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -153,3 +155,31 @@ def test_every_numeric_option_refuses_bad_values_at_once(cli, one_line_error, sn
         one_line_error(proc, named)
         assert proc.stdout == ""
         assert snap(Path(tmp)) == before
+
+
+def test_text_from_standard_input_trains_and_ablates(tmp_path, cli, one_line_error):
+    """`cat notes.txt | attnlab train --text -`: the text comes through the pipe (Chinese
+    and emoji), the checkpoint holds its characters, and ablate reads its --text the same
+    way; bytes that are not UTF-8, or nothing at all, are one line."""
+    import json
+
+    from conftest import ROOT
+
+    text = "我喜欢蓝色的天空。😀 注意力机制让模型学会关注重要的词。\n" * 30
+    done = cli(["train", "--text", "-", "--steps", "3", "--batch-size", "2", "--context", "16",
+                "--out", "run"], cwd=tmp_path, stdin=text)
+    assert done.returncode == 0, done.stderr
+    vocab = json.loads((tmp_path / "run" / "tokenizer.json").read_text(encoding="utf-8"))
+    assert "😀" in json.dumps(vocab, ensure_ascii=False) and "蓝" in json.dumps(
+        vocab, ensure_ascii=False)
+    done = cli(["ablate", "--ckpt", "run", "--text", "-", "--layer", "0", "--head", "0"],
+               cwd=tmp_path, stdin=text[:200])
+    assert done.returncode == 0, done.stderr
+    assert "evaluating on --text '-'" in done.stdout
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "train", "--text", "-", "--out",
+                           "bad"], cwd=tmp_path, input=b"\xff\xfe", capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    proc.stderr, proc.stdout = proc.stderr.decode(), proc.stdout.decode()
+    one_line_error(proc, "--text - (standard input) is not UTF-8 text")
+    one_line_error(cli(["train", "--text", "-", "--out", "empty"], cwd=tmp_path, stdin=""),
+                   "--text '-' is empty")
