@@ -379,3 +379,25 @@ def test_recover_dir_waits_for_a_live_writer_in_another_process(tmp_path):
             proc.wait()
     assert (final / "part").read_text() == "partial"
     assert _siblings(final) == ["started"]
+
+
+def test_reading_standard_input_stops_at_the_first_short_read():
+    """A terminal ends its input with one Ctrl-D: the read that meets it comes back short,
+    and a read after it would wait for a second one (it did, before)."""
+    from io import BytesIO
+
+    from attnlab.io.reading import read_stream_text
+
+    class Terminal:
+        def __init__(self, data: bytes):
+            self.data, self.reads = data, 0
+
+        def read(self, n: int) -> bytes:
+            self.reads += 1
+            assert self.reads == 1, "read again after the end: a second Ctrl-D was needed"
+            return self.data[:n]
+
+    assert read_stream_text(Terminal("注意力 😀\n".encode()), 1 << 20, "stdin") == "注意力 😀\n"
+    with pytest.raises(io.CheckpointError, match="stdin holds more than"):
+        read_stream_text(BytesIO(b"x" * 101), 100, "stdin")
+    assert read_stream_text(BytesIO(b"x" * 100), 100, "stdin") == "x" * 100

@@ -221,13 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
         return status
     except BrokenPipeError as exc:
-        if not _reader_gone():  # another pipe (a worker's): an error like any other
+        if not _reader_gone(sys.stdout) and not _reader_gone(sys.stderr):
             print(f"attnlab {args.command}: error: {exc}", file=sys.stderr)
             return 2
-        # The reader of stdout went away (`| head`): end quietly, as a program killed
-        # by SIGPIPE does, with its status; stdout goes to /dev/null so that the
-        # interpreter's last flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader of stdout (or stderr) went away (`| head`): end quietly, as a
+        # program killed by SIGPIPE does, with its status; the gone stream goes to
+        # /dev/null so that the interpreter's last flush does not raise again.
+        null = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            if _reader_gone(stream):
+                os.dup2(null, stream.fileno())
+        os.close(null)
         return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -238,12 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _reader_gone() -> bool:
-    """Whether stdout is a pipe whose reading end is closed (poll reports an error)."""
+def _reader_gone(stream) -> bool:
+    """Whether ``stream`` is a pipe or socket whose reader is gone: poll reports an error
+    (a pipe) or a hang-up (a socket)."""
     try:
         poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):
         return False
 

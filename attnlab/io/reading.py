@@ -86,11 +86,15 @@ def read_stream_text(stream, limit: int, name: str) -> str:
     """A binary stream (standard input: ``--text -``) read to its end, at most ``limit``
     bytes, decoded as UTF-8; CheckpointError naming it (``name``) otherwise."""
     chunks, total = [], 0
-    while chunk := stream.read(min(1 << 20, limit + 1 - total)):
+    while True:
+        want = min(1 << 20, limit + 1 - total)
+        chunk = stream.read(want)  # a buffered read returns short only at the end
         chunks.append(chunk)
         total += len(chunk)
         if total > limit:
             raise CheckpointError(f"{name} holds more than {_size(limit)}, the limit")
+        if len(chunk) < want:  # the end: a terminal's Ctrl-D is not repeated on a 2nd read
+            break
     return _utf8(b"".join(chunks), name)
 
 

@@ -56,7 +56,7 @@ def compare_figure(tokens_a: Sequence[str], a: Any, tokens_b: Sequence[str], b: 
     span = [float(np.clip(2.0 + 0.12 * len(t), 3.5, 9.0)) for t in (tokens_a, tokens_b, tokens_a)]
     # The figure and its axes are made inside the fonts' block: a text's fonts are fixed
     # when it is created, and the axes create their tick labels and titles then.
-    with font_context([*tokens_a, *tokens_b, *titles]):
+    with font_context([*tokens_a, *tokens_b, *titles, label or ""]):
         fig = _new_figure(sum(span) + 4.5, max(span) + 1.6, layout="constrained")
         axes = fig.subplots(1, 3, width_ratios=span)
         for ax, toks, w, m, name in ((axes[0], tokens_a, da, mask_a, titles[0]),

@@ -113,3 +113,47 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_ckpt, tmp_path):
         ">/dev/null; echo status=${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.stderr.strip().splitlines() == ["status=141"], proc.stderr
+
+
+def _run_generate_to(stdout, stderr, tiny_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "attnlab", *_generate_args(tiny_ckpt)],
+                            cwd=tmp_path, env=env, stdout=stdout, stderr=stderr)
+
+
+def test_a_socket_whose_reader_went_away_ends_quietly_too(tiny_ckpt, tmp_path):
+    """A closed socket reports a hang-up, not an error, to poll: it read as another
+    pipe's failure (exit 2, 'Broken pipe')."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    proc = _run_generate_to(theirs.fileno(), -1, tiny_ckpt, tmp_path)
+    theirs.close()
+    ours.recv(3)
+    ours.close()
+    assert proc.wait(timeout=120) == 141
+
+
+def test_a_stderr_whose_reader_went_away_ends_quietly(tmp_path):
+    """stdout to a file, stderr into a pipe whose reader is gone (`2>&1 >out.txt | head`):
+    the error line itself could not be written, so Python printed a traceback nobody saw
+    and exited 1."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line on stderr
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "attnlab", "train", "--steps", "2",
+                               "--batch-size", "2", "--context", "16", "--out", "run"],
+                              cwd=tmp_path, env=env, stdout=out, stderr=write_end, timeout=300)
+    os.close(write_end)
+    assert proc.returncode == 141

@@ -208,3 +208,22 @@ def test_cli_stops_a_function_that_never_returns(tmp_path, one_line_error):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     one_line_error(proc, "loops.py:attention ran for more than 1 s", "never ends")
+
+
+def test_cli_check_gives_back_the_callers_own_alarm(tmp_path):
+    """Run in-process by a caller with its own alarm (a watchdog, pytest-timeout), the
+    check's time limit replaced that alarm and then cancelled it."""
+    from conftest import ROOT
+
+    (tmp_path / "ok.py").write_text("import torch\n\ndef attention(q, k, v):\n"
+                                    "    w = torch.softmax(q @ k.transpose(-2, -1) / "
+                                    "q.shape[-1] ** 0.5, -1)\n    return w @ v\n")
+    code = ("import signal; signal.signal(signal.SIGALRM, lambda *a: None); signal.alarm(100)\n"
+            "from attnlab.cli import main\nassert main(['check', 'ok.py:attention']) == 0\n"
+            "print('left', signal.alarm(0))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    left = int(proc.stdout.split("left")[-1])
+    assert 60 <= left <= 100, proc.stdout
