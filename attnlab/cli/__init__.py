@@ -91,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "folder, a GGUF file or smollm2 (--model); --chat")
     _model_options(generate, minilm=False)
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt", help="text to continue ('-': standard input)")
     prompt.add_argument("--chat", metavar="MESSAGE",
                         help="a user message, put in the model's chat template (a GGUF "
                              "file's, e.g. --model smollm2); the reply stops at the end of "
-                             "its turn")
+                             "its turn ('-': standard input)")
     generate.add_argument("--max-new-tokens", type=_new_token_count, default=100,
                           help="tokens to add")
     generate.add_argument("--temperature", type=_non_negative_float, default=1.0,

@@ -19,21 +19,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stdin_text(option: str, limit: int) -> str:
+    """``option -``: standard input read to its end (at most ``limit`` bytes, UTF-8)."""
+    from ..io.reading import read_stream_text
+
+    if sys.stdin is None:
+        raise ValueError(f"{option} -: standard input is closed")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"{option} -: under torchrun every process reads it, and only one "
+                         "gets standard input; give it another way")
+    if sys.stdin.isatty():
+        print(f"reading {option} from the terminal: end it with Ctrl-D", file=sys.stderr)
+    return read_stream_text(sys.stdin.buffer, limit, f"{option} - (standard input)")
+
+
 def _read_text(path: str | None) -> str:
-    from ..io.reading import TEXT_LIMIT, read_stream_text, read_text
+    from ..io.reading import TEXT_LIMIT, read_text
     from ..text.corpus import pattern_corpus
 
     if path is None:
         return pattern_corpus()
     if path == "-":  # standard input: `cat notes.txt | attnlab train --text -`
-        if sys.stdin is None:
-            raise ValueError("--text -: standard input is closed")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("--text -: under torchrun every process reads the text, and only "
-                             "one gets standard input; give --text FILE")
-        if sys.stdin.isatty():
-            print("reading --text from the terminal: end it with Ctrl-D", file=sys.stderr)
-        text = read_stream_text(sys.stdin.buffer, TEXT_LIMIT, "--text - (standard input)")
+        text = _stdin_text("--text", TEXT_LIMIT)
     else:
         # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
         text = read_text(path, TEXT_LIMIT, "--text")
@@ -119,6 +126,10 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# A prompt from standard input: far more than any model here has context for.
+PROMPT_LIMIT = 1 << 20
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -127,6 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # Before the model is loaded (minutes for a large folder): a bad option is one line.
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    for option in ("prompt", "chat"):  # `-`: from a pipe, less the newline echo ends with
+        if getattr(args, option) == "-":
+            text = _stdin_text(f"--{option}", PROMPT_LIMIT)
+            setattr(args, option, text[:-1] if text.endswith("\n") else text)
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     ids, shown, eos_id = _prompt_ids(args, tokenizer)
     if not hasattr(model, "generate"):

@@ -157,3 +157,16 @@ def test_a_stderr_whose_reader_went_away_ends_quietly(tmp_path):
                               cwd=tmp_path, env=env, stdout=out, stderr=write_end, timeout=300)
     os.close(write_end)
     assert proc.returncode == 141
+
+
+def test_a_prompt_from_standard_input_is_the_prompt_given_inline(tiny_ckpt, tmp_path, cli,
+                                                                  one_line_error):
+    """`echo abc | attnlab generate --prompt -` continues "abc" (echo's newline dropped),
+    exactly as `--prompt abc` does; an empty pipe is one line."""
+    args = ["generate", "--ckpt", str(tiny_ckpt), "--max-new-tokens", "8",
+            "--temperature", "0", "--prompt"]
+    piped = cli([*args, "-"], cwd=tmp_path, stdin="abc\n")
+    inline = cli([*args, "abc"], cwd=tmp_path)
+    assert piped.returncode == inline.returncode == 0, piped.stderr
+    assert piped.stdout == inline.stdout and piped.stdout.startswith("abc")
+    one_line_error(cli([*args, "-"], cwd=tmp_path, stdin=""), "--prompt is empty")
