@@ -344,3 +344,29 @@ def test_a_causal_contiguous_ring_never_sends_keys_backwards():
     # A window of 4: only the last piece of ranks 0-2 is needed by the next rank, once.
     window = Plan(64, 64, 4, "contiguous", True, 4, 8)
     assert [window.reach[p.uid] for own in window.pieces for p in own] == [0, 1] * 3 + [0, 0]
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "2.5"])
+def test_a_bad_launcher_variable_is_named(value, monkeypatch, tmp_path):
+    """WORLD_SIZE / RANK / LOCAL_RANK left by hand or by another launcher: an error that
+    names the variable and what it holds, not int()'s "invalid literal"."""
+    import subprocess
+    import sys
+
+    from attnlab.training.distributed import launch_env, world_size
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name}='{value}'.*whole number"):
+            launch_env(name, 0)
+        monkeypatch.delenv(name)
+    assert launch_env("RANK", 0) == 0
+    monkeypatch.setenv("WORLD_SIZE", " 3 ")
+    assert world_size() == 3
+    env = {**os.environ, "WORLD_SIZE": value}
+    done = subprocess.run([sys.executable, "-m", "attnlab", "train", "--steps", "1", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"WORLD_SIZE='{value}'" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()

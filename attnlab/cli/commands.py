@@ -4,7 +4,6 @@ library (``ablate``'s longer work is :mod:`.ablate`)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from contextlib import nullcontext
 
@@ -22,10 +21,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _stdin_text(option: str, limit: int) -> str:
     """``option -``: standard input read to its end (at most ``limit`` bytes, UTF-8)."""
     from ..io.reading import read_stream_text
+    from ..training.distributed import world_size
 
     if sys.stdin is None:
         raise ValueError(f"{option} -: standard input is closed")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         raise ValueError(f"{option} -: under torchrun every process reads it, and only one "
                          "gets standard input; give it another way")
     if sys.stdin.isatty():
@@ -60,17 +60,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..checkpoint import check_out_dir
     from ..io.locks import output_lock
     from ..training import check_training_fits
+    from ..training.distributed import launch_env, world_size
 
     # Before anything is touched: --batch-size and --context that cannot fit are named
     # as such (a lower bound, the vocabulary of one token; the model's own check, once
     # the text is read, would only say the model is too large).
     check_training_fits(SimpleNamespace(vocab_size=1, **_TRAIN_MODELS[args.model]),
                         args.batch_size, args.context,
-                        world=max(1, int(os.environ.get("WORLD_SIZE", "1"))))
+                        world=world_size())
     # Before anything is read or trained: a bad --out is known at once, and the
     # lock keeps a second run off this --out for the whole of this one. Under
     # torchrun only rank 0 writes, so only rank 0 checks and holds the lock.
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launch_env("RANK", 0) != 0:
         return _train(args)
     check_out_dir(args.out)
     with output_lock(args.out):
@@ -84,6 +85,7 @@ def _train(args: argparse.Namespace) -> int:
     from ..models import GPT, GPTConfig, ToyAttnLM, ToyConfig
     from ..text import CharTokenizer
     from ..training import TrainConfig, default_checkpoint_every, train, train_device
+    from ..training.distributed import launch_env
 
     text = _read_text(args.text)
     every = args.checkpoint_every or default_checkpoint_every(args.steps)
@@ -112,7 +114,7 @@ def _train(args: argparse.Namespace) -> int:
     model.to(train_device())
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer,
                     context_parallel=args.context_parallel)
-    rank0 = summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0
+    rank0 = summary["world_size"] == 1 or launch_env("RANK", 0) == 0
     if rank0 and summary["resumed_from"] == summary["steps"]:
         print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
     elif rank0:

@@ -9,18 +9,40 @@ import os
 import torch
 
 
+def launch_env(name: str, default: int) -> int:
+    """The whole number torchrun puts in the environment variable ``name`` (``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``), ``default`` where it is unset; a clear error where it holds
+    something else (set by hand, or left over from another launcher)."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"the environment variable {name}={value!r} must be a whole number "
+                         "0 or more (torchrun sets it); unset it to run in one process")
+    return number
+
+
+def world_size() -> int:
+    """How many processes torchrun started (1 without torchrun)."""
+    return max(1, launch_env("WORLD_SIZE", 1))
+
+
 def train_device() -> torch.device:
     """Where a CLI run trains: under torchrun with GPUs, this process's own GPU
     (``LOCAL_RANK``); otherwise the CPU, as before."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world_size() > 1 and torch.cuda.is_available():
+        return torch.device("cuda", launch_env("LOCAL_RANK", 0))
     return torch.device("cpu")
 
 
 def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
     """Join the torchrun group: nccl for a model on a GPU, gloo for one on the CPU.
     Returns (rank, world size, whether this call created the group)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world <= 1:
         return 0, 1, False
     import torch.distributed as dist
