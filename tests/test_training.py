@@ -568,3 +568,86 @@ def test_context_parallel_must_divide_the_processes_and_needs_a_gpt():
         context_split(ToyAttnLM(ToyConfig(vocab_size=5, context_length=8)), 2, 0, 2, 32)
     with pytest.raises(ValueError, match="context_parallel must be a positive int"):
         context_split(object(), 2, 0, 0, 32)
+
+
+def test_a_file_put_into_out_during_the_run_is_never_deleted(tmp_path, monkeypatch):
+    """Each checkpoint replaces --out as a whole: a file the user drops into it between two
+    checkpoints stops the run at the next one (named), and stays, with the last good
+    checkpoint beside it."""
+    from attnlab import checkpoint
+
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    real = checkpoint.save_training_state
+    saves = []
+
+    def save_then_drop_a_note(out_dir, *args):
+        real(out_dir, *args)
+        saves.append(args[3])  # the step
+        if len(saves) == 1:
+            (out_dir / "my-notes.txt").write_text("注意力 notes")
+
+    monkeypatch.setattr(checkpoint, "save_training_state", save_then_drop_a_note)
+    with pytest.raises(ValueError, match=r"holds .my-notes.txt.*attnlab did not write"):
+        train(model, tokens, TrainConfig(steps=4, batch_size=4, context=16, checkpoint_every=2),
+              out=out, tokenizer=tok, progress=False, log=None)
+    assert (out / "my-notes.txt").read_text() == "注意力 notes"
+    assert json.loads((out / "training_state.json").read_text())["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left beside it
+
+
+def test_the_marker_is_never_written_through_a_link_in_the_live_folder(tmp_path):
+    """A ``.attnlab-atomic`` link planted in the folder being replaced: refused as not
+    attnlab's, the file it points to untouched."""
+    from attnlab import io
+    from attnlab.io.outdir import refuse_foreign
+
+    out = tmp_path / "run"
+    with io.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (out / io.ATOMIC_MARKER).symlink_to(victim)
+    with (pytest.raises(ValueError, match="attnlab did not write"),
+          io.atomic_dir(out, check=refuse_foreign) as tmp):
+        (tmp / "config.json").write_text("{}")
+    with pytest.raises(OSError), io.atomic_dir(out) as tmp:  # unchecked: not followed either
+        (tmp / "config.json").write_text("{}")
+    assert victim.read_text() == "mine" and (out / io.ATOMIC_MARKER).is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim.txt"]
+
+
+@pytest.mark.parametrize("out", [".", "..", "{here}"])
+def test_out_that_is_the_working_directory_or_holds_it_is_refused(tmp_path, monkeypatch, out):
+    """``--out .`` would have each checkpoint rename the folder the process (and the
+    user's shell) stands in, and delete it."""
+    here = tmp_path / "p"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    model, tokens, _ = _toy_setup()
+    with pytest.raises(ValueError, match="is the current directory or holds it"):
+        train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16),
+              out=out.format(here=here), progress=False, log=None)
+    assert here.is_dir() and list(here.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def test_an_out_whose_name_leaves_no_room_for_the_copy_beside_it_is_refused_first(tmp_path):
+    """A name of 234 bytes fits, but the copy built beside it (``.<name>.ready-<pid>-<hex>``)
+    does not: refused before training, naming --out, not at the first checkpoint."""
+    model, tokens, _ = _toy_setup()
+    out = tmp_path / ("运" * 78)
+    with pytest.raises(ValueError, match="--out .* cannot be written: File name too long"):
+        train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16), out=out,
+              progress=False, log=None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checking_an_out_creates_no_folder(tmp_path):
+    """A refused run leaves no trace of the folders it would have made."""
+    from attnlab.checkpoint import check_out_dir
+    from attnlab.io.outdir import check_own_dir
+
+    check_out_dir(tmp_path / "typo" / "a" / "run")
+    check_own_dir(tmp_path / "typo" / "b" / "pics")
+    assert list(tmp_path.iterdir()) == []

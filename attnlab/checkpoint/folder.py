@@ -22,7 +22,7 @@ from ..io import (
     recover_dir,
 )
 from ..io.locks import output_lock
-from ..io.outdir import check_parent_writable, foreign_entries
+from ..io.outdir import check_writable, foreign_entries, holds_working_dir, refuse_foreign
 from ..io.reading import CONFIG_LIMIT
 from .format import FORMAT, write_model_files
 
@@ -37,7 +37,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, tokenizer
     A run writing to it (``attnlab train``) holds its lock, and is not overwritten.
     """
     check_out_dir(directory, "directory")
-    with output_lock(directory, "directory"), atomic_dir(directory) as tmp:
+    with output_lock(directory, "directory"), atomic_dir(directory, check=refuse_foreign) as tmp:
         write_model_files(tmp, model, tokenizer=tokenizer, **extra)
     return Path(directory)
 
@@ -59,7 +59,10 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     (:func:`attnlab.io.outdir.foreign_entries`). ``name`` is what the message
     calls ``out`` (the CLI option, or the API argument).
     """
-    check_parent_writable(out, name)
+    check_writable(out, name)
+    if holds_working_dir(out):
+        raise ValueError(f"{name} {str(out)!r} is the current directory or holds it; a "
+                         "checkpoint replaces its folder as a whole: name a folder inside it")
     out = Path(out)
     if not out.exists():
         return

@@ -25,6 +25,7 @@ from ..io import (
     read_json,
     save_tensors,
 )
+from ..io.outdir import refuse_foreign
 from ..io.reading import CONFIG_LIMIT, STATE_LIMIT
 from ..models.loading import load_state
 from .format import read_config, write_model_files
@@ -54,7 +55,7 @@ def save_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Opti
         for key, value in state.items():
             tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
     groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, check=refuse_foreign) as tmp:
         write_model_files(tmp, model, tokenizer=tokenizer, **(meta or {}))
         if best is not None:
             (tmp / BEST_DIR).mkdir()

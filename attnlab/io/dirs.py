@@ -11,11 +11,12 @@ import re
 import secrets
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .files import ATOMIC_MARKER, PathLike, _fsync_dir, fsync_path
+from .outdir import holds_working_dir
 
 try:  # POSIX only; on other systems the directory lock is a no-op.
     import fcntl
@@ -71,7 +72,12 @@ def _mark(folder: Path, final: Path, suffix: str) -> None:
     not ours); only a folder holding this marker, naming ``final`` and the same
     suffix as its own name, is ever renamed or deleted by recovery.
     """
-    (folder / ATOMIC_MARKER).write_text(f"{final.name}\n{suffix}\n", encoding="utf-8")
+    # Never through a link: a ``.attnlab-atomic`` link planted in the live folder would
+    # have the marker written over the file it points to.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(folder / ATOMIC_MARKER, flags, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"{final.name}\n{suffix}\n")
 
 
 def _proven(folder: Path, final: Path, suffix: str) -> bool:
@@ -182,7 +188,8 @@ def _fsync_tree(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
+def atomic_dir(final_dir: PathLike,
+               check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Write a whole directory atomically: ``with atomic_dir(d) as tmp: <write into tmp>``.
 
     Yields a fresh temp directory next to ``final_dir`` (same parent, so the
@@ -192,6 +199,12 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
     replaces ``final_dir`` (see the module docstring for the exact steps and
     crash windows). When the block raises, the temp directory is removed and
     an existing ``final_dir`` is untouched.
+    ``check``: called with the live ``final_dir`` under the lock, right before it is set
+    aside, and with the copy set aside after the swap; it raises to keep that folder (a
+    checkpoint's :func:`~attnlab.io.outdir.refuse_foreign`: a file the user put into the
+    live folder since the writer's first check would otherwise be deleted with it). Before
+    the swap the new copy is then discarded; after it, the set-aside copy is kept, no longer
+    marked as attnlab's.
     Not for several writers of the same ``final_dir`` without the POSIX lock.
     """
     final = Path(os.path.abspath(final_dir))
@@ -201,6 +214,9 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
         raise ValueError(f"final_dir: expected a directory path with a name, got {final_dir!r}")
     if final.exists() and not final.is_dir():
         raise ValueError(f"final_dir: {str(final)!r} exists and is not a directory")
+    if holds_working_dir(final):
+        raise ValueError(f"final_dir: {str(final)!r} is the current directory or holds it; "
+                         "expected a folder inside it (it is replaced as a whole)")
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
@@ -220,6 +236,8 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
             os.rename(tmp, ready)
             _fsync_dir(parent)
             if final.exists():
+                if check is not None:
+                    check(final)
                 _mark(final, final, old_suffix)  # so the copy set aside is provably ours
                 os.rename(final, old)
                 moved_aside = True
@@ -236,4 +254,11 @@ def atomic_dir(final_dir: PathLike) -> Iterator[Path]:
                 _discard(ready, final)
             raise
         if moved_aside:
+            if check is not None:
+                try:
+                    check(old)  # again: something may have come between check and rename
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        (old / ATOMIC_MARKER).unlink()  # no longer provably ours: kept
+                    raise
             _discard(old, final)

@@ -55,13 +55,14 @@ def _content() -> bytes:
 
 
 def _pid_in(data: bytes) -> str | None:
-    """The pid an attnlab lock file's bytes name, or None where attnlab did not write them
-    (``attnlab lock <pid>``, or the pid alone as earlier versions wrote it)."""
+    """The pid an attnlab lock file's bytes name (``attnlab lock <pid>``), or None where
+    attnlab did not write them: a user's ``.results.json.lock`` holding ``2024`` is theirs."""
     if len(data) > _MAX_BYTES:
         return None
     text = data.decode("ascii", "replace").strip()
-    if text.startswith(SIGNATURE):
-        text = text[len(SIGNATURE):].strip()
+    if not text.startswith(SIGNATURE + " "):
+        return None
+    text = text[len(SIGNATURE):].strip()
     return text if text.isdigit() and len(text) <= 10 else None
 
 

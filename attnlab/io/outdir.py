@@ -25,8 +25,9 @@ from typing import Any
 from .._version import __version__
 from .files import ATOMIC_MARKER, BEST_DIR, OWN_FILES, PathLike
 
-__all__ = ["foreign_entries", "check_own_dir", "check_parent_writable", "check_out_file",
-           "SIGNATURE", "signed", "figure_metadata", "is_signed"]
+__all__ = ["foreign_entries", "refuse_foreign", "holds_working_dir", "check_own_dir",
+           "check_writable", "check_out_file", "SIGNATURE", "signed", "figure_metadata",
+           "is_signed"]
 
 #: What attnlab writes into a single output file to show, when it meets the file again,
 #: that the file is its own (see the module's docstring).
@@ -64,21 +65,55 @@ def foreign_entries(out: PathLike) -> list[str]:
     return sorted(e.name for e in Path(out).iterdir() if not _is_own(e))
 
 
-def check_parent_writable(out: PathLike, name: str = "--out") -> None:
-    """Output is built beside ``out`` and renamed into place, so its parent must exist
-    (it is created, as the writer would) and accept new entries: checked before any
-    work, or a run would fail only at its end."""
-    parent = Path(os.path.abspath(out)).parent
-    blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ValueError(f"{name} {str(out)!r} cannot be written: {str(blocker)!r} is a file, "
-                         "expected a directory")
+def refuse_foreign(folder: PathLike) -> None:
+    """Raise, naming them, where ``folder`` holds entries attnlab did not write: the check a
+    checkpoint makes of its live folder right before replacing it (:func:`attnlab.io.atomic_dir`'s
+    ``check``), since a long run's folder may have gained the user's files since the run's
+    first check."""
+    foreign = foreign_entries(folder)
+    if foreign:
+        names = ", ".join(map(repr, foreign[:3])) + (" ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"{str(folder)!r} holds {names}, which attnlab did not write; a checkpoint "
+            "replaces its folder as a whole, so it was not written: move them out and save "
+            "again (a training run: --resume)")
+
+
+def holds_working_dir(folder: PathLike) -> bool:
+    """Whether ``folder`` is the working directory or one of its parents (``--out .``): a
+    folder replaced as a whole would be renamed away under the process and the user's
+    shell, and its copy set aside deleted."""
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
-    except OSError as exc:
-        raise ValueError(f"{name} {str(out)!r} cannot be written: {exc.strerror or exc} "
-                         f"(in {str(parent)!r})") from None
+        here = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted
+        return False
+    there = Path(os.path.realpath(folder))
+    return here == there or there in here.parents
+
+
+def check_writable(out: PathLike, name: str = "--out") -> None:
+    """Refuse, before any work, an output folder ``out`` that cannot be written, or a run
+    would fail only at its end. Output is built beside ``out`` and renamed into place, so
+    the nearest existing folder above it must accept the longest name put there
+    (``.<name>.ready-<pid>-<8 hex>``: a name near the file system's limit passes a shorter
+    probe and fails at the first checkpoint); an existing ``out`` must accept new entries
+    (the files written into it, a checkpoint's marker). Nothing is created: the writer
+    makes the missing folders."""
+    out_path = Path(os.path.abspath(out))
+    parent = out_path.parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{name} {str(out)!r} cannot be written: {str(existing)!r} is a file, "
+                         "expected a directory")
+    probes = [(existing or parent, f".{out_path.name}.ready-{'0' * 8}")]
+    if out_path.is_dir():
+        probes.append((out_path, ".probe-"))
+    for folder, prefix in probes:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=prefix, dir=folder))
+        except OSError as exc:
+            raise ValueError(f"{name} {str(out)!r} cannot be written: {exc.strerror or exc} "
+                             f"(in {str(folder)!r})") from None
 
 
 def check_own_dir(out: PathLike, name: str = "--out") -> None:
@@ -89,7 +124,7 @@ def check_own_dir(out: PathLike, name: str = "--out") -> None:
     ``name`` (the option or argument ``out`` came from) and the first foreign
     entries.
     """
-    check_parent_writable(out, name)
+    check_writable(out, name)
     path = Path(out)
     if not path.exists():
         return

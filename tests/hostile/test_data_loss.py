@@ -145,12 +145,12 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, tiny_ckpt, snap)
 
 
 def test_a_stale_lock_file_of_a_dead_process_is_taken_over(tmp_path, tiny_ckpt):
-    (tmp_path / ".ckpt.lock").write_text("999999\n")
+    (tmp_path / ".ckpt.lock").write_text("attnlab lock 999999\n")
     save_checkpoint(ToyAttnLM(ToyConfig()), tiny_ckpt)
     assert type(load_checkpoint(tiny_ckpt)) is ToyAttnLM
 
 
-@pytest.mark.parametrize("kind", ["text", "empty", "link", "folder"])
+@pytest.mark.parametrize("kind", ["text", "digits", "empty", "link", "folder"])
 def test_a_file_of_the_lock_files_name_that_attnlab_did_not_write_is_left_alone(
         tmp_path, tiny_ckpt, kind, snap):
     """The user's own ``.ckpt.lock`` (or a link, or a folder of that name) is never
@@ -160,6 +160,8 @@ def test_a_file_of_the_lock_files_name_that_attnlab_did_not_write_is_left_alone(
     target.write_text("注意力 notes 🙂\n", encoding="utf-8")
     if kind == "text":
         lock.write_text("my own lock notes\n")
+    elif kind == "digits":  # a year, a count: digits alone are not attnlab's signature
+        lock.write_text("2024\n")
     elif kind == "empty":
         lock.touch()
     elif kind == "link":
@@ -173,6 +175,8 @@ def test_a_file_of_the_lock_files_name_that_attnlab_did_not_write_is_left_alone(
     assert target.read_text(encoding="utf-8") == "注意力 notes 🙂\n"
     if kind == "text":
         assert lock.read_text() == "my own lock notes\n"
+    elif kind == "digits":
+        assert lock.read_text() == "2024\n"
     elif kind == "empty":
         assert lock.is_file() and lock.stat().st_size == 0
     elif kind == "link":
@@ -200,7 +204,7 @@ def test_a_user_file_put_in_the_lock_files_place_during_a_run_stays(tmp_path):
 
 
 def test_digits_then_more_are_not_a_lock_file(tmp_path):
-    """Only a whole short file of a pid (or 'attnlab lock <pid>') is attnlab's."""
+    """Only a whole short file 'attnlab lock <pid>' is attnlab's."""
     from attnlab.io.locks import output_lock
 
     lock = tmp_path / ".out.lock"
