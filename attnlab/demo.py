@@ -116,6 +116,7 @@ def _run_demo(out, steps, seed, log) -> dict:
     from pathlib import Path
 
     from .io import SUMMARY_FILE, atomic_write_json
+    from .io.outdir import signed
     from .viz import show_attention
 
     model, tokenizer, summary = train_demo_model(steps=steps, seed=seed, log=log, out=out,
@@ -146,6 +147,6 @@ def _run_demo(out, steps, seed, log) -> dict:
               "attention_shares_at_a": a_shares,
               "files": {"png": str(paths["png"]), "html": str(paths["html"]),
                         "checkpoint": str(out)}}
-    atomic_write_json(Path(out) / SUMMARY_FILE, result)
+    atomic_write_json(Path(out) / SUMMARY_FILE, signed(result))
     log(f"Wrote {paths['png']}, {paths['html']}, the checkpoint and {SUMMARY_FILE} in {out}/")
     return result

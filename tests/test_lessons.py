@@ -135,10 +135,22 @@ def test_the_runner_verdict_is_the_final_check(monkeypatch, tmp_path, source, pa
 
 
 def test_lesson_figures_count_as_attnlabs_own_files(tmp_path):
-    for name in ("lesson-01-cosine.png", ".lesson-07-heads.png.k2j3.tmp", "notes.png",
-                 "lesson-1-x.png", "lesson-01-x.png.bak"):
+    """By name and, for a picture, by attnlab's signature in it: a user's own picture that
+    happens to be called like a lesson's is theirs."""
+    import matplotlib.pyplot as plt
+
+    from attnlab.viz.heatmap import png_bytes
+
+    fig = plt.figure(figsize=(1, 1))
+    (tmp_path / "lesson-01-cosine.png").write_bytes(png_bytes(fig))
+    plt.close(fig)
+    plt.figure(figsize=(1, 1)).savefig(tmp_path / "lesson-02-mine.png")  # not signed
+    plt.close("all")
+    for name in (".lesson-07-heads.png.k2j3.tmp", "notes.png", "lesson-1-x.png",
+                 "lesson-01-x.png.bak"):
         (tmp_path / name).write_bytes(b"x")
-    assert foreign_entries(tmp_path) == ["lesson-01-x.png.bak", "lesson-1-x.png", "notes.png"]
+    assert foreign_entries(tmp_path) == ["lesson-01-x.png.bak", "lesson-02-mine.png",
+                                         "lesson-1-x.png", "notes.png"]
 
 
 # --------------------------------------------------------------------------- the command

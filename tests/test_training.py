@@ -287,8 +287,12 @@ def test_out_dir_attnlab_wrote_is_accepted(tmp_path):
     model, tokens, tok = _toy_setup()
     cfg = TrainConfig(steps=2, batch_size=4, context=16)
     train(model, tokens, cfg, out=out, tokenizer=tok, progress=False, log=None)
-    for name in ("summary.json", "attention.png", "attention.html",
-                 ".summary.json.abc123.tmp", ".attention.png.77.0a1b2c3d.tmp"):
+    from attnlab.io.outdir import signed
+
+    (out / "summary.json").write_text(json.dumps(signed({"steps": 2})))
+    (out / "attention.html").write_text('<!DOCTYPE html><html><head>'
+                                        '<meta name="generator" content="attnlab">')
+    for name in (".summary.json.abc123.tmp", ".attention.png.77.0a1b2c3d.tmp"):
         (out / name).write_text("x")
     train(model, tokens, TrainConfig(steps=3, batch_size=4, context=16), out=out,
           progress=False, log=None)

@@ -119,8 +119,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"{args.out}/ already holds all {summary['steps']} steps: nothing to do")
     elif rank0:
         from ..io import SUMMARY_FILE, atomic_write_json
+        from ..io.outdir import signed
 
-        atomic_write_json(f"{args.out}/{SUMMARY_FILE}", summary)
+        atomic_write_json(f"{args.out}/{SUMMARY_FILE}", signed(summary))
         best = (f"; lowest eval {summary['best_eval_loss']:.4f} (step {summary['best_step']}) "
                 f"in {args.out}/best/" if summary["best_step"] != summary["steps"] else "")
         print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "

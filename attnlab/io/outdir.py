@@ -3,15 +3,16 @@
 Folders: attnlab writes into a folder only the files named in :data:`OWN_FILES`, the
 lesson pictures ``lesson-NN-<name>.png`` (and the temp files an atomic write killed by
 SIGKILL leaves beside them, the marker :func:`attnlab.io.atomic_dir` puts in the folders
-it builds, and training's ``best/`` checkpoint of such files). A folder holding
-anything else is the user's, and no writer (a checkpoint, ``show``, the demo)
-may replace or fill it.
+it builds, and training's ``best/`` checkpoint of such files). The pictures, pages and
+summaries among them (:data:`SIGNED_FILES`, the lesson pictures) count only where they
+carry attnlab's signature, as single files do. A folder holding anything else is the
+user's, and no writer (a checkpoint, ``show``, the demo) may replace or fill it.
 
 Single files (``--json FILE``, ``--png FILE``): whatever their name, attnlab signs what it
 writes (:data:`SIGNATURE`: a JSON document's first key ``"written_by"``, in a list of
-records every record's; a PNG's ``Software`` text chunk; an SVG's creator) and replaces an
-existing file only where that signature is found (:func:`is_signed`). Anything else there
-is the user's.
+records every record's; a PNG's ``Software`` text chunk; an SVG's creator; an HTML page's
+``generator``) and replaces an existing file only where that signature is found
+(:func:`is_signed`). Anything else there is the user's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from .files import ATOMIC_MARKER, BEST_DIR, OWN_FILES, PathLike
+from .files import (
+    ATOMIC_MARKER,
+    BEST_DIR,
+    EXPLORER_FILE,
+    HEADS_JSON,
+    HEADS_PNG,
+    HEADS_SVG,
+    HEATMAP_FILE,
+    HEATMAP_SVG,
+    OWN_FILES,
+    SUMMARY_FILE,
+    PathLike,
+)
 
 __all__ = ["foreign_entries", "refuse_foreign", "holds_working_dir", "check_own_dir",
            "check_writable", "check_out_file", "SIGNATURE", "signed", "figure_metadata",
@@ -38,6 +51,12 @@ _SIGNATURE_BYTES = 64 * 1024
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _JSON_SIGNED = re.compile(rb'\s*(\[\s*)?\{\s*"written_by"\s*:\s*"attnlab[ "]')
 _SVG_SIGNED = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>attnlab[ <]")
+_HTML_SIGNED = re.compile(rb'<meta name="generator" content="attnlab[ "]')
+#: The files of an output folder that attnlab signs as it writes them: one of these counts
+#: as attnlab's only where it carries the signature. (A checkpoint's own files are proven
+#: by its attnlab ``config.json``: ``checkpoint.check_out_dir``.)
+SIGNED_FILES = frozenset({SUMMARY_FILE, HEATMAP_FILE, HEATMAP_SVG, EXPLORER_FILE,
+                          HEADS_JSON, HEADS_PNG, HEADS_SVG})
 
 # ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
@@ -46,10 +65,16 @@ _LESSON_FIGURE = re.compile(r"(\.)?lesson-\d\d-[a-z0-9]+(-[a-z0-9]+)*\.png(?(1)\
 
 
 def _is_own_file(entry: Path) -> bool:
-    return entry.is_file() and not entry.is_symlink() and (
-        entry.name in OWN_FILES or entry.name == ATOMIC_MARKER
-        or _OWN_TEMP.fullmatch(entry.name) is not None
-        or _LESSON_FIGURE.fullmatch(entry.name) is not None)
+    """A file of attnlab's names; the pictures, pages and summaries it signs count only
+    where they carry the signature (a user's own ``attention.png`` in the folder is theirs,
+    and would be overwritten)."""
+    if not entry.is_file() or entry.is_symlink():
+        return False
+    figure = _LESSON_FIGURE.fullmatch(entry.name) is not None
+    if entry.name in SIGNED_FILES or (figure and not entry.name.startswith(".")):
+        return is_signed(entry)
+    return (entry.name in OWN_FILES or entry.name == ATOMIC_MARKER or figure  # a temp file
+            or _OWN_TEMP.fullmatch(entry.name) is not None)
 
 
 def _is_own(entry: Path) -> bool:
@@ -180,7 +205,7 @@ def is_signed(path: PathLike) -> bool:
         return False
     if head.startswith(_PNG_MAGIC):
         return _png_signed(head)
-    if _SVG_SIGNED.search(head):
+    if _SVG_SIGNED.search(head) or _HTML_SIGNED.search(head):
         return True
     return _JSON_SIGNED.match(head) is not None
 

@@ -316,3 +316,27 @@ def test_bench_json_replaces_its_own_records_and_refuses_a_users_file(tmp_path, 
     with pytest.raises(ValueError, match="json_path .*mine.json' is a file attnlab did not"):
         bench.run(["attention"], quick=True, json_path=mine, log=None)
     assert snap(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["attention.png", "attention.html", "summary.json"])
+def test_show_leaves_a_users_file_of_its_own_name_alone(tmp_path, tiny_ckpt, name, snap):
+    """A folder holding the user's own ``attention.png`` (no attnlab signature in it): the
+    name alone does not make it attnlab's, so show refuses the folder instead of writing
+    over it; a folder show wrote itself is written again."""
+    from attnlab.checkpoint import load_checkpoint_tokenizer
+    from attnlab.viz import show_attention
+
+    model, tok = load_checkpoint(tiny_ckpt), load_checkpoint_tokenizer(tiny_ckpt)
+    mine = tmp_path / "pics"
+    mine.mkdir()
+    (mine / name).write_bytes(b"\x89PNG\r\n\x1a\n my own picture" if name.endswith("png")
+                              else b"<html>my page</html>" if name.endswith("html")
+                              else b'{"my": "numbers"}')
+    before = snap(mine)
+    with pytest.raises(ValueError, match=f"attnlab did not write.*{name}"):
+        show_attention(model, tok, "abc", mine)
+    assert snap(mine) == before
+    ours = tmp_path / "ours"
+    show_attention(model, tok, "abc", ours)
+    show_attention(model, tok, "abc", ours)  # its own signed files: accepted
+    assert sorted(p.name for p in ours.iterdir()) == ["attention.html", "attention.png"]
