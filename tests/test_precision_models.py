@@ -262,3 +262,33 @@ def test_every_variant_decodes_in_the_fused_run_at_each_precision(precision):
         # The run keeps the row float32 between layers where bf16 modules round it.
         _close(got, modules, 2e-2 if precision == "bf16" else 1e-5)
         _close(got, want, 0.05)
+
+
+@pytest.mark.parametrize("options", [
+    {},  # tied: the embedding reads the int8 output layer
+    {"num_kv_heads": 2, "mlp": "swiglu", "norm": "rmsnorm", "positions": "rope",
+     "tie_embeddings": False, "qkv_bias": True},
+    {"positions": "alibi", "sinks": True, "attn_softcap": 30.0, "window": 8,
+     "window_layers": [0]},
+])
+def test_an_int8_checkpoint_loads_back_as_it_was_saved(tmp_path, options):
+    """save_checkpoint of a quantised model, then load_checkpoint: the same int8 bytes and
+    scales in every layer (nothing requantised), the same logits and greedy tokens."""
+    from attnlab.checkpoint import load_checkpoint, save_checkpoint
+    from attnlab.models import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, context_length=32, d_model=64, num_layers=2,
+                          num_heads=4, **options)).eval().quantize("int8")
+    save_checkpoint(model, tmp_path / "ck")
+    loaded = load_checkpoint(tmp_path / "ck")
+    before, after = model.state_dict(), loaded.state_dict()
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert sum(type(m) is Int8Linear for m in loaded.modules()) == \
+        sum(type(m) is Int8Linear for m in model.modules()) > 0
+    ids = torch.randint(0, 61, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+    assert torch.equal(loaded.generate(ids[:1, :4], 6, temperature=0),
+                       model.generate(ids[:1, :4], 6, temperature=0))

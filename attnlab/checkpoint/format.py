@@ -27,6 +27,7 @@ from ..io import (
 from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
 from ..models.loading import build_loaded
+from ..modules import quantized
 
 FORMAT = 1  # config.json's "format": a checkpoint of another layout is refused by number
 
@@ -47,8 +48,13 @@ def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokeniz
     save_tensors(directory / MODEL_FILE, model.state_dict() if weights is None else weights)
     if tokenizer is not None:
         tokenizer.save(directory / TOKENIZER_FILE)
+    # An int8 model's linear layers are stored as they are held (each one's ``data`` and
+    # ``scales``, llama.cpp's Q8_0): the config says so, or the loader would build float
+    # layers that the file does not fill.
+    int8 = any(isinstance(m, quantized.Int8Linear) for m in model.modules())
     atomic_write_json(directory / CONFIG_FILE, {
-        "format": FORMAT, "model_type": model_type, "config": model.config.to_dict(), **extra,
+        "format": FORMAT, "model_type": model_type, "config": model.config.to_dict(),
+        **({"quantize": "int8"} if int8 else {}), **extra,
     })
 
 
@@ -87,13 +93,46 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     # that does not fit the weights is refused before anything is allocated.
     source = f"{str(directory / MODEL_FILE)!r}"
     state = SafetensorsState([directory / MODEL_FILE], device=str(map_location))
-    model = build_loaded(lambda: cls(config), state, source=source)
+    scheme = meta.get("quantize")
+    if scheme is None:
+        model = build_loaded(lambda: cls(config), state, source=source)
+    elif scheme in quantized.SCHEMES:
+        model = _int8_loaded(lambda: cls(config), state, source)
+    else:
+        raise CheckpointError(f"{str(directory / CONFIG_FILE)!r}: quantize must be one of "
+                              f"{quantized.SCHEMES}, got {scheme!r}")
     bad = next((n for n, t in model.state_dict().items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:  # a diverged run's weights: every output would be NaN
         raise CheckpointError(f"{source}: tensor {bad!r} holds NaN or inf; expected finite "
                               "weights (the run that wrote them diverged)")
     return model.to(map_location).eval()
+
+
+def _int8_loaded(make, state: SafetensorsState, source: str) -> nn.Module:
+    """The int8 model a checkpoint holds: each quantised layer's ``data`` and ``scales``
+    copied into its place as they are (no float weight is made), the rest as usual. The
+    float model's weights are stood in for by meta placeholders of their shapes (under
+    every name of a tied weight: an embedding tied to the output layer), so that names
+    and shapes are checked before anything is allocated."""
+    with torch.device("meta"):
+        model = make()
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    pairs, held = {}, set()
+    for names in names_of.values():
+        layer = next((n[:-len(".weight")] for n in names if n.endswith(".weight")
+                      and f"{n[:-len('.weight')]}.data" in state), None)
+        if layer is None or f"{layer}.scales" not in state:
+            continue
+        held |= {f"{layer}.data", f"{layer}.scales"}
+        for n in names:
+            pairs[n] = lambda layer=layer: (state[f"{layer}.data"], state[f"{layer}.scales"])
+    shapes = {n: t.shape for n, t in model.state_dict(keep_vars=True).items()}
+    view = {n: state[n] for n in state if n not in held}
+    view.update({n: torch.empty(shapes[n], device="meta") for n in pairs if n in shapes})
+    return build_loaded(make, view, source=source, quantize="int8", int8=pairs)
 
 
 def load_checkpoint_tokenizer(directory: str | os.PathLike):
