@@ -211,19 +211,24 @@ def _with_fakes(ops):
     """
     if not _state["faked"]:
         _state["faked"] = True
+        from torch.utils._python_dispatch import _disable_current_modes
+
         # Whether the CPU has the tile kernel (linear's path for more than one row): asked of the
         # real op once, with two rows and a packed 1x1 weight, which it takes only then.
-        # Device and dtype named: the first load may run under torch.device("meta") or
-        # another default dtype.
+        # Device and dtype named, and outside any dispatch mode: the first load may run under
+        # torch.device("meta"), another default dtype, or the FakeTensorMode of
+        # torch.export (where the real op cannot run, and its failure read as a failed build
+        # turned the kernel off for the whole process).
         one = {"device": "cpu", "dtype": torch.float32}
-        tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
-        tiles = tiles is not None
-        # And whether it has the bf16 dot product, on which more than one row times a
-        # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS): asked
-        # the same way.
         bf16 = {"device": "cpu", "dtype": torch.bfloat16}
-        bf16_dot = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
-                              torch.ones(1, 2, **bf16), None, None) is not None
+        with _disable_current_modes():
+            tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
+            # And whether it has the bf16 dot product, on which more than one row times a
+            # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS):
+            # asked the same way.
+            bf16_dot = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
+                                  torch.ones(1, 2, **bf16), None, None)
+        tiles, bf16_dot = tiles is not None, bf16_dot is not None
         for name, fake in _fakes.fakes(tiles, bf16_dot).items():
             torch.library.register_fake(f"{LIBRARY}::{name}", fake)
     return ops
