@@ -22,6 +22,15 @@ __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded
            "fits_in_memory"]
 
 
+def reads_values() -> bool:
+    """Whether a check may read a tensor's values (finite slopes, ids in range): not while
+    torch.compile or torch.export traces, where reading one is a data-dependent branch
+    that stops a ``fullgraph`` trace; compiled code runs unchecked, as torch's own does."""
+    import torch
+
+    return not torch.compiler.is_compiling()
+
+
 def is_int(value: object) -> bool:
     """True for a Python (or NumPy) integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -202,3 +202,30 @@ def test_a_first_load_under_torch_export_keeps_the_kernel():
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stdout.strip() == "True None", done.stderr
     assert "unavailable" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+def test_per_head_variants_and_a_gpt_compile_whole(backend):
+    """ALiBi slopes and sinks (values a call checks: finite) and a GPT's token ids (in the
+    vocabulary) are not read while torch.compile traces, so fullgraph holds and the
+    compiled call equals eager. (Documents and mask_mod build their block mask from the
+    data: built ahead, as FlexAttention's create_block_mask is, they compile too.)"""
+    from attnlab.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    slopes, sinks = torch.rand(4), torch.randn(4)
+
+    def call(q, k, v):
+        return attnlab.attention(q, k, v, causal=True, alibi_slopes=slopes, sinks=sinks,
+                                 softcap=20.0, backend=backend)
+
+    torch.testing.assert_close(torch.compile(call, backend="eager", fullgraph=True)(q, k, v),
+                               call(q, k, v), atol=1e-5, rtol=1e-5)
+    model = GPT(GPTConfig(vocab_size=50, context_length=32, d_model=32, num_layers=1,
+                          num_heads=2, positions="alibi", sinks=True, backend=backend)).eval()
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="eager", fullgraph=True)(ids),
+                                   model(ids), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import reads_values
+
 
 def check_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
     """Refuse ``(batch, seq)`` ids outside ``[0, vocab_size)``.
@@ -17,7 +19,7 @@ def check_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
         got = (f"shape {tuple(ids.shape)} dtype {ids.dtype}" if isinstance(ids, torch.Tensor)
                else type(ids).__name__)
         raise ValueError(f"{name} must be a (batch, seq) integer tensor, got {got}")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or not reads_values():
         return
     low, high = (int(v) for v in torch.aminmax(ids))  # one pass: this runs every token
     if low < 0 or high >= vocab_size:

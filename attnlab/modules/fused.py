@@ -207,7 +207,8 @@ def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -
     wrapper or a user's own module might keep what it returned). Reusing ``out`` spares
     an allocation of its size: on the encoder, each was one more buffer to page-fault
     whenever malloc had handed the last one back to the system."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs)):
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs))) \
+            or torch.compiler.is_compiling():  # storage pointers are not traced
         return False
     memory = out.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == memory for t in inputs):
@@ -240,8 +241,8 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     The weights may be float32 or bf16 (one row by the native streamed product either
     way), or int8 (:class:`~.quantized.Int8Linear` layers, by the native int8 product);
     ``x`` may have another float dtype than the weights: the result has ``x``'s."""
-    if torch.is_grad_enabled() or global_forward_hooks():
-        return None
+    if torch.is_grad_enabled() or global_forward_hooks() or torch.compiler.is_compiling():
+        return None  # (compiling: the packed layout is told by data pointers, not traced)
     for m in linears:  # a wrapped or parametrised layer, or one hooked: it runs itself
         if (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
                 or type(m) is not type(linears[0])):
