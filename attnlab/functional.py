@@ -169,6 +169,16 @@ def attention_with_lse(
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
             variant_args, want_lse=False):
     """attention()'s body: checks, dispatch through the table, shapes back."""
+    kind = _autocasting(q, k, v)
+    if kind is not None:
+        # As torch's SDPA under autocast: q, k and v in its lower-precision dtype (bf16 on
+        # a CPU), so that every backend returns it and a float32 query from a layer meets
+        # a bf16 cache; the maths inside then runs as for bf16 inputs without autocast.
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = (t.to(dtype) if t.dtype != torch.float64 else t for t in (q, k, v))
+        with torch.autocast(kind, enabled=False):
+            return _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights,
+                           backend, variant_args, want_lse)
     rows = _check(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend)
     variants = _variants.check(q, k, **variant_args)
     lead = q.shape[:-3]
@@ -201,6 +211,13 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
         out = out.reshape(*lead, *out.shape[1:])
         weights = None if weights is None else weights.reshape(*lead, *weights.shape[1:])
     return out if rows is None else (out, weights)
+
+
+def _autocasting(q, k, v) -> str | None:
+    """The device type whose ``torch.autocast`` is on for floating q, k, v, or None."""
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
+        return None  # the checks name what is wrong
+    return q.device.type if torch.is_autocast_enabled(q.device.type) else None
 
 
 # --------------------------------------------------------------------------- checks

@@ -461,3 +461,28 @@ def test_one_dimensional_mask_broadcasts_over_the_keys(backend, kind, causal):
     want = ref.attention(*(t.double().numpy() for t in (q, k, v)), want_mask, causal=causal)
     out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend=backend)
     np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", "flash", "auto"])
+def test_autocast_gives_every_backend_its_dtype_as_sdpa_does(backend):
+    """Under torch.autocast (CPU, bf16) a float32 query from a layer may meet a bf16 cache:
+    q, k, v are taken in bf16, as torch's SDPA takes them, and every backend returns bf16,
+    equal to the same call on bf16 inputs outside autocast."""
+    if backend == "flash" and _native.unavailable_reason() is not None:
+        pytest.skip("native kernel not built")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = attnlab.attention(q, k.bfloat16(), v.bfloat16(), causal=True, backend=backend)
+        plain = attnlab.attention(q, k, v, causal=True, backend=backend)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.bfloat16().repeat_interleave(2, 1), v.bfloat16().repeat_interleave(2, 1),
+            is_causal=True)
+    bf16 = attnlab.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                             backend=backend)
+    assert mixed.dtype == plain.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(mixed, bf16) and torch.equal(plain, bf16)
+    torch.testing.assert_close(mixed.float(), ref.float(), atol=2e-2, rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is left as it is
+        assert attnlab.attention(q.double(), k.double(), v.double(),
+                                 backend=backend).dtype == torch.float64
