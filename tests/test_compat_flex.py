@@ -154,3 +154,24 @@ def test_flex_attention_equals_torchs_compiled_kernel():
         want = compiled(q, k, v, score_mod=softcap, block_mask=block)
     got = flex_attention(q, k, v, score_mod=softcap, block_mask=block)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_return_aux_gives_torchs_aux_output():
+    """FlexAttention's newer spelling: ``return_aux=AuxRequest(lse=True)`` gives ``(out,
+    AuxOutput)`` with torch's lse; max_scores (not computed here) and both spellings at
+    once are refused by name."""
+    want, want_lse = _torch_flex(Q, K, V, softcap, causal, None,
+                                 return_aux=torch_flex.AuxRequest(lse=True))
+    want_lse = want_lse.lse
+    block = create_block_mask(causal, None, None, L, S, BLOCK_SIZE=16)
+    out, aux = flex_attention(Q, K, V, score_mod=softcap, block_mask=block,
+                              return_aux=torch_flex.AuxRequest(lse=True))
+    assert isinstance(aux, torch_flex.AuxOutput) and aux.max_scores is None
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(aux.lse, want_lse, atol=2e-5, rtol=2e-5)
+    out, aux = flex_attention(Q, K, V, block_mask=block, return_aux=torch_flex.AuxRequest())
+    assert aux.lse is None and out.shape == want.shape
+    with pytest.raises(ValueError, match="max_scores"):
+        flex_attention(Q, K, V, return_aux=torch_flex.AuxRequest(lse=True, max_scores=True))
+    with pytest.raises(ValueError, match="return_lse or return_aux"):
+        flex_attention(Q, K, V, return_lse=True, return_aux=torch_flex.AuxRequest(lse=True))

@@ -3,7 +3,8 @@ flex_attention``'s signatures) on :func:`attnlab.attention`, forward and backwar
 device (torch's own runs on the CPU forward only, compiled per mask).
 
 - ``flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-  enable_gqa=False, return_lse=False, kernel_options=None)``: ``(B, H, L, E)`` inputs;
+  enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None)``:
+  ``(B, H, L, E)`` inputs;
   ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled score and the block mask's
   ``mask_mod`` are attnlab's, called vectorised (``attnlab.blockmask``): write them with
   tensor operations, as FlexAttention's examples are. ``block_mask`` is one from
@@ -62,10 +63,27 @@ def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *,
+                   return_aux=None):
     """FlexAttention's ``flex_attention`` (module docstring): ``(B, Hq, L, E)`` query,
     ``(B, Hkv, S, E)`` key, ``(B, Hkv, S, Ev)`` value; returns ``(B, Hq, L, Ev)``, or
-    ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32."""
+    ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32 (``return_lse``, which FlexAttention
+    now calls deprecated), or ``(out, AuxOutput)`` for ``return_aux=AuxRequest(lse=True)``
+    (torch's classes; ``max_scores`` is not computed here and is refused)."""
+    if return_aux is not None:
+        if return_lse:
+            raise ValueError("give return_lse or return_aux, not both (as FlexAttention)")
+        if getattr(return_aux, "max_scores", False):
+            raise ValueError("return_aux asks for max_scores, which attnlab's flex_attention "
+                             "does not compute; ask for lse only (AuxRequest(lse=True))")
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        if not getattr(return_aux, "lse", False):
+            return flex_attention(query, key, value, score_mod, block_mask, scale,
+                                  enable_gqa, False, kernel_options), AuxOutput()
+        out, lse = flex_attention(query, key, value, score_mod, block_mask, scale,
+                                  enable_gqa, True, kernel_options)
+        return out, AuxOutput(lse=lse)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, seq, dim), got "
