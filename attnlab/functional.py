@@ -338,7 +338,8 @@ def _check_rows(return_weights, q):
             )
         if len(rows) and (int(rows.min()) < -q_len or int(rows.max()) >= q_len):
             raise ValueError(
-                f"return_weights rows must lie in [0, q_len={q_len}), got {rows.tolist()}"
+                f"return_weights rows must lie in [-q_len, q_len) = [{-q_len}, {q_len}) "
+                f"(negative ones count from the end, as Python indexing), got {rows.tolist()}"
             )
         rows = rows.remainder(q_len).long()
     return rows

@@ -486,3 +486,12 @@ def test_autocast_gives_every_backend_its_dtype_as_sdpa_does(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is left as it is
         assert attnlab.attention(q.double(), k.double(), v.double(),
                                  backend=backend).dtype == torch.float64
+
+
+def test_weight_rows_out_of_range_are_named_with_the_range_python_indexing_allows():
+    q = torch.randn(1, 1, 5, 4)
+    assert torch.equal(attnlab.attention(q, q, q, return_weights=[-5])[1],
+                       attnlab.attention(q, q, q, return_weights=[0])[1])
+    for bad in ([-6], [5]):
+        with pytest.raises(ValueError, match=r"\[-q_len, q_len\) = \[-5, 5\).*" + str(bad[0])):
+            attnlab.attention(q, q, q, return_weights=bad)
