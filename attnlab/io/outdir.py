@@ -27,6 +27,7 @@ from .._version import __version__
 from .files import (
     ATOMIC_MARKER,
     BEST_DIR,
+    CONFIG_FILE,
     EXPLORER_FILE,
     HEADS_JSON,
     HEADS_PNG,
@@ -73,8 +74,22 @@ def _is_own_file(entry: Path) -> bool:
     figure = _LESSON_FIGURE.fullmatch(entry.name) is not None
     if entry.name in SIGNED_FILES or (figure and not entry.name.startswith(".")):
         return is_signed(entry)
+    if entry.name == CONFIG_FILE:  # a Hugging Face folder has one too
+        return _attnlab_config(entry)
     return (entry.name in OWN_FILES or entry.name == ATOMIC_MARKER or figure  # a temp file
             or _OWN_TEMP.fullmatch(entry.name) is not None)
+
+
+def _attnlab_config(path: Path) -> bool:
+    """Whether ``config.json`` is an attnlab checkpoint's: a ``format`` number and a
+    ``model_type`` (a Hugging Face config has the latter only)."""
+    from .reading import CONFIG_LIMIT, read_json
+
+    try:
+        config = read_json(path, CONFIG_LIMIT)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("format"), int) and isinstance(config.get("model_type"), str)
 
 
 def _is_own(entry: Path) -> bool:

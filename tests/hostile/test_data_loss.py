@@ -340,3 +340,24 @@ def test_show_leaves_a_users_file_of_its_own_name_alone(tmp_path, tiny_ckpt, nam
     show_attention(model, tok, "abc", ours)
     show_attention(model, tok, "abc", ours)  # its own signed files: accepted
     assert sorted(p.name for p in ours.iterdir()) == ["attention.html", "attention.png"]
+
+
+def test_a_hugging_face_folder_is_not_taken_for_an_output_folder(tmp_path, tiny_ckpt, snap):
+    """config.json, model.safetensors and tokenizer.json are a checkpoint's names, but a
+    Hugging Face folder's config.json is not attnlab's: show does not fill the folder."""
+    from attnlab.checkpoint import load_checkpoint_tokenizer
+    from attnlab.io.outdir import foreign_entries
+    from attnlab.viz import show_attention
+
+    hf = tmp_path / "my-llama"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama", "architectures": ["X"]}')
+    (hf / "model.safetensors").write_bytes(b"weights")
+    (hf / "tokenizer.json").write_text("{}")
+    before = snap(hf)
+    assert foreign_entries(hf) == ["config.json"]
+    assert foreign_entries(tiny_ckpt) == []  # attnlab's own config.json
+    model, tok = load_checkpoint(tiny_ckpt), load_checkpoint_tokenizer(tiny_ckpt)
+    with pytest.raises(ValueError, match="attnlab did not write.*config.json"):
+        show_attention(model, tok, "abc", hf)
+    assert snap(hf) == before
