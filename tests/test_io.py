@@ -401,3 +401,20 @@ def test_reading_standard_input_stops_at_the_first_short_read():
     with pytest.raises(io.CheckpointError, match="stdin holds more than"):
         read_stream_text(BytesIO(b"x" * 101), 100, "stdin")
     assert read_stream_text(BytesIO(b"x" * 100), 100, "stdin") == "x" * 100
+
+
+def test_text_is_read_as_python_reads_text_files(tmp_path):
+    """A Windows editor's file: a byte-order mark and CRLF line ends. Read as UTF-8 with the
+    BOM dropped and every line end a "\\n" (a tokenizer trained on it learned "\\r" and
+    "\\ufeff" as characters, and generated text carried them); standard input the same."""
+    import io as _io
+
+    from attnlab.io.reading import read_stream_text, read_text
+
+    data = "\ufeff床前明月光🌙\r\n疑是地上霜\r\rend\r".encode()
+    (tmp_path / "poem.txt").write_bytes(data)
+    want = "床前明月光🌙\n疑是地上霜\n\nend\n"
+    assert read_text(tmp_path / "poem.txt", 1000) == want
+    assert read_stream_text(_io.BytesIO(data), 1000, "--text -") == want
+    (tmp_path / "blank.txt").write_bytes(b"\xef\xbb\xbf\r\n\r\n")
+    assert read_text(tmp_path / "blank.txt", 1000).strip() == ""

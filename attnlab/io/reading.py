@@ -78,7 +78,8 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
 
 
 def read_text(path: PathLike, limit: int, what: str = "file") -> str:
-    """:func:`read_bytes` decoded as UTF-8 (CheckpointError naming the file otherwise)."""
+    """:func:`read_bytes` decoded as UTF-8, BOM dropped and line ends made ``\\n`` (see
+    ``_utf8``; CheckpointError naming the file where it is not UTF-8)."""
     return _utf8(read_bytes(path, limit, what), _name(what, Path(path)))
 
 
@@ -99,11 +100,16 @@ def read_stream_text(stream, limit: int, name: str) -> str:
 
 
 def _utf8(data: bytes, name: str) -> str:
+    """``data`` as text the way Python's own text files read it: UTF-8, a leading byte-order
+    mark dropped (Windows editors write one), ``\\r\\n`` and ``\\r`` line ends as ``\\n`` (or
+    a tokenizer trained on the text learns ``\\r`` and the BOM as characters, and generated
+    text carries them)."""
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{name} is not UTF-8 text: {exc.reason} at byte "
                               f"{exc.start}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def parse_json(text: str | bytes, where: str) -> Any:
