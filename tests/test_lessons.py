@@ -9,7 +9,10 @@ never written into). tests/test_lesson_notebooks.py runs every notebook.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +208,15 @@ def test_the_chinese_readme_has_the_two_commands_and_a_first_lesson_that_runs():
     exec("\n".join(re.findall(r"```python\n(.*?)```", zh, re.S)), namespace)  # noqa: S102
     assert namespace["tokens"] == ["我", "喜欢", "蓝色", "的", "天空"]
     assert namespace["cos"][2, 4] > 0.99
+
+
+def test_a_console_that_cannot_show_an_emoji_gets_a_question_mark_not_an_error(tmp_path):
+    """A GBK console (a Chinese Windows) has no 🐱: the lesson prints '?' for it and runs to
+    its end (it stopped half-way with "'gbk' codec can't encode character")."""
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "learn", "3", "--lang", "zh",
+                           "--text", "我爱🐱", "--out", str(tmp_path / "pics")],
+                          capture_output=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONIOENCODING": "gbk"})
+    assert proc.returncode == 0, proc.stderr.decode("gbk", "replace")
+    text = proc.stdout.decode("gbk")
+    assert "爱?" in text and "🐱" not in text

@@ -216,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"attnlab {args.command}: error: standard output is closed; redirect it to "
               "a file or /dev/null instead", file=sys.stderr)
         return 2
+    _replace_what_cannot_be_printed()
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
@@ -240,6 +241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _replace_what_cannot_be_printed() -> None:
+    """A console whose encoding lacks a character (GBK on a Chinese Windows, ``LANG=C``)
+    shows it as ``?`` instead of ending a generation half-way with an encoding error: the
+    text printed is for reading, and files attnlab writes are UTF-8 whatever the console."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
+            reconfigure(errors="replace")
 
 
 def _reader_gone(stream) -> bool:
