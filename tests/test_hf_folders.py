@@ -219,3 +219,44 @@ def test_loading_a_folder_adds_little_beside_the_weights(cls, make, tmp_path):
     out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE.format(cls=cls),
                           str(tmp_path / "m")], capture_output=True, text=True, check=True)
     assert float(out.stdout.split()[-1]) < 25, out.stdout
+
+
+QWEN_STYLE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% endif %}")
+
+
+@pytest.mark.parametrize("where", ["jinja", "config"])
+def test_a_folders_chat_template_is_used_as_transformers_uses_it(tmp_path, where):
+    """``save_pretrained`` puts the chat template in chat_template.jinja (or, from older
+    versions, tokenizer_config.json): --chat renders it as transformers' apply_chat_template
+    does, and the reply ends at the tokenizer's eos_token."""
+    from hf_tokenizers import byte_level_bpe
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from attnlab.interop.auto import load_hf_folder
+
+    raw = Tokenizer.from_str(byte_level_bpe().to_str())  # a copy: the cached one stays
+    raw.add_special_tokens([AddedToken("<|im_start|>", special=True),
+                            AddedToken("<|im_end|>", special=True)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>")
+    hf_tok.chat_template = QWEN_STYLE
+    folder = tmp_path / "chat"
+    T.Qwen2ForCausalLM(T.Qwen2Config(vocab_size=raw.get_vocab_size(), hidden_size=32,
+                                     intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)
+                       ).save_pretrained(folder)
+    hf_tok.save_pretrained(folder)
+    if where == "config":  # the older layout: the template inside tokenizer_config.json
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                  "chat_template": QWEN_STYLE}))
+    _, tok = load_hf_folder(folder)
+    message = [{"role": "user", "content": "床前明月光 🌙"}]
+    want = hf_tok.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat(message) == want
+    assert tok.encode(tok.apply_chat(message), add_special_tokens=False) == \
+        hf_tok(want, add_special_tokens=False)["input_ids"]
+    assert tok.eos_id == hf_tok.eos_token_id

@@ -180,7 +180,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, in
         else:
             if not hasattr(tokenizer, "apply_chat"):
                 raise ValueError("this model has no chat template (a GGUF file's is used, "
-                                 "e.g. --model smollm2); use --prompt")
+                                 "or a Hugging Face folder's chat_template.jinja or "
+                                 "tokenizer_config.json; e.g. --model smollm2); use --prompt")
             ids = tokenizer.encode(tokenizer.apply_chat(args.chat), add_special_tokens=False)
             shown, eos_id = "", tokenizer.eos_id
     except ValueError as exc:

@@ -62,11 +62,40 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
-    tokenizer = HFTokenizer(path / "tokenizer.json")
+    tokenizer = _chat_tokenizer(path) or HFTokenizer(path / "tokenizer.json")
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"--model {str(folder)!r}: tokenizer.json has {tokenizer.vocab_size} "
                          f"tokens but the model's vocab_size is {model.config.vocab_size}")
     return model, tokenizer
+
+
+def _chat_tokenizer(folder: Path):
+    """The folder's tokenizer with its chat template, where ``save_pretrained`` wrote one
+    (``chat_template.jinja``, or ``tokenizer_config.json``'s ``chat_template``: a string, or
+    named templates of which ``default`` is taken), and the ids of its ``bos_token`` and
+    ``eos_token`` (the reply ends at the latter); None where it has no template."""
+    from ..io.reading import read_text
+    from ..text import GGUFTokenizer
+
+    config = (read_json(folder / "tokenizer_config.json", CONFIG_LIMIT, "tokenizer config")
+              if (folder / "tokenizer_config.json").is_file() else {})
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    if (folder / "chat_template.jinja").is_file():
+        template = read_text(folder / "chat_template.jinja", CONFIG_LIMIT, "chat template")
+    if not isinstance(template, str) or not template.strip():
+        return None
+    tokenizer = GGUFTokenizer(folder / "tokenizer.json", chat_template=template)
+
+    def token_id(name: str) -> int | None:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        return tokenizer.backend.token_to_id(token) if isinstance(token, str) else None
+
+    tokenizer.bos_id, tokenizer.eos_id = token_id("bos_token"), token_id("eos_token")
+    return tokenizer
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[nn.Module, object]:
