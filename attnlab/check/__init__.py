@@ -141,7 +141,11 @@ class _Diagnosis:
                     if all(self.matches(c, s) for c in passing):
                         return s, []
                 elif size < 3 and all(self.matches(c, s) for c in passing):
-                    n = sum(self.matches(c, s) for c in failing)
+                    # Counted only where the code gave numbers: a mistake that would also
+                    # raise on some inputs (K left untransposed, on non-square ones) does
+                    # not explain code that raises on every input, or returns None.
+                    n = sum(self.matches(c, s) for c in failing
+                            if not isinstance(self.results[c], Exception))
                     best = max(best, (n, s), key=lambda p: p[0])
         return best[1], [c for c in failing if not self.matches(c, best[1])]
 

@@ -227,3 +227,20 @@ def test_cli_check_gives_back_the_callers_own_alarm(tmp_path):
     assert proc.returncode == 0, proc.stderr
     left = int(proc.stdout.split("left")[-1])
     assert 60 <= left <= 100, proc.stdout
+
+
+def _always_raises(q, k, v):
+    raise ValueError("not written yet")
+
+
+def _returns_none(q, k, v):
+    return None
+
+
+@pytest.mark.parametrize("fn", [_always_raises, _returns_none])
+def test_code_that_never_gives_numbers_is_told_only_that(fn):
+    """A function that raises on every input (or returns None) is not a mistake in the
+    maths: no "K not transposed" (that mistake also raises, on non-square inputs)."""
+    report = attnlab.check(fn, lang="en")
+    assert not report.ok
+    assert set(report.codes) <= {"raises", "more", "gqa_skipped"}, report.codes
