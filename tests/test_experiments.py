@@ -70,6 +70,9 @@ def test_run_all_json_and_report(trained):
         sentence = E._DROPOUT_MEANING[placement].format(vs_none=vs_none)
         assert rows[placement].endswith(sentence), placement
     assert "attention weights" in rows["weights"] and "attention output" in rows["output"]
+    # the study trains the demo's model, whatever model the table above measured: said so
+    assert "the demo's toy model trained anew on the built-in pattern text, not the model " \
+        "above" in report
 
 
 def test_saliency_points_at_the_token_that_decides(trained):
