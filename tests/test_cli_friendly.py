@@ -172,3 +172,18 @@ def test_ablate_says_up_front_that_it_trains_the_demo_model_and_how_long(monkeyp
     assert main(["ablate", "--out", str(tmp_path / "d")]) == 130
     out = capsys.readouterr().out
     assert "training the demo model first" in out and "about a minute" in out
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "--ckpt", "nowhere", "--prompt", "床\udce5\udcba"], "--prompt"),
+    (["generate", "--ckpt", "nowhere", "--chat", "\udce5"], "--chat"),
+    (["show", "\udce5x", "--ckpt", "nowhere"], "the text"),
+    (["learn", "3", "--text", "我 \udcff"], "--text"),
+])
+def test_text_that_is_not_utf8_is_named_as_such(argv, named, capsys):
+    """A terminal not in UTF-8 passes bytes Python keeps as lone surrogates: named as text
+    that is not UTF-8, before anything is loaded (it read as characters not in the
+    tokenizer's vocabulary, such as '\\udce5')."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {named} is not UTF-8 text" in err and err.count("\n") == 1

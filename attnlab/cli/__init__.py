@@ -217,6 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "a file or /dev/null instead", file=sys.stderr)
         return 2
     _replace_what_cannot_be_printed()
+    broken = _not_utf8(args)
+    if broken is not None:
+        print(f"attnlab {args.command}: error: {broken} is not UTF-8 text (the terminal "
+              "passed bytes that are not); set the terminal to UTF-8, or give the text in a "
+              "file or on standard input ('-')", file=sys.stderr)
+        return 2
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
@@ -241,6 +247,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+# The options that hold text to read (not a path, where any bytes may name a file), by
+# command: a byte that is not UTF-8 reaches Python as a lone surrogate, which the
+# tokenizer would report as an unknown character such as '\udce5'.
+_TEXT_OPTIONS = {"generate": ("prompt", "chat"), "show": ("text", "compare"),
+                 "learn": ("text",)}
+
+
+def _not_utf8(args: argparse.Namespace) -> str | None:
+    """The first text option of ``args`` holding bytes that are not UTF-8, named as typed."""
+    for dest in _TEXT_OPTIONS.get(args.command, ()):
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value):
+            return "the text" if dest == "text" and args.command == "show" else f"--{dest}"
+    return None
 
 
 def _replace_what_cannot_be_printed() -> None:

@@ -149,7 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids, shown, eos_id = _prompt_ids(args, tokenizer)
     if not hasattr(model, "generate"):
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
-        raise ValueError(f"{given} holds a {type(model).__name__}, which does not "
+        kind = type(model).__name__
+        raise ValueError(f"{given} holds {'an' if kind[0] in 'AEIOU' else 'a'} {kind}, which "
+                         "does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
                          "Mistral, Qwen2, Gemma 2 or BLOOM folder, or a GGUF file)")
     gen = torch.Generator().manual_seed(args.seed)
