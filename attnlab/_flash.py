@@ -137,17 +137,25 @@ def _forward(q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, see
 
 
 class _FlashAttention(torch.autograd.Function):
+    """The kernel's forward and backward; ``setup_context`` apart, so that
+    ``torch.func.grad`` (and ``jacrev``) take it."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed,
+    def forward(q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed,
                 blocks, extras):
         """``sinks`` is an input of its own (it has a gradient)."""
-        q, k, v = _rows(q), _rows(k), _rows(v)
-        out, lse = _forward(q, k, v, sinks, mask, causal, window, offset, scale, dropout_p,
-                            seed, blocks, extras)
+        return _forward(_rows(q), _rows(k), _rows(v), sinks, mask, causal, window, offset,
+                        scale, dropout_p, seed, blocks, extras)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, sinks, mask, causal, window, offset, scale, dropout_p, seed, blocks, extras = \
+            inputs
+        out, lse = output
         ctx.settings = (causal, window, offset, scale, dropout_p, seed, blocks[1], extras)
-        ctx.save_for_backward(q, k, v, sinks, mask, out, lse)
+        # (_rows gives the tensor itself unless its layout is one the kernel cannot read)
+        ctx.save_for_backward(_rows(q), _rows(k), _rows(v), sinks, mask, out, lse)
         ctx.mark_non_differentiable(lse)
-        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from . import _variants
 from . import masks as _masks
 from ._eager import eager_attention, eager_lse, eager_lse_backward
+from .checks import reads_values
 
 
 def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=None):
@@ -80,9 +81,9 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
 
 def _checks_inputs(q) -> bool:
     """Whether q and k are checked for NaN and inf before the fused kernel (on the CPU,
-    outside ``torch.compile``: free of a device sync); elsewhere :class:`_CarryNaN`
-    carries the NaN the kernel drops."""
-    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+    where values may be read: free of a device sync, outside ``torch.compile`` and
+    ``torch.func``); elsewhere :class:`_CarryNaN` carries the NaN the kernel drops."""
+    return q.device.type == "cpu" and reads_values()
 
 
 def _nan_carry(q, k) -> torch.Tensor:
@@ -105,6 +106,8 @@ class _CarryNaN(torch.autograd.Function):
     NaN (eager and tiled return NaN: what the math gives). One autograd node with a
     few small kernels (not a chain of broadcast ops); ``setup_context`` apart, so that
     ``torch.func`` transforms take it. Returns ``(out, carry)``."""
+
+    generate_vmap_rule = True  # its forward is plain torch operations
 
     @staticmethod
     def forward(out, q, k, v):

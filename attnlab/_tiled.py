@@ -224,16 +224,32 @@ def _fold(t):  # (B, Hkv, G, L, X) -> (B, Hkv, G*L, X)
 
 
 class _TiledAttention(torch.autograd.Function):
+    """Forward and backward in O(seq) memory; ``setup_context`` apart, so that
+    ``torch.func.grad`` (and ``jacrev``) take it."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, sinks, causal, window, scale, dropout_p, seed, offset,
+    def forward(q, k, v, mask, sinks, causal, window, scale, dropout_p, seed, offset,
                 variants):
         settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset, variants)
         out, lse = _forward(settings, q, k, v, mask, sinks)
-        out = out.view(settings.batch, settings.q_heads, settings.q_len, -1).to(q.dtype)
-        ctx.settings = settings
+        return out.view(settings.batch, settings.q_heads, settings.q_len, -1).to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, sinks, causal, window, scale, dropout_p, seed, offset, variants = inputs
+        out, lse = output
+        ctx.settings = _Ctx(q, k, causal, window, scale, dropout_p, seed, offset, variants)
         ctx.save_for_backward(q, k, v, mask, sinks, out, lse)
         ctx.mark_non_differentiable(lse)
-        return out, lse
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        """Under ``torch.func.vmap``: each mapped call in turn, stacked (the tiles loop over
+        rows already; a mapped dimension of any input, the mask's and the sinks' too)."""
+        outs = [_TiledAttention.apply(*(a if d is None else a.select(d, i)
+                                        for a, d in zip(args, in_dims)))
+                for i in range(info.batch_size)]
+        return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):

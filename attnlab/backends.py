@@ -89,7 +89,9 @@ class Backend:
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
     (``return_weights``), ``gradients`` (of q, k, v), the variants of ``attention``
     (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
-    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``devices`` and ``dtypes``
+    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``per_sample_gradients``
+    (``torch.func.vmap`` of ``grad``: its backward runs on batched tensors), ``devices`` and
+    ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
     cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
     (an :class:`LseStep`: each row's log-sum-exp too, and the backward of one block of
@@ -112,6 +114,7 @@ class Backend:
     documents: bool = True
     mask_mod: bool = True
     score_mod: bool = True
+    per_sample_gradients: bool = True
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
@@ -156,6 +159,9 @@ class Backend:
             return f"backend={name!r} takes no window"
         if request.dropout_p > 0 and not self.dropout:
             return f"backend={name!r} has no dropout"
+        if not self.per_sample_gradients and _vmap_of_grad():
+            return (f"backend={name!r}{self.label} does not take torch.func.vmap of grad "
+                    "(per-sample gradients); use backend='auto', 'eager' or 'sdpa'")
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
@@ -169,6 +175,20 @@ class Backend:
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
         return None
+
+
+def _vmap_of_grad() -> bool:
+    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
+    backward then runs on batched tensors (per-sample gradients)."""
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return False  # (the cheap question first; the stack is not traced by dynamo)
+    try:
+        stack = torch._C._functorch.get_interpreter_stack() or []
+        kinds = [str(level.key()) for level in stack]
+    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
+        return False
+    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
+    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
 
 
 def choose(request: Request) -> Backend:
@@ -370,9 +390,9 @@ TABLE: dict[str, Backend] = {b.name: b for b in (
             lse=LseStep(sdpa_lse, sdpa_lse_backward),
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays,
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, per_sample_gradients=False,
             lse=LseStep(_tiled_lse, tiled_lse_backward)),
-    Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",),
+    Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",), per_sample_gradients=False,
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
             lse=LseStep(_flash_lse, _flash_lse_backward), score_mod=False,
             label=" (the native kernel)",

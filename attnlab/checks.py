@@ -25,10 +25,11 @@ __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded
 def reads_values() -> bool:
     """Whether a check may read a tensor's values (finite slopes, ids in range): not while
     torch.compile or torch.export traces, where reading one is a data-dependent branch
-    that stops a ``fullgraph`` trace; compiled code runs unchecked, as torch's own does."""
+    that stops a ``fullgraph`` trace, nor under a ``torch.func`` transform (``vmap``
+    refuses it); such code runs unchecked, as torch's own does."""
     import torch
 
-    return not torch.compiler.is_compiling()
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
 def is_int(value: object) -> bool:

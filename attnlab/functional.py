@@ -217,7 +217,10 @@ def _autocasting(q, k, v) -> str | None:
     """The device type whose ``torch.autocast`` is on for floating q, k, v, or None."""
     if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
         return None  # the checks name what is wrong
-    return q.device.type if torch.is_autocast_enabled(q.device.type) else None
+    try:
+        return q.device.type if torch.is_autocast_enabled(q.device.type) else None
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
 
 
 # --------------------------------------------------------------------------- checks
@@ -338,7 +341,7 @@ def _check_rows(return_weights, q):
             )
         if len(rows) and (int(rows.min()) < -q_len or int(rows.max()) >= q_len):
             raise ValueError(
-                f"return_weights rows must lie in [-q_len, q_len) = [{-q_len}, {q_len}) "
+                f"return_weights rows must lie in [-q_len, q_len) with q_len={q_len} "
                 f"(negative ones count from the end, as Python indexing), got {rows.tolist()}"
             )
         rows = rows.remainder(q_len).long()
