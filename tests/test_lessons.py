@@ -220,3 +220,31 @@ def test_a_console_that_cannot_show_an_emoji_gets_a_question_mark_not_an_error(t
     assert proc.returncode == 0, proc.stderr.decode("gbk", "replace")
     text = proc.stdout.decode("gbk")
     assert "'爱', '?'" in text  # the words of the sentence, 🐱 shown as '?'
+
+
+def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
+    """--write-notebooks rewrites a notebook it wrote (run, with outputs, it still is), and
+    refuses, naming it and writing nothing, where a learner edited a cell or a file of
+    that name is not attnlab's; from the command line one line, exit 2."""
+    import json
+
+    from attnlab.lessons.__main__ import main as lessons_main
+    from attnlab.lessons.notebooks import write_notebooks
+
+    paths = write_notebooks(tmp_path)
+    first = paths[0]
+    nb = json.loads(first.read_text())
+    nb["cells"][-1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ok"}]
+    first.write_text(json.dumps(nb))  # run in Jupyter: outputs only
+    assert write_notebooks(tmp_path) == paths
+    nb = json.loads(first.read_text())
+    nb["cells"][-1]["source"] = "# my answer\n" + "".join(nb["cells"][-1]["source"])
+    first.write_text(json.dumps(nb))  # edited
+    (paths[1]).write_text("my own notes")  # a file of the name, not a notebook
+    before = {p: p.read_bytes() for p in paths}
+    with pytest.raises(ValueError, match=r"ipynb' and 1 more were not written by attnlab"):
+        write_notebooks(tmp_path)
+    assert {p: p.read_bytes() for p in paths} == before
+    assert lessons_main(["--write-notebooks", str(tmp_path)]) == 2
+    assert {p: p.read_bytes() for p in paths} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["en", "zh"]  # no lock left

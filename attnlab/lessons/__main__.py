@@ -14,7 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-notebooks", metavar="DIR", required=True,
                         help="folder to write DIR/en/NN-name.ipynb and DIR/zh/NN-name.ipynb into")
     args = parser.parse_args(argv)
-    for path in write_notebooks(args.write_notebooks):
+    try:
+        written = write_notebooks(args.write_notebooks)
+    except (ValueError, OSError) as exc:
+        print(f"{parser.prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 

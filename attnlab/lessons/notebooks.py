@@ -56,8 +56,34 @@ def notebook(le: Lesson, lang: str):
     for i, cell in enumerate(cells):
         cell["id"] = f"{le.name}-{i:02d}"  # fixed, not random: the build is reproducible
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata = {"kernelspec": dict(_KERNEL), "language_info": {"name": "python"}}
+    nb.metadata = {"kernelspec": dict(_KERNEL), "language_info": {"name": "python"},
+                   "attnlab": {"cells_sha256": _cells_hash(cells)}}
     return nb
+
+
+def _cells_hash(cells) -> str:
+    """The notebook's mark (its metadata ``attnlab.cells_sha256``): a hash of its cells'
+    sources as attnlab wrote them. Running the notebook adds outputs and keeps it; a
+    learner's edit of any cell breaks it, and the file is then theirs."""
+    import hashlib
+    import json
+
+    sources = [["".join(c["source"]) if isinstance(c["source"], list) else c["source"],
+                c["cell_type"]] for c in cells]
+    return hashlib.sha256(json.dumps(sources, ensure_ascii=False).encode()).hexdigest()
+
+
+def _unedited(path: Path) -> bool:
+    """Whether the notebook at ``path`` is one attnlab wrote, its cells as written (its
+    mark matches its cells), so that writing the lesson again loses nothing of the user's."""
+    from ..io.reading import MiB, read_json
+
+    try:
+        nb = read_json(path, 16 * MiB, "notebook")
+        mark = nb.get("metadata", {}).get("attnlab", {}).get("cells_sha256")
+        return isinstance(mark, str) and mark == _cells_hash(nb.get("cells", []))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
 
 
 def notebook_text(le: Lesson, lang: str) -> str:
@@ -69,19 +95,30 @@ def notebook_text(le: Lesson, lang: str) -> str:
 def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     """Write every lesson in every language into ``folder/<lang>/NN-slug.ipynb``.
 
-    Only the notebooks are (re)written; a notebook file of another name already in
-    ``folder/<lang>/`` (a renamed lesson) is reported by the test, not deleted here.
-    Returns the paths written.
+    Only the notebooks are (re)written, and an existing one only where attnlab wrote it
+    and its cells are as written (:func:`_unedited`; run, with outputs, it still is): a
+    notebook a learner edited is theirs, and the whole call is refused, naming it, before
+    anything is written. A notebook file of another name already in ``folder/<lang>/`` (a
+    renamed lesson) is reported by the test, not deleted here. Returns the paths written.
     """
     from ..io import atomic_write_text
+    from ..io.locks import output_lock
+    from ..io.outdir import check_writable
     from .registry import all_lessons
 
-    written = []
-    for lang in LANGS:
-        target = Path(folder) / lang
-        target.mkdir(parents=True, exist_ok=True)
-        for le in all_lessons():
-            path = target / f"{le.name}.ipynb"
+    check_writable(folder, "--write-notebooks")
+    plan = [(Path(folder) / lang / f"{le.name}.ipynb", le, lang)
+            for lang in LANGS for le in all_lessons()]
+    with output_lock(folder, "--write-notebooks"):
+        theirs = [p for p, _, _ in plan if (p.exists() or p.is_symlink()) and
+                  (p.is_symlink() or not p.is_file() or not _unedited(p))]
+        if theirs:
+            raise ValueError(
+                f"--write-notebooks {str(folder)!r}: {str(theirs[0])!r}"
+                f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''} were not written "
+                "by attnlab, or were edited since (their cells differ from what it wrote); "
+                "they are left as they are: move them away or choose another folder")
+        for path, le, lang in plan:
+            path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, notebook_text(le, lang))
-            written.append(path)
-    return written
+    return [path for path, _, _ in plan]
