@@ -187,3 +187,21 @@ def test_text_that_is_not_utf8_is_named_as_such(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {named} is not UTF-8 text" in err and err.count("\n") == 1
+
+
+def test_a_path_options_leading_tilde_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """``--out=~/pics`` reaches attnlab with the ``~`` (the shell expands it only at the
+    start of a word): it is the home folder, never a folder named '~' here. A text option
+    (show's sentence) keeps it as typed."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    from attnlab.cli import _expand_home
+
+    args = build_parser().parse_args(["show", "~ahoy", "--ckpt", "~/run", "--out=~/pics"])
+    _expand_home(args)
+    assert {"out": args.out, "ckpt": args.ckpt, "text": args.text} == {"out": str(tmp_path / "home" / "pics"),
+                    "ckpt": str(tmp_path / "home" / "run"), "text": "~ahoy"}
+    assert main(["train", "--model", "toy", "--steps", "1", "--out=~/run",
+                 "--text", "~/none.txt"]) == 2
+    assert "home/none.txt" in capsys.readouterr().err
+    assert not (tmp_path / "~").exists()

@@ -217,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "a file or /dev/null instead", file=sys.stderr)
         return 2
     _replace_what_cannot_be_printed()
+    _expand_home(args)
     broken = _not_utf8(args)
     if broken is not None:
         print(f"attnlab {args.command}: error: {broken} is not UTF-8 text (the terminal "
@@ -254,6 +255,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 # tokenizer would report as an unknown character such as '\udce5'.
 _TEXT_OPTIONS = {"generate": ("prompt", "chat"), "show": ("text", "compare"),
                  "learn": ("text",)}
+
+
+# The options that name a file or folder (the train and ablate --text is a file too).
+_PATH_OPTIONS = ("out", "ckpt", "model", "json", "png", "text")
+
+
+def _expand_home(args: argparse.Namespace) -> None:
+    """``--out=~/pics``: the shell expands ``~`` only at the start of a word, so the option
+    came with it, and a folder named ``~`` would be made in the working directory (one
+    ``rm -rf ~`` away from a disaster). A path option's leading ``~`` is the home folder."""
+    for dest in _PATH_OPTIONS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and value.startswith("~") and \
+                not (dest == "text" and args.command in _TEXT_OPTIONS):
+            setattr(args, dest, os.path.expanduser(value))
 
 
 def _not_utf8(args: argparse.Namespace) -> str | None:
