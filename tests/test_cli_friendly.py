@@ -199,8 +199,8 @@ def test_a_path_options_leading_tilde_is_the_home_folder(tmp_path, monkeypatch, 
 
     args = build_parser().parse_args(["show", "~ahoy", "--ckpt", "~/run", "--out=~/pics"])
     _expand_home(args)
-    assert {"out": args.out, "ckpt": args.ckpt, "text": args.text} == {"out": str(tmp_path / "home" / "pics"),
-                    "ckpt": str(tmp_path / "home" / "run"), "text": "~ahoy"}
+    home = tmp_path / "home"
+    assert (args.out, args.ckpt, args.text) == (str(home / "pics"), str(home / "run"), "~ahoy")
     assert main(["train", "--model", "toy", "--steps", "1", "--out=~/run",
                  "--text", "~/none.txt"]) == 2
     assert "home/none.txt" in capsys.readouterr().err
