@@ -21,6 +21,7 @@ from ._eager import eager_attention, eager_lse, eager_lse_backward
 from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
 from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
 from ._variants import Variants
+from .checks import vmap_of_grad
 
 __all__ = ["Backend", "LseStep", "Request", "TABLE", "choose", "resolve"]
 
@@ -159,7 +160,7 @@ class Backend:
             return f"backend={name!r} takes no window"
         if request.dropout_p > 0 and not self.dropout:
             return f"backend={name!r} has no dropout"
-        if not self.per_sample_gradients and _vmap_of_grad():
+        if not self.per_sample_gradients and vmap_of_grad():
             return (f"backend={name!r}{self.label} does not take torch.func.vmap of grad "
                     "(per-sample gradients); use backend='auto', 'eager' or 'sdpa'")
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
@@ -175,20 +176,6 @@ class Backend:
             return (f"backend={name!r} does not differentiate an additive mask (mask requires "
                     "grad); use backend='eager' or 'sdpa' for a learned bias")
         return None
-
-
-def _vmap_of_grad() -> bool:
-    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
-    backward then runs on batched tensors (per-sample gradients)."""
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
-        return False  # (the cheap question first; the stack is not traced by dynamo)
-    try:
-        stack = torch._C._functorch.get_interpreter_stack() or []
-        kinds = [str(level.key()) for level in stack]
-    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
-        return False
-    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
-    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
 
 
 def choose(request: Request) -> Backend:

@@ -32,6 +32,22 @@ def reads_values() -> bool:
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
+def vmap_of_grad() -> bool:
+    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
+    backward then runs on batched tensors (per-sample gradients)."""
+    import torch
+
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return False  # (the cheap question first; the stack is not traced by dynamo)
+    try:
+        stack = torch._C._functorch.get_interpreter_stack() or []
+        kinds = [str(level.key()) for level in stack]
+    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
+        return False
+    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
+    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
+
+
 def is_int(value: object) -> bool:
     """True for a Python (or NumPy) integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

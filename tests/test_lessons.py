@@ -99,6 +99,13 @@ def test_words_and_embeddings():
     assert kit.words("我喜欢蓝色的天空") == ["我", "喜欢", "蓝色", "的", "天空"]
     assert kit.words("I like the blue sky") == ["I", "like", "the", "blue", "sky"]
     assert kit.words("我爱猫") == ["我", "爱", "猫"]
+    # mixed scripts split alike whichever comes first; emoji whole, one token each
+    assert kit.words("我喜欢 blue sky") == ["我", "喜欢", "blue", "sky"]
+    assert kit.words("I like 蓝色的天空") == ["I", "like", "蓝色", "的", "天空"]
+    assert kit.words("🐱🐶") == ["🐱", "🐶"]
+    assert kit.words("我爱🐱和🐶，你呢？") == ["我", "爱", "🐱", "和", "🐶", "，", "你", "呢", "？"]
+    assert kit.words("👨\u200d👩\u200d👧和👍🏽 🇨🇳") == ["👨\u200d👩\u200d👧", "和", "👍🏽", "🇨🇳"]
+    assert kit.words("I like the blue sky.") == ["I", "like", "the", "blue", "sky."]
     np.testing.assert_array_equal(kit.embed(["蓝色"]), kit.embed(["blue"]))
     np.testing.assert_array_equal(kit.embed(["猫"]), kit.embed(["猫"]))  # fixed, not random
     x = kit.embed(["blue", "sky", "I"])
@@ -248,3 +255,15 @@ def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
     assert lessons_main(["--write-notebooks", str(tmp_path)]) == 2
     assert {p: p.read_bytes() for p in paths} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["en", "zh"]  # no lock left
+
+
+@pytest.mark.parametrize("argv, english, chinese", [
+    (["15"], "lesson must be a number from 1 to 14", "课程编号必须是 1 到 14 的数字"),
+    (["3", "--text", "猫"], "must have 2 to 24 words", "必须有 2 到 24 个词"),
+])
+def test_a_bad_lesson_or_sentence_is_told_in_the_learners_language(tmp_path, argv, english,
+                                                                    chinese):
+    for lang, words in (("en", english), ("zh", chinese)):
+        proc = run_cli(["learn", *argv, "--lang", lang], cwd=tmp_path)
+        assert_one_line_error(proc)
+        assert words in proc.stderr, proc.stderr

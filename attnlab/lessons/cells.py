@@ -85,14 +85,20 @@ def setup_source(lesson: Lesson, lang: str, sentence: str | None = None) -> str:
 MAX_WORDS = 24
 
 
-def check_sentence(text: object) -> str:
-    """The learner's sentence (``--text``): 2 to :data:`MAX_WORDS` words."""
+def check_sentence(text: object, lang: str = "en") -> str:
+    """The learner's sentence (``--text``): 2 to :data:`MAX_WORDS` words; a bad one is told
+    in ``lang``."""
     from .kit import words
 
+    zh = lang == "zh"
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"text (--text) must be a non-empty sentence, got {text!r}")
+        raise ValueError(f"text (--text) 必须是一个非空的句子，得到 {text!r}" if zh else
+                         f"text (--text) must be a non-empty sentence, got {text!r}")
     n = len(words(text))
     if not 2 <= n <= MAX_WORDS:
-        raise ValueError(f"text (--text) must have 2 to {MAX_WORDS} words (Chinese without "
-                         f"spaces: characters or known words), got {n} in {text!r}")
+        raise ValueError(
+            f"text (--text) 必须有 2 到 {MAX_WORDS} 个词（中文按已知词或单字计，"
+            f"每个表情符号算一个），{text!r} 有 {n} 个" if zh else
+            f"text (--text) must have 2 to {MAX_WORDS} words (Chinese: known words or "
+            f"characters; each emoji one), got {n} in {text!r}")
     return text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import unicodedata
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -101,19 +102,69 @@ def check(what: str, got: Any, want: Any, atol: float = 1e-6) -> float:
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
 
+def _clusters(text: str) -> list[str]:
+    """``text`` in the characters a reader sees (grapheme clusters, as far as lessons need
+    them): an emoji with its skin tone, variation selector or ``ZWJ``-joined parts (👨‍👩‍👧),
+    a flag's two regional letters, a letter with its combining marks, each one piece."""
+    out: list[str] = []
+    for ch in text:
+        regional = "\U0001F1E6" <= ch <= "\U0001F1FF"
+        joins = out and (ch in "\u200d\ufe0e\ufe0f" or "\U0001F3FB" <= ch <= "\U0001F3FF"
+                         or unicodedata.category(ch).startswith("M")
+                         or out[-1].endswith("\u200d")
+                         or (regional and len(out[-1]) == 1
+                             and "\U0001F1E6" <= out[-1] <= "\U0001F1FF"))
+        if joins:
+            out[-1] += ch
+        else:
+            out.append(ch)
+    return out
+
+
+def _symbol(piece: str) -> bool:
+    """An emoji or other symbol: a token of its own wherever it stands."""
+    return unicodedata.category(piece[0]) in ("So", "Sk") or ord(piece[0]) >= 0x1F000
+
+
+def _split_chunk(chunk: str) -> list[str]:
+    """One space-free stretch holding Chinese or emoji: the longest known Chinese word at
+    each place (:data:`EMBEDDINGS`), else one character; a run of other letters and digits
+    one word; every emoji and punctuation mark a token."""
+    tokens: list[str] = []
+    pieces = _clusters(chunk)
+    i = 0
+    while i < len(pieces):
+        piece = pieces[i]
+        if _CJK.match(piece):
+            n = next((n for n in (3, 2) if "".join(pieces[i:i + n]) in EMBEDDINGS), 1)
+            tokens.append("".join(pieces[i:i + n]))
+            i += n
+        elif piece[0].isalnum() and not _symbol(piece):
+            j = i
+            while j < len(pieces) and pieces[j][0].isalnum() and not _CJK.match(pieces[j]) \
+                    and not _symbol(pieces[j]):
+                j += 1
+            tokens.append("".join(pieces[i:j]))
+            i = j
+        else:
+            tokens.append(piece)
+            i += 1
+    return tokens
+
+
 def words(sentence: str) -> list[str]:
-    """Split ``sentence`` into tokens: on spaces when it has any; else (Chinese) the
-    longest known word at each place (:data:`EMBEDDINGS`), one character otherwise."""
+    """Split ``sentence`` into tokens: at spaces; a stretch holding Chinese or emoji further
+    (:func:`_split_chunk`: the longest known Chinese word at each place, one character
+    otherwise, each emoji whole), so that "我喜欢 blue sky", "I like 蓝色的天空" and
+    "🐱🐶" split alike; other stretches ("sky.") stay whole."""
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence must be a non-empty string, got {sentence!r}")
-    if re.search(r"\s", sentence.strip()) or not _CJK.search(sentence):
-        return sentence.split()
-    tokens, i = [], 0
-    text = sentence.strip()
-    while i < len(text):
-        n = next((n for n in (3, 2) if text[i:i + n] in EMBEDDINGS), 1)
-        tokens.append(text[i:i + n])
-        i += n
+    tokens: list[str] = []
+    for chunk in sentence.split():
+        if _CJK.search(chunk) or any(_symbol(p) for p in _clusters(chunk)):
+            tokens += _split_chunk(chunk)
+        else:
+            tokens.append(chunk)
     return tokens
 
 

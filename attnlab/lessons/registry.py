@@ -19,11 +19,14 @@ LESSONS = {
 }
 
 
-def lesson(number: object) -> Lesson:
-    """Lesson ``number`` (1 to 14)."""
+def lesson(number: object, lang: str = "en") -> Lesson:
+    """Lesson ``number`` (1 to 14); a bad number is told in ``lang``."""
     if isinstance(number, bool) or not isinstance(number, int) or number not in LESSONS:
-        raise ValueError(f"lesson must be a number from 1 to {len(LESSONS)}, got {number!r}; "
-                         "'attnlab learn' lists them")
+        raise ValueError(
+            f"课程编号必须是 1 到 {len(LESSONS)} 的数字，得到 {number!r}；"
+            "'attnlab learn' 列出全部课程" if lang == "zh" else
+            f"lesson must be a number from 1 to {len(LESSONS)}, got {number!r}; "
+            "'attnlab learn' lists them")
     return importlib.import_module(f".{LESSONS[number]}", __package__).LESSON
 
 

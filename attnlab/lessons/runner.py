@@ -70,10 +70,10 @@ def run_lesson(number: int, *, lang: str = "en", out: str | os.PathLike[str] = D
     from ..io.locks import output_lock
     from ..io.outdir import check_own_dir
 
-    le = lesson(number)
     check_lang(lang)
+    le = lesson(number, lang)
     if text is not None:
-        _check_sentence(text)
+        _check_sentence(text, lang)
     check_own_dir(out)
     zh = lang == "zh"
     log(f"══ {'第 ' if zh else 'Lesson '}{le.number}{' 课' if zh else ''} · {le.title[lang]} ══")
