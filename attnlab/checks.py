@@ -48,6 +48,20 @@ def vmap_of_grad() -> bool:
     return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
 
 
+def autocasting(*tensors) -> str | None:
+    """The device type whose ``torch.autocast`` is on for these floating tensors (the
+    first one's device), or None."""
+    import torch
+
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return None  # the caller's checks name what is wrong
+    try:
+        kind = tensors[0].device.type
+        return kind if torch.is_autocast_enabled(kind) else None
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
+
+
 def is_int(value: object) -> bool:
     """True for a Python (or NumPy) integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -24,7 +24,7 @@ from . import _variants
 from . import masks as _masks
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
-from .checks import boolean, finite_float, one_of, optional_positive_int, probability
+from .checks import autocasting, boolean, finite_float, one_of, optional_positive_int, probability
 
 __all__ = ["attention", "attention_with_lse", "BACKENDS", "backend_table", "may_decode",
            "decode_step"]
@@ -169,11 +169,9 @@ def attention_with_lse(
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
             variant_args, want_lse=False):
     """attention()'s body: checks, dispatch through the table, shapes back."""
-    kind = _autocasting(q, k, v)
-    if kind is not None:
-        # As torch's SDPA under autocast: q, k and v in its lower-precision dtype (bf16 on
-        # a CPU), so that every backend returns it and a float32 query from a layer meets
-        # a bf16 cache; the maths inside then runs as for bf16 inputs without autocast.
+    kind = autocasting(q, k, v)
+    if kind is not None:  # as SDPA: q, k, v in autocast's dtype (bf16 on a CPU), so every
+        # backend returns it and a float32 query meets a bf16 cache; the maths as for bf16
         dtype = torch.get_autocast_dtype(kind)
         q, k, v = (t.to(dtype) if t.dtype != torch.float64 else t for t in (q, k, v))
         with torch.autocast(kind, enabled=False):
@@ -211,16 +209,6 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
         out = out.reshape(*lead, *out.shape[1:])
         weights = None if weights is None else weights.reshape(*lead, *weights.shape[1:])
     return out if rows is None else (out, weights)
-
-
-def _autocasting(q, k, v) -> str | None:
-    """The device type whose ``torch.autocast`` is on for floating q, k, v, or None."""
-    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
-        return None  # the checks name what is wrong
-    try:
-        return q.device.type if torch.is_autocast_enabled(q.device.type) else None
-    except RuntimeError:  # a device type autocast does not know (meta)
-        return None
 
 
 # --------------------------------------------------------------------------- checks
