@@ -151,3 +151,15 @@ def test_show_compare_writes_the_picture_and_a_page_with_both_inputs(llama_dir, 
                  str(llama_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["attnlab show: error: --rollout and --compare: one at a time"]
+
+
+def test_a_character_the_tokenizer_lacks_is_named_in_the_text_it_came_from():
+    from attnlab.text import CharTokenizer
+
+    tok = CharTokenizer.from_text("abc ")
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=16,
+                          num_layers=1, num_heads=2)).eval()
+    with pytest.raises(ValueError, match=r"^--compare: .*'z'"):
+        viz.compare(model, tok, "ab c", "ab z")
+    with pytest.raises(ValueError, match=r"^(?!--compare).*'z'"):
+        viz.compare(model, tok, "ab z", "ab c")

@@ -57,7 +57,8 @@ def tokenize(model: Any, tokenizer: Any, text: str, *, log: Callable[[str], None
     try:
         ids, labels = token_labels(tokenizer, text)
     except ValueError as exc:
-        raise ValueError(_unknown_hint(str(exc), tokenizer, example)) from None
+        hint = _unknown_hint(str(exc), tokenizer, example)
+        raise ValueError(hint if name == "text" else f"{name}: {hint}") from None
     limit = getattr(model, "context_length", None)
     if limit is not None and len(ids) > limit:
         raise ValueError(f"{name} is {len(ids)} tokens but the model's context_length is {limit}")
