@@ -137,7 +137,7 @@ def _fake(source: str) -> Lesson:
 def test_the_runner_verdict_is_the_final_check(monkeypatch, tmp_path, source, passed):
     from attnlab.lessons import runner
 
-    monkeypatch.setattr(runner, "lesson", lambda n: _fake(source))
+    monkeypatch.setattr(runner, "lesson", lambda n, lang="en": _fake(source))
     lines: list[str] = []
     result = runner.run_lesson(2, lang="en", out=tmp_path / "out", log=lines.append)
     assert result["passed"] is passed
