@@ -245,7 +245,7 @@ def check(obj: Callable | nn.Module | type, *, lang: str | None = None,
     for target in _targets(obj, name):
         findings, n = diagnose(target, lang)
         report.cases += n
-        whats.append(target.what)
+        whats.append(target.what[lang])  # what was checked, in the report's language
         for f in findings:
             if f.code not in seen or f.code in ("raises", "differs", "wrong_shape"):
                 seen.add(f.code)

@@ -120,7 +120,8 @@ class FunctionQKV(Target):
         self.head_dim = self.d_model = self.d_in = 8
         base = Case("batch=2 heads=3 seq=5", 2, 3, 3, 5, 5)
         self.probe_rank((4, 3, 2), base, Case("batch=2 heads=3 seq=8=head_dim", 2, 3, 3, 8, 8))
-        self.what = f"(q, k, v) of rank {self.rank}"
+        self.what = {"en": f"(q, k, v) of rank {self.rank}",
+                     "zh": f"{self.rank} 维的 (q, k, v)"}
 
     def cases(self) -> list[Case]:
         b, h = {4: (2, 3), 3: (2, 1), 2: (1, 1)}[self.rank]
@@ -184,7 +185,7 @@ class FunctionX(Target):
         self.head_dim = self.d_model = self.d_in = 8
         self.probe_rank((3, 2), Case("batch=2 seq=5", 2, 1, 1, 5, 5),
                         Case("batch=2 seq=8=d", 2, 1, 1, 8, 8))
-        self.what = f"x of rank {self.rank}"
+        self.what = {"en": f"x of rank {self.rank}", "zh": f"{self.rank} 维的 x"}
 
     def cases(self) -> list[Case]:
         b, lead = (2, "batch=2 ") if self.rank == 3 else (1, "")
@@ -246,7 +247,9 @@ class ModuleTarget(Target):
                         Case(f"batch=3 seq={square}", 3, 1, 1, square, square))
         kind = "causal " if self.causal else ""
         weights = "no weights" if self.weights is None else "its own weights"
-        self.what = f"{kind}x of rank {self.rank}, {weights}"
+        self.what = {"en": f"{kind}x of rank {self.rank}, {weights}",
+                     "zh": f"{'因果、' if self.causal else ''}{self.rank} 维的 x，"
+                           f"{'没有权重' if self.weights is None else '用它自己的权重'}"}
 
     def cases(self) -> list[Case]:
         b = 3 if self.rank == 3 else 1

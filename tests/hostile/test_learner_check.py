@@ -244,3 +244,10 @@ def test_code_that_never_gives_numbers_is_told_only_that(fn):
     report = attnlab.check(fn, lang="en")
     assert not report.ok
     assert set(report.codes) <= {"raises", "more", "gqa_skipped"}, report.codes
+
+
+def test_a_chinese_report_says_what_it_checked_in_chinese():
+    report = attnlab.check(lambda q, k, v: attnlab.attention(q, k, v), lang="zh")
+    assert report.ok and "维的 (q, k, v)" in str(report) and "of rank" not in str(report)
+    assert "(q, k, v) of rank" in str(attnlab.check(lambda q, k, v: attnlab.attention(q, k, v),
+                                                   lang="en"))
