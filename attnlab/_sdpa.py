@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from . import _variants
 from . import masks as _masks
 from ._eager import eager_attention, eager_lse, eager_lse_backward
-from .checks import reads_values
+from ._tracing import reads_values
 
 
 def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=None):

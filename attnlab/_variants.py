@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from . import masks as _masks
+from ._tracing import reads_values
 from .blockmask import EMPTY, PARTIAL, BlockMask, block_mask, evaluate_mod, mod_name
-from .checks import finite_float, reads_values
+from .checks import finite_float
 
 __all__ = ["Variants", "check", "rule", "score_tile", "softmax", "grouped_sinks"]
 

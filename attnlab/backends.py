@@ -20,8 +20,8 @@ from . import masks as _masks
 from ._eager import eager_attention, eager_lse, eager_lse_backward
 from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
 from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
+from ._tracing import vmap_of_grad
 from ._variants import Variants
-from .checks import vmap_of_grad
 
 __all__ = ["Backend", "LseStep", "Request", "TABLE", "choose", "resolve"]
 

@@ -22,46 +22,6 @@ __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded
            "fits_in_memory"]
 
 
-def reads_values() -> bool:
-    """Whether a check may read a tensor's values (finite slopes, ids in range): not while
-    torch.compile or torch.export traces, where reading one is a data-dependent branch
-    that stops a ``fullgraph`` trace, nor under a ``torch.func`` transform (``vmap``
-    refuses it); such code runs unchecked, as torch's own does."""
-    import torch
-
-    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
-
-
-def vmap_of_grad() -> bool:
-    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
-    backward then runs on batched tensors (per-sample gradients)."""
-    import torch
-
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
-        return False  # (the cheap question first; the stack is not traced by dynamo)
-    try:
-        stack = torch._C._functorch.get_interpreter_stack() or []
-        kinds = [str(level.key()) for level in stack]
-    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
-        return False
-    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
-    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
-
-
-def autocasting(*tensors) -> str | None:
-    """The device type whose ``torch.autocast`` is on for these floating tensors (the
-    first one's device), or None."""
-    import torch
-
-    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
-        return None  # the caller's checks name what is wrong
-    try:
-        kind = tensors[0].device.type
-        return kind if torch.is_autocast_enabled(kind) else None
-    except RuntimeError:  # a device type autocast does not know (meta)
-        return None
-
-
 def is_int(value: object) -> bool:
     """True for a Python (or NumPy) integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -22,9 +22,10 @@ import torch
 
 from . import _variants
 from . import masks as _masks
+from ._tracing import autocasting
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
-from .checks import autocasting, boolean, finite_float, one_of, optional_positive_int, probability
+from .checks import boolean, finite_float, one_of, optional_positive_int, probability
 
 __all__ = ["attention", "attention_with_lse", "BACKENDS", "backend_table", "may_decode",
            "decode_step"]
@@ -169,9 +170,8 @@ def attention_with_lse(
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
             variant_args, want_lse=False):
     """attention()'s body: checks, dispatch through the table, shapes back."""
-    kind = autocasting(q, k, v)
-    if kind is not None:  # as SDPA: q, k, v in autocast's dtype (bf16 on a CPU), so every
-        # backend returns it and a float32 query meets a bf16 cache; the maths as for bf16
+    kind = autocasting(q, k, v)  # (see _tracing.autocasting: every backend as SDPA)
+    if kind is not None:
         dtype = torch.get_autocast_dtype(kind)
         q, k, v = (t.to(dtype) if t.dtype != torch.float64 else t for t in (q, k, v))
         with torch.autocast(kind, enabled=False):

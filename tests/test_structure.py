@@ -19,7 +19,8 @@ DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 # as docs/DESIGN.md's layer table writes it (test_the_design_document_states_these_layers
 # holds the two equal). A module may import its own layer and the layers below.
 LAYERS = {
-    "attnlab.checks": 0, "attnlab.config": 0, "attnlab.io": 0, "attnlab._version": 0,
+    "attnlab.checks": 0, "attnlab._tracing": 0, "attnlab.config": 0, "attnlab.io": 0,
+    "attnlab._version": 0,
     "attnlab.reference": 1,
     "attnlab.masks": 2, "attnlab.mask_forms": 2, "attnlab.blockmask": 2,
     "attnlab.rope": 3, "attnlab.cache": 3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import reads_values
+from .._tracing import reads_values
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:

@@ -1,0 +1,48 @@
+"""What torch is doing around an attention call: tracing it (torch.compile, torch.export),
+transforming it (torch.func), autocasting it. Asked on every call, so each answer costs a
+few hundred nanoseconds at most; torch is imported here at the top (``checks`` keeps it out
+for the command line's start)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["reads_values", "vmap_of_grad", "autocasting"]
+
+
+def reads_values() -> bool:
+    """Whether a check may read a tensor's values (finite slopes, ids in range): not while
+    torch.compile or torch.export traces, where reading one is a data-dependent branch
+    that stops a ``fullgraph`` trace, nor under a ``torch.func`` transform (``vmap``
+    refuses it); such code runs unchecked, as torch's own does."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
+
+
+def vmap_of_grad() -> bool:
+    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
+    backward then runs on batched tensors (per-sample gradients)."""
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return False  # (the cheap question first; the stack is not traced by dynamo)
+    try:
+        stack = torch._C._functorch.get_interpreter_stack() or []
+        kinds = [str(level.key()) for level in stack]
+    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
+        return False
+    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
+    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
+
+
+def autocasting(*tensors) -> str | None:
+    """The device type whose ``torch.autocast`` is on for these floating tensors (the
+    first one's device), or None. ``attention`` then takes q, k and v in autocast's dtype
+    (bf16 on a CPU), as torch's SDPA does, so that every backend returns it and a float32
+    query from a layer meets a bf16 cache, and runs the maths as for such inputs."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, in 60 ns
+        return None
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return None  # the caller's checks name what is wrong
+    try:
+        kind = tensors[0].device.type
+        return kind if torch.is_autocast_enabled(kind) else None
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
