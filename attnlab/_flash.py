@@ -17,6 +17,7 @@ import torch
 
 from . import _native
 from . import masks as _masks
+from ._tracing import transforms_active
 
 # Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
 BLOCK_Q: int | None = None
@@ -158,6 +159,16 @@ class _FlashAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
+    def vmap(info, in_dims, *args):
+        """Under ``torch.func.vmap``: each mapped call in turn, stacked, so that a ``grad``
+        around the ``vmap`` reaches every one. q, k, v and the mask may be mapped; mapped
+        variants' tensors are refused before (the backend table's ``mapped_variants``)."""
+        outs = [_FlashAttention.apply(*(a.select(d, i) if isinstance(d, int) else a
+                                        for a, d in zip(args, in_dims)))
+                for i in range(info.batch_size)]
+        return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)
+
+    @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, sinks, mask, out, lse = ctx.saved_tensors
         causal, window, offset, scale, dropout_p, seed, blocks, extras = ctx.settings
@@ -222,7 +233,8 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
                                   block_mask)
     args = (sinks, mask, causal, window, offset, scale, float(dropout_p), seed, blocks, extras)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            sinks is not None and sinks.requires_grad)):
+            sinks is not None and sinks.requires_grad) or transforms_active()):
+        # (under torch.func a batched tensor hides that its grad level wants a gradient)
         out, lse = _FlashAttention.apply(q, k, v, *args)
     else:  # nothing to differentiate: no autograd node (a cold call's set-up shrinks)
         out, lse = _forward(_rows(q), _rows(k), _rows(v), *args)

@@ -245,8 +245,9 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         """Under ``torch.func.vmap``: each mapped call in turn, stacked (the tiles loop over
-        rows already; a mapped dimension of any input, the mask's and the sinks' too)."""
-        outs = [_TiledAttention.apply(*(a if d is None else a.select(d, i)
+        rows already). q, k, v and the mask may be mapped; mapped variants' tensors are
+        refused before (the backend table's ``mapped_variants``)."""
+        outs = [_TiledAttention.apply(*(a.select(d, i) if isinstance(d, int) else a
                                         for a, d in zip(args, in_dims)))
                 for i in range(info.batch_size)]
         return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)

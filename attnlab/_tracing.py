@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reads_values", "vmap_of_grad", "autocasting"]
+__all__ = ["reads_values", "transforms_active", "func_gradients", "batched", "autocasting"]
 
 
 def reads_values() -> bool:
@@ -18,18 +18,28 @@ def reads_values() -> bool:
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
-def vmap_of_grad() -> bool:
-    """Whether a ``torch.func.vmap`` level lies outside a ``grad`` (or ``jvp``) level: the
-    backward then runs on batched tensors (per-sample gradients)."""
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
-        return False  # (the cheap question first; the stack is not traced by dynamo)
-    try:
-        stack = torch._C._functorch.get_interpreter_stack() or []
-        kinds = [str(level.key()) for level in stack]
-    except (AttributeError, RuntimeError):  # another torch: nothing known, nothing refused
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) runs this call."""
+    return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+
+
+def func_gradients() -> bool:
+    """Whether a ``torch.func`` gradient transform (``grad``, ``vjp``, ``jacrev``, ``jvp``)
+    runs this call: its backward may then run on batched tensors (``jacrev`` maps the
+    vector-Jacobian product, per-sample gradients map ``grad``)."""
+    if not transforms_active():
         return False
-    mapped = next((i for i, kind in enumerate(kinds) if kind.endswith("Vmap")), None)
-    return mapped is not None and any(not kind.endswith("Vmap") for kind in kinds[mapped:])
+    try:  # (the stack is not traced by dynamo: transforms_active is False there)
+        kinds = [str(level.key()) for level in torch._C._functorch.get_interpreter_stack()]
+    except (AttributeError, RuntimeError, TypeError):  # another torch: nothing refused
+        return False
+    return any(kind.endswith(("Grad", "Jvp")) for kind in kinds)
+
+
+def batched(*tensors) -> bool:
+    """Whether any of these (None skipped) is mapped by a ``torch.func.vmap`` here."""
+    return transforms_active() and any(
+        t is not None and torch._C._functorch.is_batchedtensor(t) for t in tensors)
 
 
 def autocasting(*tensors) -> str | None:

@@ -51,6 +51,11 @@ class Variants:
                     "documents": "documents", "mask_mod": "block_mask",
                     "score_mod": "score_mod"}
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors of the call's variants that a backend reads besides q, k, v."""
+        docs = self.documents
+        return (self.alibi_slopes, self.sinks, *((docs.q_ids, docs.k_ids) if docs else ()))
+
     def present(self) -> tuple[str, ...]:
         """The capabilities this call needs (names of ``backends.Backend`` fields)."""
         return tuple(cap for cap, name in self.CAPABILITIES.items()

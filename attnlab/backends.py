@@ -20,7 +20,7 @@ from . import masks as _masks
 from ._eager import eager_attention, eager_lse, eager_lse_backward
 from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
 from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
-from ._tracing import vmap_of_grad
+from ._tracing import batched, func_gradients
 from ._variants import Variants
 
 __all__ = ["Backend", "LseStep", "Request", "TABLE", "choose", "resolve"]
@@ -90,9 +90,10 @@ class Backend:
     additive mask that requires grad), ``windows``, ``dropout``, ``weights``
     (``return_weights``), ``gradients`` (of q, k, v), the variants of ``attention``
     (``softcap``, ``alibi`` (``alibi_slopes``), ``sinks`` (with their gradient),
-    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``per_sample_gradients``
-    (``torch.func.vmap`` of ``grad``: its backward runs on batched tensors), ``devices`` and
-    ``dtypes``
+    ``documents`` (``document_ids``), ``mask_mod``, ``score_mod``), ``func_gradients``
+    (under ``torch.func.grad``, ``jacrev``, ``vmap`` of ``grad``: its backward may run on
+    batched tensors), ``mapped_variants`` (ALiBi slopes, sinks or document ids mapped by
+    ``torch.func.vmap``), ``devices`` and ``dtypes``
     (None: any device, every floating dtype), ``decode`` (a fused one-token step with a
     cache, as :func:`attnlab._decode.step` takes it; None where there is none), ``lse``
     (an :class:`LseStep`: each row's log-sum-exp too, and the backward of one block of
@@ -115,7 +116,8 @@ class Backend:
     documents: bool = True
     mask_mod: bool = True
     score_mod: bool = True
-    per_sample_gradients: bool = True
+    func_gradients: bool = True
+    mapped_variants: bool = True
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     decode: Callable | None = None
@@ -160,9 +162,14 @@ class Backend:
             return f"backend={name!r} takes no window"
         if request.dropout_p > 0 and not self.dropout:
             return f"backend={name!r} has no dropout"
-        if not self.per_sample_gradients and vmap_of_grad():
-            return (f"backend={name!r}{self.label} does not take torch.func.vmap of grad "
-                    "(per-sample gradients); use backend='auto', 'eager' or 'sdpa'")
+        if not self.mapped_variants and request.variants is not None and \
+                batched(*request.variants.tensors()):
+            return (f"backend={name!r}{self.label} does not take torch.func.vmap over ALiBi "
+                    "slopes, sinks or document ids; use backend='auto', 'eager' or 'sdpa'")
+        if not self.func_gradients and func_gradients():
+            return (f"backend={name!r}{self.label} does not take torch.func's gradient "
+                    "transforms (grad, jacrev, vmap of grad); use backend='auto', 'eager', "
+                    "'sdpa' or 'flash'")
         if not self.gradients and torch.is_grad_enabled() and (q.requires_grad
                                                                or request.k.requires_grad):
             return f"backend={name!r} does not differentiate q, k, v; use backend='auto'"
@@ -377,9 +384,10 @@ TABLE: dict[str, Backend] = {b.name: b for b in (
             lse=LseStep(sdpa_lse, sdpa_lse_backward),
             no_weights="torch's fused kernel never forms them",
             instead="use backend='auto', 'eager' or 'tiled'"),
-    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, per_sample_gradients=False,
+    Backend("tiled", _tiled, mask_gradients=False, pays=_tiled_pays, func_gradients=False,
+            mapped_variants=False,
             lse=LseStep(_tiled_lse, tiled_lse_backward)),
-    Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",), per_sample_gradients=False,
+    Backend("flash", _flash_run, mask_gradients=False, devices=("cpu",), mapped_variants=False,
             decode=_flash_decode, unavailable=_flash.unavailable, pays=_flash_pays,
             lse=LseStep(_flash_lse, _flash_lse_backward), score_mod=False,
             label=" (the native kernel)",

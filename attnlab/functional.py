@@ -22,7 +22,7 @@ import torch
 
 from . import _variants
 from . import masks as _masks
-from ._tracing import autocasting
+from ._tracing import autocasting, reads_values
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
@@ -289,7 +289,7 @@ def _check_mask(mask, q, k):
         )
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}; expected one device")
-    if mask.dtype != torch.bool:
+    if mask.dtype != torch.bool and reads_values():
         # NaN poisons every row it touches and +inf turns a softmax into NaN; only
         # -inf ("may not attend") and finite values are additive masks.
         bad = torch.isnan(mask) | (mask == float("inf"))

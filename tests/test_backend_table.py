@@ -44,7 +44,7 @@ def test_the_table_is_the_list_of_backends():
         assert set(caps) == {"masks", "mask_gradients", "windows", "dropout", "weights",
                              "gradients", "devices", "dtypes", "decoding", "softcap",
                              "alibi", "sinks", "documents", "mask_mod", "score_mod",
-                             "per_sample_gradients", "log_sum_exp"}
+                             "func_gradients", "mapped_variants", "log_sum_exp"}
     assert TABLE[0].supports(backends.Request(*_qkv()[:2], None, True, 3, 0.5,
                                               torch.arange(2))) is None  # eager takes all
 

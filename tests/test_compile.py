@@ -216,9 +216,11 @@ def test_per_head_variants_and_a_gpt_compile_whole(backend):
     q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
     slopes, sinks = torch.rand(4), torch.randn(4)
 
+    bias = torch.randn(2, 1, 40, 40)  # a float mask: its values are checked outside traces
+
     def call(q, k, v):
         return attnlab.attention(q, k, v, causal=True, alibi_slopes=slopes, sinks=sinks,
-                                 softcap=20.0, backend=backend)
+                                 softcap=20.0, mask=bias, backend=backend)
 
     torch.testing.assert_close(torch.compile(call, backend="eager", fullgraph=True)(q, k, v),
                                call(q, k, v), atol=1e-5, rtol=1e-5)

@@ -499,31 +499,40 @@ def test_weight_rows_out_of_range_are_named_with_the_range_python_indexing_allow
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled", "flash", "auto"])
 def test_torch_func_transforms_take_every_backend(backend):
-    """torch.func.grad, vmap and per-sample gradients (vmap of grad), as code written for
-    F.scaled_dot_product_attention uses them: every backend gives eager's float64 values.
-    (The attention Functions keep setup_context apart, and no check reads a value under a
-    transform, which vmap refuses.)"""
-    from torch.func import grad, vmap
+    """torch.func as code written for F.scaled_dot_product_attention uses it, in float32:
+    grad, vmap, grad of vmap (every mapped call reached: flash gave zero gradients),
+    per-sample gradients (vmap of grad), jacrev and mapped ALiBi slopes give eager's values;
+    a backend that cannot take one (tiled's backward under a transform, the kernels over
+    mapped slopes) is refused by name, and auto goes elsewhere."""
+    import warnings
+
+    from torch.func import grad, jacrev, vmap
 
     if backend == "flash" and _native.unavailable_reason() is not None:
         pytest.skip("native kernel not built")
+    warnings.simplefilter("ignore")  # torch's "no batching rule" notes under vmap
     torch.manual_seed(0)
-    q, k, v = (torch.randn(3, 2, 7, 4, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(3, 2, 7, 4) for _ in range(3))
+    slopes = torch.rand(3, 2)
 
-    def loss(backend, q, k, v):
-        return attnlab.attention(q, k, v, causal=True, backend=backend).square().sum()
+    def one(b, x, kk=k[:1], vv=v[:1], s=None):  # x: one sample (2, 7, 4)
+        return attnlab.attention(x[None], kk, vv, causal=True, alibi_slopes=s, backend=b)[0]
 
-    want = torch.func.grad(loss, argnums=(1, 2, 3))("eager", q, k, v)
-    got = grad(loss, argnums=(1, 2, 3))(backend, q, k, v)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    one = lambda b, x: attnlab.attention(x, x, x, causal=True, backend=b)  # noqa: E731
-    torch.testing.assert_close(vmap(lambda x: one(backend, x))(q),
-                               vmap(lambda x: one("eager", x))(q))
-    per_sample = vmap(grad(lambda x: one("eager", x[None]).sum()))(q)
-    if backend in ("tiled", "flash"):  # their backward is not written for batched tensors
-        with pytest.raises(ValueError, match="does not take torch.func.vmap of grad"):
-            vmap(grad(lambda x: one(backend, x[None]).sum()))(q)
-        return
-    torch.testing.assert_close(vmap(grad(lambda x: one(backend, x[None]).sum()))(q),
-                               per_sample)
+    runs = {
+        "grad": lambda b: grad(lambda a: attnlab.attention(a, k, v, causal=True, backend=b)
+                               .square().sum())(q),
+        "vmap": lambda b: vmap(lambda x: one(b, x))(q),
+        "grad of vmap": lambda b: grad(lambda a: vmap(lambda x: one(b, x))(a).square().sum())(q),
+        "per-sample": lambda b: vmap(grad(lambda x: one(b, x).square().sum()))(q),
+        "jacrev": lambda b: jacrev(lambda a: one(b, a))(q[0]),
+        "mapped slopes": lambda b: vmap(lambda x, s: one(b, x, s=s[None]))(q, slopes),
+    }
+    for name, run in runs.items():
+        refused = (backend == "tiled" and name not in ("vmap", "mapped slopes")) or (
+            backend in ("tiled", "flash") and name == "mapped slopes")
+        if refused:
+            with pytest.raises(ValueError, match=f"backend='{backend}'.* does not take torch"):
+                run(backend)
+        else:
+            torch.testing.assert_close(run(backend), run("eager"), atol=2e-5, rtol=2e-5,
+                                       msg=name)

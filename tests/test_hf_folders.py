@@ -260,3 +260,25 @@ def test_a_folders_chat_template_is_used_as_transformers_uses_it(tmp_path, where
     assert tok.encode(tok.apply_chat(message), add_special_tokens=False) == \
         hf_tok(want, add_special_tokens=False)["input_ids"]
     assert tok.eos_id == hf_tok.eos_token_id
+
+
+@pytest.mark.parametrize("config", ["[]", "{not json", "x" * (2 << 20)])
+def test_a_tokenizer_config_that_cannot_be_read_leaves_the_folder_loadable(tmp_path, config):
+    """tokenizer_config.json is read for the chat template only: a large one (thousands of
+    added tokens), or one that is not a JSON object, loads the model and tokenizer as
+    before, without a template."""
+    from hf_tokenizers import byte_level_bpe
+
+    from attnlab.interop.auto import load_hf_folder
+    from attnlab.text import HFTokenizer
+
+    folder = tmp_path / "m"
+    T.Qwen2ForCausalLM(T.Qwen2Config(vocab_size=byte_level_bpe().get_vocab_size(),
+                                     hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1)).save_pretrained(folder)
+    byte_level_bpe().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(config)
+    model, tok = load_hf_folder(folder)
+    assert type(tok) is HFTokenizer and tok.encode("注意力") == byte_level_bpe().encode(
+        "注意力").ids

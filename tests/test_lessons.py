@@ -106,6 +106,8 @@ def test_words_and_embeddings():
     assert kit.words("我爱🐱和🐶，你呢？") == ["我", "爱", "🐱", "和", "🐶", "，", "你", "呢", "？"]
     assert kit.words("👨\u200d👩\u200d👧和👍🏽 🇨🇳") == ["👨\u200d👩\u200d👧", "和", "👍🏽", "🇨🇳"]
     assert kit.words("I like the blue sky.") == ["I", "like", "the", "blue", "sky."]
+    assert kit.words("It is 20°C today") == ["It", "is", "20°C", "today"]  # not an emoji
+    assert kit.words("I'm😀") == ["I'm", "😀"]
     np.testing.assert_array_equal(kit.embed(["蓝色"]), kit.embed(["blue"]))
     np.testing.assert_array_equal(kit.embed(["猫"]), kit.embed(["猫"]))  # fixed, not random
     x = kit.embed(["blue", "sky", "I"])

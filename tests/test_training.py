@@ -655,3 +655,52 @@ def test_checking_an_out_creates_no_folder(tmp_path):
     check_out_dir(tmp_path / "typo" / "a" / "run")
     check_own_dir(tmp_path / "typo" / "b" / "pics")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_written_before_summaries_were_signed_resumes(tmp_path):
+    """An earlier attnlab wrote summary.json unsigned: beside the run's own config.json it
+    is still the run's, so --resume (and a demo run again) takes the folder."""
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    train(model, tokens, TrainConfig(steps=2, batch_size=4, context=16), out=out,
+          tokenizer=tok, progress=False, log=None)
+    (out / "summary.json").write_text(json.dumps({"steps": 2}))  # as written before
+    summary = train(model, tokens, TrainConfig(steps=3, batch_size=4, context=16), out=out,
+                    resume=True, tokenizer=tok, progress=False, log=None)
+    assert summary["steps"] == 3
+    mine = tmp_path / "pics"  # without an attnlab checkpoint, the name alone proves nothing
+    mine.mkdir()
+    (mine / "summary.json").write_text("{}")
+    from attnlab.io.outdir import foreign_entries
+
+    assert foreign_entries(mine) == ["summary.json"]
+
+
+def test_a_file_that_comes_in_while_the_folder_is_swapped_is_kept_and_said_so(tmp_path):
+    """The narrow race: the live folder passes its check, then gains a file before it is
+    set aside. The new copy is in place; the old one is kept with the file, unmarked (no
+    recovery deletes it), and the message says so, not that nothing was written."""
+    from attnlab import io
+    from attnlab.io.outdir import refuse_foreign
+
+    out = tmp_path / "ck"
+    config = {"format": 1, "model_type": "toy"}
+    with io.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config))
+    calls = []
+
+    def check_then_a_file_comes(folder):
+        refuse_foreign(folder)
+        calls.append(folder)
+        if len(calls) == 1:
+            (folder / "notes.txt").write_text("mine")
+
+    with pytest.raises(ValueError, match=r"holds the new copy.*kept, with them, as"), \
+            io.atomic_dir(out, check=check_then_a_file_comes) as tmp:
+        (tmp / "config.json").write_text(json.dumps({**config, "new": 1}))
+    assert json.loads((out / "config.json").read_text())["new"] == 1
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("ck.old-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
+    assert not (kept[0] / io.ATOMIC_MARKER).exists()
+    io.recover_dir(out)
+    assert (kept[0] / "notes.txt").read_text() == "mine"

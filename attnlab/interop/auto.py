@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..io import CONFIG_FILE, read_json
-from ..io.reading import CONFIG_LIMIT
+from ..io.reading import CONFIG_LIMIT, TOKENIZER_LIMIT
 from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS
 from ..models import GPT, MODEL_TYPES, Encoder
 
@@ -77,14 +77,16 @@ def _chat_tokenizer(folder: Path):
     from ..io.reading import read_text
     from ..text import GGUFTokenizer
 
-    config = (read_json(folder / "tokenizer_config.json", CONFIG_LIMIT, "tokenizer config")
-              if (folder / "tokenizer_config.json").is_file() else {})
+    try:  # large (its added tokens) and not needed but for --chat: unreadable, ignored
+        config = read_json(folder / "tokenizer_config.json", TOKENIZER_LIMIT)
+    except (OSError, ValueError):
+        config = {}
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = next((t.get("template") for t in template if isinstance(t, dict)
                          and t.get("name") == "default"), None)
     if (folder / "chat_template.jinja").is_file():
-        template = read_text(folder / "chat_template.jinja", CONFIG_LIMIT, "chat template")
+        template = read_text(folder / "chat_template.jinja", TOKENIZER_LIMIT, "chat template")
     if not isinstance(template, str) or not template.strip():
         return None
     tokenizer = GGUFTokenizer(folder / "tokenizer.json", chat_template=template)

@@ -257,8 +257,11 @@ def atomic_dir(final_dir: PathLike,
             if check is not None:
                 try:
                     check(old)  # again: something may have come between check and rename
-                except BaseException:
+                except ValueError:
                     with contextlib.suppress(OSError):
                         (old / ATOMIC_MARKER).unlink()  # no longer provably ours: kept
-                    raise
+                    raise ValueError(
+                        f"{str(final)!r} holds the new copy, but files attnlab did not write "
+                        f"came into the old one while it was being replaced; the old one is "
+                        f"kept, with them, as {str(old)!r}") from None
             _discard(old, final)

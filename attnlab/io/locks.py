@@ -10,8 +10,8 @@ by a killed run is simply taken over by the next one.
 
 A file of that name that attnlab did not write (the user's own, a link, a fifo) is
 never written, truncated or removed: the run is refused and says so. A lock file is
-attnlab's when this run created it, or when it holds ``attnlab lock <pid>`` or, as
-earlier versions wrote it, the pid alone.
+attnlab's when this run created it, or when it holds ``attnlab lock <pid>`` (digits alone,
+as versions before the signature wrote them, may be a user's file: refused, named).
 """
 
 from __future__ import annotations

@@ -101,8 +101,14 @@ def _is_own(entry: Path) -> bool:
 
 
 def foreign_entries(out: PathLike) -> list[str]:
-    """Sorted names of the entries in folder ``out`` that attnlab did not write."""
-    return sorted(e.name for e in Path(out).iterdir() if not _is_own(e))
+    """Sorted names of the entries in folder ``out`` that attnlab did not write. Beside an
+    attnlab checkpoint's ``config.json`` a ``summary.json`` is the run's by its name too:
+    attnlab versions before the summary was signed wrote it unsigned (a resumed run, a
+    demo run again into its folder)."""
+    entries = list(Path(out).iterdir())
+    checkpoint = any(e.name == CONFIG_FILE and _is_own_file(e) for e in entries)
+    return sorted(e.name for e in entries if not _is_own(e) and not (
+        checkpoint and e.name == SUMMARY_FILE and e.is_file() and not e.is_symlink()))
 
 
 def refuse_foreign(folder: PathLike) -> None:

@@ -122,8 +122,11 @@ def _clusters(text: str) -> list[str]:
 
 
 def _symbol(piece: str) -> bool:
-    """An emoji or other symbol: a token of its own wherever it stands."""
-    return unicodedata.category(piece[0]) in ("So", "Sk") or ord(piece[0]) >= 0x1F000
+    """An emoji: a token of its own wherever it stands (a degree sign, a dash stay in
+    their word: "20°C")."""
+    first = ord(piece[0])
+    return first >= 0x1F000 or 0x2600 <= first <= 0x27BF or "\ufe0f" in piece or \
+        "\u200d" in piece
 
 
 def _split_chunk(chunk: str) -> list[str]:
@@ -140,9 +143,10 @@ def _split_chunk(chunk: str) -> list[str]:
             tokens.append("".join(pieces[i:i + n]))
             i += n
         elif piece[0].isalnum() and not _symbol(piece):
-            j = i
-            while j < len(pieces) and pieces[j][0].isalnum() and not _CJK.match(pieces[j]) \
-                    and not _symbol(pieces[j]):
+            j = i  # a word of other letters: an apostrophe or hyphen inside it stays ("I'm")
+            while j < len(pieces) and not _CJK.match(pieces[j]) and not _symbol(pieces[j]) \
+                    and (pieces[j][0].isalnum() or pieces[j] in "'’-" and j + 1 < len(pieces)
+                         and pieces[j + 1][0].isalnum() and not _CJK.match(pieces[j + 1])):
                 j += 1
             tokens.append("".join(pieces[i:j]))
             i = j
