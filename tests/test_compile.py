@@ -177,13 +177,20 @@ def test_auto_choosing_flash_traces_whole(monkeypatch):
 def test_a_first_load_under_the_meta_device_and_float64_still_loads():
     """Registering the fakes asks the real op one question on two tiny tensors: they must
     be CPU float32 whatever default device and dtype the first load runs under."""
-    code = ("import torch; torch.set_default_dtype(torch.float64)\n"
-            "from attnlab import _native\n"
-            "with torch.device('meta'):\n"
-            "    print(_native.available(), _native.unavailable_reason())\n")
+    _first_load_keeps_the_kernel("import torch; torch.set_default_dtype(torch.float64)\n"
+                                 "from attnlab import _native\n"
+                                 "with torch.device('meta'):\n"
+                                 "    _native.available()\n")
+
+
+def _first_load_keeps_the_kernel(code: str) -> None:
+    """``code`` run first in a fresh process leaves the native kernel on."""
+    code += ("from attnlab import _native\n"
+             "print(_native.available(), _native.unavailable_reason())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stdout.strip() == "True None", done.stderr
+    assert "unavailable" not in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(_native.unavailable_reason() is not None, reason="native kernel not built")
@@ -191,17 +198,13 @@ def test_a_first_load_under_torch_export_keeps_the_kernel():
     """The first call of a process inside torch.export (a FakeTensorMode): the question the
     fakes ask of the real op runs outside it, so the kernel stays on (it was reported as a
     failed build and switched off for the whole process) and the export equals eager."""
-    code = ("import torch, attnlab\n"
-            "class M(torch.nn.Module):\n"
-            "    def forward(self, q): return attnlab.attention(q, q, q, causal=True)\n"
-            "q = torch.randn(1, 2, 16, 8)\n"
-            "ep = torch.export.export(M(), (q,))\n"
-            "torch.testing.assert_close(ep.module()(q), M()(q))\n"
-            "print(attnlab._native.available(), attnlab._native.unavailable_reason())\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.stdout.strip() == "True None", done.stderr
-    assert "unavailable" not in done.stderr, done.stderr
+    _first_load_keeps_the_kernel(
+        "import torch, attnlab\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, q): return attnlab.attention(q, q, q, causal=True)\n"
+        "q = torch.randn(1, 2, 16, 8)\n"
+        "ep = torch.export.export(M(), (q,))\n"
+        "torch.testing.assert_close(ep.module()(q), M()(q))\n")
 
 
 @pytest.mark.parametrize("backend", ["auto", "eager"])

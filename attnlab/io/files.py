@@ -40,6 +40,11 @@ ATOMIC_MARKER = ".attnlab-atomic"
 OWN_FILES = frozenset({MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS, STATE_JSON,
                        SUMMARY_FILE, HEATMAP_FILE, HEATMAP_SVG, EXPLORER_FILE, HEADS_JSON,
                        HEADS_PNG, HEADS_SVG})
+# The files of an output folder that attnlab signs as it writes them: one of these counts
+# as attnlab's only where it carries the signature (io.outdir). A checkpoint's own files
+# are proven by its attnlab config.json (checkpoint.check_out_dir).
+SIGNED_FILES = frozenset({SUMMARY_FILE, HEATMAP_FILE, HEATMAP_SVG, EXPLORER_FILE, HEADS_JSON,
+                          HEADS_PNG, HEADS_SVG})
 # The checkpoint of a run's lowest held-out loss, a folder inside its checkpoint folder.
 BEST_DIR = "best"
 

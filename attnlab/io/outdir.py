@@ -28,13 +28,8 @@ from .files import (
     ATOMIC_MARKER,
     BEST_DIR,
     CONFIG_FILE,
-    EXPLORER_FILE,
-    HEADS_JSON,
-    HEADS_PNG,
-    HEADS_SVG,
-    HEATMAP_FILE,
-    HEATMAP_SVG,
     OWN_FILES,
+    SIGNED_FILES,
     SUMMARY_FILE,
     PathLike,
 )
@@ -53,11 +48,6 @@ _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _JSON_SIGNED = re.compile(rb'\s*(\[\s*)?\{\s*"written_by"\s*:\s*"attnlab[ "]')
 _SVG_SIGNED = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>attnlab[ <]")
 _HTML_SIGNED = re.compile(rb'<meta name="generator" content="attnlab[ "]')
-#: The files of an output folder that attnlab signs as it writes them: one of these counts
-#: as attnlab's only where it carries the signature. (A checkpoint's own files are proven
-#: by its attnlab ``config.json``: ``checkpoint.check_out_dir``.)
-SIGNED_FILES = frozenset({SUMMARY_FILE, HEATMAP_FILE, HEATMAP_SVG, EXPLORER_FILE,
-                          HEADS_JSON, HEADS_PNG, HEADS_SVG})
 
 # ".<name>.<random>.tmp": what atomic_write_bytes leaves when killed mid-write.
 _OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, sorted(OWN_FILES))) + r")\..+\.tmp")
