@@ -251,7 +251,7 @@ def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
     first.write_text(json.dumps(nb))  # edited
     (paths[1]).write_text("my own notes")  # a file of the name, not a notebook
     before = {p: p.read_bytes() for p in paths}
-    with pytest.raises(ValueError, match=r"ipynb' and 1 more were not written by attnlab"):
+    with pytest.raises(ValueError, match=r"ipynb' and 1 more: not written by attnlab"):
         write_notebooks(tmp_path)
     assert {p: p.read_bytes() for p in paths} == before
     assert lessons_main(["--write-notebooks", str(tmp_path)]) == 2

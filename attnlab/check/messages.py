@@ -98,7 +98,7 @@ EN: dict[str, str] = {
         "differs from the oracle by {diff:.3g} at ({case}); none of the known mistakes "
         "explains it"),
     "wrong_shape": "returns shape {got} where {expected} was expected at ({case})",
-    "more": "... and the same at {n} more cases",
+    "more": "... and {n} more case(s) like these",
     "ok": "OK: {name} agrees with the oracle on {n} cases ({what})",
     "bug": "bug",
     "note": "note",

@@ -220,9 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _expand_home(args)
     broken = _not_utf8(args)
     if broken is not None:
+        stdin = " or give it on standard input ('-')" if args.command == "generate" else ""
         print(f"attnlab {args.command}: error: {broken} is not UTF-8 text (the terminal "
-              "passed bytes that are not); set the terminal to UTF-8, or give the text in a "
-              "file or on standard input ('-')", file=sys.stderr)
+              f"passed bytes that are not); set the terminal to UTF-8{stdin}", file=sys.stderr)
         return 2
     try:
         status = int(args.func(args) or 0)

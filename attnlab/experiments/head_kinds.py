@@ -267,7 +267,7 @@ def save_kinds(result: dict, out: str | os.PathLike[str], *, fmt: str = "png",
     """
     from ..io import HEADS_JSON, HEADS_PNG, HEADS_SVG, atomic_write_json
     from ..io.locks import output_lock
-    from ..io.outdir import check_own_dir, signed
+    from ..io.outdir import check_own_dir, make_dir, signed
     from ..viz import save_head_kinds
     from ..viz.heatmap import FORMATS
 
@@ -276,7 +276,7 @@ def save_kinds(result: dict, out: str | os.PathLike[str], *, fmt: str = "png",
     check_own_dir(out)
     folder = Path(out)
     with output_lock(out):
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder)
         data = folder / HEADS_JSON
         atomic_write_json(data, signed({"source": source, **result}))
         picture = save_head_kinds(folder / (HEADS_PNG if fmt == "png" else HEADS_SVG),

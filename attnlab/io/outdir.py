@@ -34,7 +34,7 @@ from .files import (
     PathLike,
 )
 
-__all__ = ["foreign_entries", "refuse_foreign", "holds_working_dir", "check_own_dir",
+__all__ = ["foreign_entries", "make_dir", "refuse_foreign", "holds_working_dir", "check_own_dir",
            "check_writable", "check_out_file", "SIGNATURE", "signed", "figure_metadata",
            "is_signed"]
 
@@ -99,6 +99,15 @@ def foreign_entries(out: PathLike) -> list[str]:
     checkpoint = any(e.name == CONFIG_FILE and _is_own_file(e) for e in entries)
     return sorted(e.name for e in entries if not _is_own(e) and not (
         checkpoint and e.name == SUMMARY_FILE and e.is_file() and not e.is_symlink()))
+
+
+def make_dir(out: PathLike) -> Path:
+    """The output folder ``out``, made where missing; a symlink to a missing folder makes
+    its target (as a checkpoint follows one), where ``mkdir`` would stop at the link."""
+    path = Path(out)
+    Path(os.path.realpath(path) if path.is_symlink() else path).mkdir(parents=True,
+                                                                     exist_ok=True)
+    return path
 
 
 def refuse_foreign(folder: PathLike) -> None:

@@ -253,6 +253,7 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str = "", ylabel
 def show(fig: Any, name: str) -> Path | None:
     """Show ``fig`` inline (notebook) or write ``lesson-NN-<name>.png`` (terminal)."""
     from ..io import atomic_write_bytes
+    from ..io.outdir import make_dir
     from ..viz.heatmap import png_bytes
 
     if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name):
@@ -267,7 +268,7 @@ def show(fig: Any, name: str) -> Path | None:
         display(Image(data=data))
         return None
     path = out / f"lesson-{_STATE['lesson']:02d}-{name}.png"
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     atomic_write_bytes(path, data)
     _STATE["log"](T(f"[picture: {path}]", f"[图片：{path}]"))
     return path

@@ -103,7 +103,7 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     """
     from ..io import atomic_write_text
     from ..io.locks import output_lock
-    from ..io.outdir import check_writable
+    from ..io.outdir import check_writable, make_dir
     from .registry import all_lessons
 
     check_writable(folder, "--write-notebooks")
@@ -115,9 +115,10 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
         if theirs:
             raise ValueError(
                 f"--write-notebooks {str(folder)!r}: {str(theirs[0])!r}"
-                f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''} were not written "
-                "by attnlab, or were edited since (their cells differ from what it wrote); "
-                "they are left as they are: move them away or choose another folder")
+                f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}: not written "
+                "by attnlab, or edited since (the cells differ from what it wrote); left as "
+                "they are: move them away or choose another folder")
+        make_dir(folder)
         for path, le, lang in plan:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, notebook_text(le, lang))

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..io import EXPLORER_FILE, HEATMAP_FILE, HEATMAP_SVG, atomic_write_bytes
 from ..io.locks import output_lock
-from ..io.outdir import check_own_dir
+from ..io.outdir import check_own_dir, make_dir
 from .capture import (
     attention_modules,
     capture,
@@ -107,7 +107,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
                           example, head_labels)
         picked = None
     with output_lock(out):
-        Path(out).mkdir(parents=True, exist_ok=True)
+        make_dir(out)
         atomic_write_bytes(picture, figure_bytes(fig, fmt, dpi=fig.dpi))
         return ShowResult(picture, page.save(Path(out) / EXPLORER_FILE), page, picked)
 

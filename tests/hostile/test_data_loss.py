@@ -361,3 +361,18 @@ def test_a_hugging_face_folder_is_not_taken_for_an_output_folder(tmp_path, tiny_
     with pytest.raises(ValueError, match="attnlab did not write.*config.json"):
         show_attention(model, tok, "abc", hf)
     assert snap(hf) == before
+
+
+def test_an_out_that_links_to_a_missing_folder_is_made_where_it_points(tmp_path, tiny_ckpt):
+    """``--out`` a symlink to a folder not made yet: show makes the folder it points to (as
+    a checkpoint does), where mkdir stopped at the link ("[Errno 17] File exists")."""
+    from attnlab.checkpoint import load_checkpoint_tokenizer
+    from attnlab.viz import show_attention
+
+    link = tmp_path / "pics"
+    link.symlink_to(tmp_path / "later" / "pics", target_is_directory=True)
+    model, tok = load_checkpoint(tiny_ckpt), load_checkpoint_tokenizer(tiny_ckpt)
+    show_attention(model, tok, "abc", link)
+    assert link.is_symlink()
+    assert sorted(p.name for p in (tmp_path / "later" / "pics").iterdir()) == [
+        "attention.html", "attention.png"]
