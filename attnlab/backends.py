@@ -165,7 +165,7 @@ class Backend:
         if not self.mapped_variants and request.variants is not None and \
                 batched(*request.variants.tensors()):
             return (f"backend={name!r}{self.label} does not take torch.func.vmap over ALiBi "
-                    "slopes, sinks or document ids; use backend='auto', 'eager' or 'sdpa'")
+                    "slopes, sinks or document ids; use backend='auto' or 'eager'")
         if not self.func_gradients and func_gradients():
             return (f"backend={name!r}{self.label} does not take torch.func's gradient "
                     "transforms (grad, jacrev, vmap of grad); use backend='auto', 'eager', "
