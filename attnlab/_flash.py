@@ -17,7 +17,7 @@ import torch
 
 from . import _native
 from . import masks as _masks
-from ._tracing import transforms_active
+from ._tracing import each_mapped_call, transforms_active
 
 # Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
 BLOCK_Q: int | None = None
@@ -163,10 +163,7 @@ class _FlashAttention(torch.autograd.Function):
         """Under ``torch.func.vmap``: each mapped call in turn, stacked, so that a ``grad``
         around the ``vmap`` reaches every one. q, k, v and the mask may be mapped; mapped
         variants' tensors are refused before (the backend table's ``mapped_variants``)."""
-        outs = [_FlashAttention.apply(*(a.select(d, i) if isinstance(d, int) else a
-                                        for a, d in zip(args, in_dims)))
-                for i in range(info.batch_size)]
-        return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)
+        return each_mapped_call(_FlashAttention, info, in_dims, args)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):

@@ -25,6 +25,7 @@ import torch
 
 from . import _tiled_mod, _variants
 from . import masks as _masks
+from ._tracing import each_mapped_call
 from .blockmask import EMPTY
 
 BLOCK_Q = 256
@@ -247,10 +248,7 @@ class _TiledAttention(torch.autograd.Function):
         """Under ``torch.func.vmap``: each mapped call in turn, stacked (the tiles loop over
         rows already). q, k, v and the mask may be mapped; mapped variants' tensors are
         refused before (the backend table's ``mapped_variants``)."""
-        outs = [_TiledAttention.apply(*(a.select(d, i) if isinstance(d, int) else a
-                                        for a, d in zip(args, in_dims)))
-                for i in range(info.batch_size)]
-        return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)
+        return each_mapped_call(_TiledAttention, info, in_dims, args)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reads_values", "transforms_active", "func_gradients", "batched", "autocasting"]
+__all__ = ["reads_values", "transforms_active", "func_gradients", "batched", "autocasting",
+           "each_mapped_call"]
 
 
 def reads_values() -> bool:
@@ -56,3 +57,13 @@ def autocasting(*tensors) -> str | None:
         return kind if torch.is_autocast_enabled(kind) else None
     except RuntimeError:  # a device type autocast does not know (meta)
         return None
+
+
+def each_mapped_call(function, info, in_dims, args):
+    """An attention ``autograd.Function``'s ``vmap`` rule: ``function.apply`` on each mapped
+    slice in turn (its own autograd node, so a ``grad`` around the ``vmap`` reaches every
+    one), the ``(out, lse)`` results stacked along a new leading dimension."""
+    outs = [function.apply(*(a.select(d, i) if isinstance(d, int) else a
+                             for a, d in zip(args, in_dims)))
+            for i in range(info.batch_size)]
+    return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)

@@ -26,7 +26,7 @@ from ..io import (
 )
 from ..io.reading import CONFIG_LIMIT
 from ..io.weights import SafetensorsState
-from ..models.loading import build_loaded
+from ..models.loading import build_loaded, parameter_names
 from ..modules import quantized
 
 FORMAT = 1  # config.json's "format": a checkpoint of another layout is refused by number
@@ -117,11 +117,8 @@ def _int8_loaded(make, state: SafetensorsState, source: str) -> nn.Module:
     and shapes are checked before anything is allocated."""
     with torch.device("meta"):
         model = make()
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
     pairs, held = {}, set()
-    for names in names_of.values():
+    for names in parameter_names(model):
         layer = next((n[:-len(".weight")] for n in names if n.endswith(".weight")
                       and f"{n[:-len('.weight')]}.data" in state), None)
         if layer is None or f"{layer}.scales" not in state:

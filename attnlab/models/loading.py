@@ -96,12 +96,18 @@ def check_fits(model: nn.Module, state: Mapping[str, torch.Tensor], *, source: s
                               + "; ".join(problems[:4]))
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (a tied output layer), primary first."""
+def parameter_names(model: nn.Module) -> list[list[str]]:
+    """Every parameter's names, primary first: more than one where a parameter is tied (an
+    output layer sharing the embedding)."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    return list(groups.values())
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (a tied output layer), primary first."""
+    return [names for names in parameter_names(model) if len(names) > 1]
 
 
 def _set_param(model: nn.Module, name: str, value) -> None:
