@@ -146,11 +146,13 @@ struct RightT {
   const A* rows = nullptr;    // BLAS: the rows, leading dimension ld
   int64_t ld = 0, cols = 0;
   const A* packed = nullptr;  // the tile kernel: cols x PANEL panels
+  int64_t offset = 0;         // ... whose first row is column `offset` of the first panel
 
   template <typename S, typename Scratch>
   void load(const S* x, int64_t x_ld, int64_t n, int64_t width, bool tiles, Scratch& pack,
             Scratch& convert) {
     cols = width;
+    offset = 0;
     if (tiles) {
       packed = pack_panels(x, x_ld, n, width, pack);
       rows = nullptr;
@@ -164,10 +166,11 @@ struct RightT {
 // A worker's packing of one head's keys (rows [from, to) of head `head` of batch `b`),
 // kept across its work items: the query blocks of a causal head read nested key ranges
 // (T=4096 in blocks of 128: 128, 256, ..., 4096 keys), which were packed again for each
-// block, 16x the keys of the head at T=4096. A range inside the held one, starting on
-// one of its panels, is read from it; any other range is packed in its place. Measured
-// on the Zen 4 against SDPA, interleaved: causal forward T=1024 0.77x -> 0.74x, T=4096
-// 0.92x -> 0.86x, forward+backward T=4096 0.82x -> 0.75x.
+// block, 16x the keys of the head at T=4096. A range inside the held one is read from it
+// (from any column of a panel); for any other, the head's keys are packed in its place,
+// all of them where they fit (a window's or a document's blocks read ranges that do not
+// nest). Measured on the Zen 4 against SDPA, interleaved: causal forward T=1024
+// 0.77x -> 0.74x, T=4096 0.92x -> 0.86x, forward+backward T=4096 0.82x -> 0.75x.
 template <typename A>
 struct HeadPack {
   std::vector<A> data;
@@ -177,24 +180,24 @@ struct HeadPack {
   // would pass 2 MB at head_dim 64.
   static constexpr int64_t MAX_KEYS = 8192;
 
-  // Hold keys [lo, hi) of (b, head), x pointing at key `lo`; returns false (nothing
+  // Hold keys [lo, hi) of (b, head), a head of `keys` keys from x; returns false (nothing
   // held) for a range of over MAX_KEYS keys.
   template <typename S>
-  bool hold(int64_t b_, int64_t head_, int64_t lo, int64_t hi, const S* x, int64_t x_ld,
-            int64_t width) {
+  bool hold(int64_t b_, int64_t head_, int64_t lo, int64_t hi, int64_t keys, const S* x,
+            int64_t x_ld, int64_t width) {
     if (hi - lo > MAX_KEYS) return false;
-    if (b_ == b && head_ == head && from <= lo && hi <= to && (lo - from) % PANEL == 0)
-      return true;
-    pack_panels(x, x_ld, hi - lo, width, data);
+    if (b_ == b && head_ == head && from <= lo && hi <= to) return true;
+    if (keys <= MAX_KEYS) lo = 0, hi = keys;
+    pack_panels(x + lo * x_ld, x_ld, hi - lo, width, data);
     b = b_, head = head_, from = lo, to = hi;
     return true;
   }
 
-  // Keys [ks, ks + n) of the held range as the right operand; ks - from a multiple of
-  // PANEL (tiles of a multiple of PANEL keys: see forward_block).
+  // Keys [ks, ...) of the held range as the right operand.
   void view(int64_t ks, int64_t width, RightT<A>& x) const {
     x.cols = width;
     x.packed = data.data() + (ks - from) / PANEL * width * PANEL;
+    x.offset = (ks - from) % PANEL;
     x.rows = nullptr;
   }
 };
@@ -205,10 +208,14 @@ template <typename A>
 void times_transposed(int64_t m, int64_t n, A alpha, const A* a, int64_t lda, const RightT<A>& x,
                       A* c, int64_t ldc) {
   if constexpr (std::is_same_v<A, float>) {
-    if (x.packed != nullptr) {  // one call per panel
-      for (int64_t j = 0; j < n; j += PANEL)
-        tile_gemm(m, std::min(PANEL, n - j), x.cols, alpha, a, lda, 1, x.packed + j * x.cols,
+    if (x.packed != nullptr) {  // one call per panel (or part of one)
+      for (int64_t j = 0; j < n;) {
+        const int64_t col = (x.offset + j) % PANEL, panel = (x.offset + j) / PANEL;
+        const int64_t width = std::min(PANEL - col, n - j);
+        tile_gemm(m, width, x.cols, alpha, a, lda, 1, x.packed + panel * x.cols * PANEL + col,
                   PANEL, false, c + j, ldc);
+        j += width;
+      }
       return;
     }
   }

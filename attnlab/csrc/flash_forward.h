@@ -1,5 +1,6 @@
-// The flash forward: one work item per (b, h, query block). It visits only the keys the
-// rule leaves the block, tile by tile: the tile's scores in one product, the online
+// The flash forward: one work item per (b, h, query block), whose rows go a document at a
+// time where there are documents (mask.h's document_run_end). It visits only the keys the
+// rule leaves the rows, tile by tile: the tile's scores in one product, the online
 // softmax on each row's allowed columns only (every row's keys are one interval, so only
 // the boundary tiles have columns to skip), the weighted values in a second product; it
 // keeps the log-sum-exp for the backward. Storage S (float, double, bf16, fp16), maths in
@@ -21,9 +22,9 @@ struct ForwardScratch {
 template <typename S, typename A = Acc<S>>
 void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, const Rows& kr,
                    const S* v, const Rows& vr, S* out, A* lse, int64_t b, int64_t h, int64_t qs,
-                   bool tiles, ForwardScratch<A>& w) {
+                   int64_t qe, bool tiles, ForwardScratch<A>& w) {
   constexpr A NEG = -std::numeric_limits<A>::infinity();
-  const int64_t qe = std::min(qs + P.bq, P.Lq), nr = qe - qs, hk = h / P.G;
+  const int64_t nr = qe - qs, hk = h / P.G;
   S* dst = out + ((b * P.Hq + h) * P.Lq + qs) * P.Dv;  // (nr, Dv) rows of the output
   // The accumulator: the output itself where it is stored in A, else scratch.
   A* o;
@@ -48,8 +49,8 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   // With a block mask the tiles are its blocks: they start on a block boundary (the
   // columns before lo are left out by every row's [a, e) below).
   const int64_t start = hi <= lo ? hi : P.blocks.present() ? lo - lo % P.bk : lo;
-  const bool held = tiles && hi > start && P.bk % PANEL == 0 &&
-                    w.keys.hold(b, hk, start, hi, k + kr.at(b, hk, start), kr.sl, P.D);
+  const bool held = tiles && hi > start &&
+                    w.keys.hold(b, hk, start, hi, P.Lk, k + kr.at(b, hk, 0), kr.sl, P.D);
   for (int64_t ks = start; ks < hi; ks += P.bk) {
     const int64_t nc = std::min(ks + P.bk, hi) - ks;
     const BlockMask::Kind kind = block_kind(P, b, h, qs, ks);
@@ -138,9 +139,12 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   std::vector<std::unique_ptr<ForwardScratch<A>>> scratch(workers);
   run_items(longest_first(cost, nqb), workers, [&](int64_t worker, int64_t item) {
     if (!scratch[worker]) scratch[worker] = std::make_unique<ForwardScratch<A>>(P);
-    const int64_t bh = item / nqb;
-    forward_block<S>(P, qp, qr, kp, kr, vp, vr, op, lp, bh / P.Hq, bh % P.Hq, (item % nqb) * P.bq,
-                     tiles, *scratch[worker]);
+    const int64_t bh = item / nqb, b = bh / P.Hq, qe = std::min((item % nqb + 1) * P.bq, P.Lq);
+    for (int64_t qs = (item % nqb) * P.bq, run; qs < qe; qs = run) {  // a document at a time
+      run = P.rule.document_run_end(b, qs, qe);
+      forward_block<S>(P, qp, qr, kp, kr, vp, vr, op, lp, b, bh % P.Hq, qs, run, tiles,
+                       *scratch[worker]);
+    }
   });
 }
 
