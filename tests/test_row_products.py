@@ -118,3 +118,21 @@ def test_inference_products_stand_aside_for_wrapped_or_watched_layers():
     finally:
         handle.remove()
     assert seen.count("Linear") == 4
+
+
+@needs_native
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_mul"])
+def test_the_gated_activations_are_torchs_on_every_value(op):
+    # The fused SwiGLU and GeGLU steps, act(gate) * up with up = 1, against torch's
+    # function in float64: the tails too (gelu_tanh(-12) is 0, not -1.4e-6 from a tanh
+    # that stops short of -1, and gelu_tanh(-3e38) not -3.6e31), NaN, signed zeros and
+    # the infinities' limits.
+    gate = torch.cat([torch.linspace(-12, 12, 2401), torch.tensor(
+        [float("nan"), 0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, 1e-40, 1e-3])])
+    got = getattr(_native.load(), op)(torch.stack([gate, torch.ones_like(gate)], 0).reshape(1, -1))
+    act = F.silu if op == "silu_mul" else lambda g: F.gelu(g, approximate="tanh")
+    torch.testing.assert_close(got[0], act(gate.double()).float(), rtol=2e-6, atol=3e-7,
+                               equal_nan=True)
+    if op == "gelu_mul":
+        infinities = torch.tensor([[float("inf"), -float("inf"), 1.0, 1.0]])
+        assert _native.load().gelu_mul(infinities).tolist() == [[float("inf"), 0.0]]

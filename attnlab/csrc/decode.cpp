@@ -71,27 +71,21 @@ namespace {
 ATTNLAB_PER_ISA static void silu_mul_row(float* out, const float* gate, const float* up,
                                         int64_t n) {
   int64_t i = 0;  // the vectorised exp of vec.h: a scalar std::exp per value cost 13 us
-  for (; i + 8 <= n; i += 8) {
-    const f8 g = load8(gate + i);
-    store8(out + i, g / (1.0f + exp8(-g)) * load8(up + i));
+  for (; i + 8 <= n; i += 8) store8(out + i, silu8(load8(gate + i)) * load8(up + i));
+  if (i < n) {
+    const f8 g = silu8(load_tail(gate + i, n - i, 0.0f)) * load_tail(up + i, n - i, 0.0f);
+    for (int64_t j = i; j < n; ++j) out[j] = g[j - i];
   }
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-// gelu_mul: GeGLU's gelu_tanh(gate) * up, the tanh approximation
-// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's gelu(approximate="tanh").
+// gelu_mul: GeGLU's gelu_tanh(gate) * up (vec.h's gelu_tanh8).
 ATTNLAB_PER_ISA static void gelu_mul_row(float* out, const float* gate, const float* up,
                                          int64_t n) {
-  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const f8 g = load8(gate + i);
-    const f8 t = tanh8(k * (g + 0.044715f * g * g * g));
-    store8(out + i, 0.5f * g * (1.0f + t) * load8(up + i));
-  }
-  for (; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
+  for (; i + 8 <= n; i += 8) store8(out + i, gelu_tanh8(load8(gate + i)) * load8(up + i));
+  if (i < n) {
+    const f8 g = gelu_tanh8(load_tail(gate + i, n - i, 0.0f)) * load_tail(up + i, n - i, 0.0f);
+    for (int64_t j = i; j < n; ++j) out[j] = g[j - i];
   }
 }
 

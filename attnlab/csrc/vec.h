@@ -152,4 +152,28 @@ ATTNLAB_INLINE V tanh_v(V x) {
 ATTNLAB_INLINE f8 tanh8(f8 x) { return tanh_v(x); }
 ATTNLAB_INLINE f16v tanh16(f16v x) { return tanh_v(x); }
 
+// silu(x) = x / (1 + e^-x); 0 below -87, where exp_v stops at e^88 instead of overflowing
+// (which gave silu(-3e38) = -1.8); NaN stays NaN.
+template <typename V, typename I>
+ATTNLAB_INLINE V silu_v(V x) {
+  const V g = x / (1.0f + exp_v<V, I>(-x));
+  return x < -87.0f ? V{} : g;
+}
+ATTNLAB_INLINE f8 silu8(f8 x) { return silu_v<f8, i8>(x); }
+
+// GELU's tanh approximation, torch's gelu(approximate="tanh"): x/2 (1 + tanh(u)),
+// u = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + e^(-2u)) (the same number, since
+// 1 + tanh(u) = 2 / (1 + e^(-2u))), so that the negative side keeps its relative accuracy
+// instead of cancelling in 1 + tanh (tanh_v stops short of -1: that gave -1.4e-6 at
+// x = -12 and -3.6e31 at x = -3e38). Past |x| = 10 it is x (x > 0) or 0, to float
+// precision and for the infinities; NaN stays NaN.
+template <typename V, typename I>
+ATTNLAB_INLINE V gelu_tanh_v(V x) {
+  const V u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const V g = x / (1.0f + exp_v<V, I>(-2.0f * u));
+  const V ax = x < 0.0f ? -x : x;
+  return ax > 10.0f ? (x > 0.0f ? x : V{}) : g;
+}
+ATTNLAB_INLINE f8 gelu_tanh8(f8 x) { return gelu_tanh_v<f8, i8>(x); }
+
 }  // namespace attnlab
