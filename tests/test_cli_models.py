@@ -141,6 +141,8 @@ def test_the_wrong_option_for_a_folder_says_which_one(gpt2_dir, tmp_path, capsys
     assert "needs --text FILE" in _err(capsys, "ablate", "--model", str(gpt2_dir), "--heads")
     assert "--head needs --layer" in _err(capsys, "ablate", "--model", str(gpt2_dir),
                                           "--head", "1")
+    assert "--png 'h.png' is where --heads draws its heatmap: add --heads, or leave out " \
+           "--png" in _err(capsys, "ablate", "--model", str(gpt2_dir), "--png", "h.png")
     assert "give --ckpt DIR" in _err(capsys, "generate", "--prompt", "x")
     (tmp_path / "neox").mkdir()
     (tmp_path / "neox" / "config.json").write_text('{"model_type": "gpt_neox"}')

@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--layer", type=_index, default=None,
                         help="knock out this layer's heads (all, or --head H) and report")
     ablate.add_argument("--head", type=_index, default=None, help="with --layer: only this head")
-    ablate.add_argument("--png", metavar="FILE", default="attnlab-heads.png",
-                        help="where --heads draws its layer x head heatmap")
+    ablate.add_argument("--png", metavar="FILE",
+                        help="where --heads draws its layer x head heatmap (default: "
+                             "attnlab-heads.png)")
     ablate.add_argument("--json", metavar="FILE",
                         help="also write the results as JSON to FILE ('-': print them on stdout, "
                              "the report on stderr)")

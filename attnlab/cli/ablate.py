@@ -26,6 +26,7 @@ from ..experiments import heads
 from ..interop.auto import load_for_cli
 
 _DEMO_STEPS = 400  # the demo's own length: ~45 s of CPU time, about a minute on a laptop
+HEADS_PNG = "attnlab-heads.png"  # --png's default
 
 
 def _eval_batch(args, model, tokenizer, meta: dict,
@@ -68,15 +69,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
     if args.ckpt is None and args.model is None:
         check_out_dir(args.out)  # the demo model's checkpoint (run_demo checks it again)
-    if args.heads:
-        check_out_file(args.png, "--png")
     for path, name in _out_files(args):
         check_out_file(path, name)
 
 
 def _out_files(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The single files this run writes, each with its option's name."""
-    files = [(args.png, "--png")] if args.heads else []
+    files = [(args.png or HEADS_PNG, "--png")] if args.heads else []
     if args.json is not None and args.json != "-":
         files.append((args.json, "--json"))
     return files
@@ -89,6 +88,9 @@ def run_ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int
         raise ValueError("--head needs --layer L (the layer the head is in)")
     if args.heads and args.layer is not None:
         raise ValueError("--heads knocks out every head in turn; leave out --layer/--head")
+    if args.png is not None and not args.heads:
+        raise ValueError(f"--png {args.png!r} is where --heads draws its heatmap: add "
+                         "--heads, or leave out --png")
     _check_outputs(args)
     with contextlib.ExitStack() as held:  # one run writes these files at a time
         for path, name in _out_files(args):
@@ -116,8 +118,9 @@ def _ablate(args: argparse.Namespace, read_text: Callable[[str], str]) -> int:
         say(heads.format_head_table(results))
         from ..viz import save_head_importance
 
-        check_out_file(args.png, "--png")  # again: a file may have appeared meanwhile
-        png = save_head_importance(args.png, {"head output zeroed": results["zero"],
+        png = args.png or HEADS_PNG
+        check_out_file(png, "--png")  # again: a file may have appeared meanwhile
+        png = save_head_importance(png, {"head output zeroed": results["zero"],
                                               "uniform attention": results["uniform"]},
                                    measure=results["measure"])
         say(f"wrote {png}")
