@@ -128,6 +128,8 @@ def _damaged_copies(src, tmp_path) -> dict:
     (["train", "--out", "{afile}/sub", "--steps", "2"], ["--out", "cannot be written"]),
     (["train", "--resume", "--out", "{train}", *TOY, "--lr", "0.01", "--steps", "8"],
      ["--resume", "other settings", "--lr 0.003", "0.01"]),
+    (["train", "--resume", "--out", "{train}", *TOY, "--context", "24", "--steps", "8"],
+     ["--resume", "other settings", "--context", "24 now"]),
     (["train", "--resume", "--out", "{badconfig}", *TOY, "--steps", "8"], ["config.json"]),
     (["train", "--resume", "--out", "{badtok}", *TOY, "--steps", "8"], ["tokenizer.json"]),
     (["train", "--resume", "--out", "{hftok}", *TOY, "--steps", "8"], ["tokenizer.json"]),

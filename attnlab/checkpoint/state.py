@@ -158,13 +158,18 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
             f"--resume: the checkpoint in {str(out)!r} is a {meta.get('model_type')!r} model "
             f"and does not fit the {type(model).__name__} being trained; resume with the "
             "model it was trained with, or choose another --out")
+    state = read_json(out / STATE_JSON, STATE_LIMIT)
+    try:  # before the weights: a changed --context is named, not met as a shape
+        _check_same_settings(state["train_config"], train_config, out)
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError, TypeError) as exc:
+        raise _damaged(out, exc) from None
     load_state(model, load_tensors(out / MODEL_FILE),
                source=f"--resume: the checkpoint in {str(out)!r}")
-    state = read_json(out / STATE_JSON, STATE_LIMIT)
     tensors = load_tensors(out / STATE_TENSORS)
     per_param: dict[int, dict] = {}
     try:
-        _check_same_settings(state["train_config"], train_config, out)
         step = state["step"]
         history = _check_history(state["history"], step)
         for name, value in tensors.items():
@@ -186,8 +191,12 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
     except CheckpointError:
         raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
-                              f"incomplete ({type(exc).__name__}: {exc})") from None
+        raise _damaged(out, exc) from None
+
+
+def _damaged(out: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"--resume: the training state in {str(out)!r} is damaged or "
+                           f"incomplete ({type(exc).__name__}: {exc})")
 
 
 def read_best(out: Path) -> dict | None:
