@@ -130,6 +130,10 @@ def _damaged_copies(src, tmp_path) -> dict:
      ["--resume", "other settings", "--lr 0.003", "0.01"]),
     (["train", "--resume", "--out", "{train}", *TOY, "--context", "24", "--steps", "8"],
      ["--resume", "other settings", "--context", "24 now"]),
+    (["train", "--out", "{train}", *TOY, "--steps", "8"],
+     ["--out", "holds a run already: add --resume to continue it, or --overwrite"]),
+    (["train", "--resume", "--overwrite", "--out", "{train}", *TOY], ["--resume", "--overwrite",
+                                                                       "not both"]),
     (["train", "--resume", "--out", "{badconfig}", *TOY, "--steps", "8"], ["config.json"]),
     (["train", "--resume", "--out", "{badtok}", *TOY, "--steps", "8"], ["tokenizer.json"]),
     (["train", "--resume", "--out", "{hftok}", *TOY, "--steps", "8"], ["tokenizer.json"]),
@@ -203,9 +207,22 @@ def test_failed_train_leaves_a_good_checkpoint_untouched(demo_dir, tmp_path):
     out, _ = demo_dir
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     (tmp_path / "tiny.txt").write_text("ab")
-    done = run("train", "--text", tmp_path / "tiny.txt", "--out", out, "--context", "16")
-    assert done.returncode == 2
+    done = run("train", "--text", tmp_path / "tiny.txt", "--out", out, "--context", "16",
+               "--overwrite")
+    assert done.returncode == 2 and "too short" in done.stderr, done.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_overwrite_trains_a_new_model_in_place_of_a_run(tmp_path):
+    # Without --resume a run in --out is refused (above); --overwrite replaces it, as a
+    # fresh run into an empty folder would have written it.
+    first = run("train", *TOY, "--steps", "2", "--out", tmp_path / "run")
+    fresh = run("train", *TOY, "--steps", "3", "--seed", "1", "--out", tmp_path / "fresh")
+    again = run("train", *TOY, "--steps", "3", "--seed", "1", "--out", tmp_path / "run",
+                "--overwrite")
+    assert first.returncode == fresh.returncode == again.returncode == 0, again.stderr
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == (
+        tmp_path / "fresh" / "model.safetensors").read_bytes()
 
 
 def test_resume_before_any_checkpoint_notes_it_and_starts_from_step_0(tmp_path):

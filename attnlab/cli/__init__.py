@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a tenth of --steps)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --out (--steps is the total)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="train a new model in an --out that holds a run, replacing it at "
+                            "the first checkpoint (without --resume or --overwrite such an "
+                            "--out is refused)")
     train.add_argument("--context-parallel", type=_positive_int, default=1, metavar="N",
                        help="under torchrun: split each sequence over N processes (ring "
                             "attention; --model gpt); N must divide the number of processes")

@@ -75,7 +75,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train(args)
     check_out_dir(args.out)
     with output_lock(args.out):
+        _check_not_replacing(args)
         return _train(args)
+
+
+def _check_not_replacing(args: argparse.Namespace) -> None:
+    """A run already in --out is continued (--resume) or replaced on purpose
+    (--overwrite), never replaced because --resume was forgotten."""
+    from ..checkpoint import has_checkpoint
+
+    if args.resume and args.overwrite:
+        raise ValueError("give --resume (continue the run in --out) or --overwrite (replace "
+                         "it), not both")
+    if not args.resume and not args.overwrite and has_checkpoint(args.out):
+        raise ValueError(f"--out {args.out!r} holds a run already: add --resume to continue "
+                         "it, or --overwrite to train a new model in its place")
 
 
 def _train(args: argparse.Namespace) -> int:
