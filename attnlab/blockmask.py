@@ -13,13 +13,18 @@ are written that way. Indices are the raw row and key numbers (not end-aligned).
 ``(b, h)`` it depends on, whether the tile is **empty** (nothing allowed: kernels skip it),
 **full** (everything allowed: no mask to apply) or **partial** (its bool tile is kept).
 Memory is the partial tiles only: a causal-like or prefix-LM mask keeps O(seq x block).
-:func:`block_mask` caches what it builds per (function, shape, device, block sizes), at
-most :data:`CACHE_SIZE` of them: a mask_mod must therefore be a pure function of its
-indices (one that reads a tensor changed in place afterwards needs a new function).
+:func:`block_mask` caches what it builds per (function, what it reads, shape, device, block
+sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its closure and
+the globals its code names hold (and those of the functions among them, as ``and_masks``
+holds its parts), each tensor by identity and version: so a document-id tensor bound
+again to the same global name, or changed in place, is a new mask, as FlexAttention's
+``create_block_mask`` evaluates the function on every call. (A Python list or dict the
+function reads, changed in place, is not seen: bind a new one.)
 """
 
 from __future__ import annotations
 
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -241,26 +246,60 @@ def _checked(mask_mod, allowed, target) -> torch.Tensor:
     return allowed.expand(allowed.shape[0], allowed.shape[1], *target[2:])
 
 
+def _reads(fn, held: list, depth: int = 0) -> tuple:
+    """What ``fn`` reads besides its arguments, as a hashable key: its closure's values and
+    the globals its code names, tensors as (identity, version) and kept alive in ``held``
+    (so that no new tensor takes a cached one's identity), functions by their own reads."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return (_value(fn, held, depth),)
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            values.append(None)
+    scope = fn.__globals__
+    values += [scope[name] for name in code.co_names if name in scope]
+    return tuple(_value(v, held, depth) for v in values)
+
+
+def _value(v, held: list, depth: int):
+    if isinstance(v, torch.Tensor):
+        held.append(v)
+        return ("tensor", id(v), v._version)
+    if v is None or isinstance(v, int | float | bool | str | bytes):
+        return v
+    if depth < 4 and isinstance(v, tuple):
+        return tuple(_value(x, held, depth + 1) for x in v)
+    if depth < 4 and isinstance(v, types.FunctionType):
+        return ("function", id(v), _reads(v, held, depth + 1))
+    held.append(v)  # a list, a module, any other object: by identity
+    return ("object", id(v))
+
+
 def block_mask(mask_mod: Callable, batch: int, heads: int, q_len: int, k_len: int, *,
                block_q: int = BLOCK_SIZE, block_k: int = BLOCK_SIZE,
                device=None, cache: bool = True) -> BlockMask:
     """``mask_mod`` evaluated into a :class:`BlockMask` of ``(batch, heads, q_len,
-    k_len)``, or the cached one of an earlier call with the same function, shape,
-    device and blocks (``cache=False``: evaluated and not kept, for a function made
-    for one call)."""
+    k_len)``, or the cached one of an earlier call with the same function reading the
+    same values (module docstring), shape, device and blocks (``cache=False``: evaluated
+    and not kept, for a function made for one call)."""
     device = torch.device("cpu" if device is None else device)
-    key = (mask_mod, batch, heads, q_len, k_len, block_q, block_k, str(device))
+    held: list = []
     try:
+        key = (mask_mod, _reads(mask_mod, held), batch, heads, q_len, k_len, block_q,
+               block_k, str(device))
         found = _CACHE.get(key) if cache else None
-    except TypeError:  # an unhashable callable: built each time
+    except TypeError:  # an unhashable callable or value: built each time
         found, cache = None, False
     if not cache:
         return _build(mask_mod, batch, heads, q_len, k_len, block_q, block_k, device)
     if found is not None:
         _CACHE.move_to_end(key)
-        return found
+        return found[0]
     built = _build(mask_mod, batch, heads, q_len, k_len, block_q, block_k, device)
-    _CACHE[key] = built
+    _CACHE[key] = (built, held)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return built

@@ -108,3 +108,45 @@ def test_the_cache_returns_the_same_evaluation_and_stays_bounded(monkeypatch):
     for n in range(1, 8):
         block_mask(causal, 1, 1, n, n)
     assert len(blockmask._CACHE) <= 3
+
+
+DOCUMENTS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def same_document(b, h, q, kv):
+    return DOCUMENTS[q] == DOCUMENTS[kv]
+
+
+def test_a_mask_reading_a_global_rebound_or_changed_in_place_is_evaluated_again():
+    # The usual document mask of FlexAttention's examples: a global bound again for each
+    # batch must give that batch's mask, as torch's create_block_mask (which evaluates
+    # every call) gives it; so must the same tensor changed in place, and a function that
+    # holds such a function (and_masks).
+    global DOCUMENTS
+
+    def dense(m):
+        return m.dense()[0, 0]
+
+    def want(ids):
+        return ids[:, None] == ids[None, :]
+
+    for ids in ([0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1, 1, 1]):
+        DOCUMENTS = torch.tensor(ids)
+        assert torch.equal(dense(block_mask(same_document, 1, 1, 8, 8, block_q=4, block_k=4)),
+                           want(DOCUMENTS))
+    DOCUMENTS[6:] = 5
+    assert torch.equal(dense(block_mask(same_document, 1, 1, 8, 8, block_q=4, block_k=4)),
+                       want(DOCUMENTS))
+    parts = (same_document, lambda b, h, q, kv: kv <= q)
+
+    def both(b, h, q, kv):
+        return parts[0](b, h, q, kv) & parts[1](b, h, q, kv)
+
+    first = dense(block_mask(both, 1, 1, 8, 8, block_q=4, block_k=4))
+    DOCUMENTS = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    assert not torch.equal(first, dense(block_mask(both, 1, 1, 8, 8, block_q=4, block_k=4)))
+    assert torch.equal(dense(block_mask(both, 1, 1, 8, 8, block_q=4, block_k=4)),
+                       torch.eye(8, dtype=torch.bool))
+    # reading the same values again is the cached evaluation
+    assert block_mask(both, 1, 1, 8, 8, block_q=4, block_k=4) is block_mask(
+        both, 1, 1, 8, 8, block_q=4, block_k=4)

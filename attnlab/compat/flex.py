@@ -13,7 +13,9 @@ device (torch's own runs on the CPU forward only, compiled per mask).
   lse of ``-inf`` (FlexAttention's). ``kernel_options`` are accepted and ignored.
 - ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128)``:
   an :class:`attnlab.blockmask.BlockMask` (``B``/``H`` None: the mask does not depend on
-  them), cached per (function, shape, device, block size).
+  them), cached per (function, the tensors and values it reads, shape, device, block
+  size): a document-id tensor bound again or changed in place is a new mask, as torch's
+  evaluates the function on every call.
 """
 
 from __future__ import annotations
