@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["reads_values", "transforms_active", "func_gradients", "batched", "autocasting",
-           "each_mapped_call"]
+           "each_mapped_call", "without_gradient"]
 
 
 def reads_values() -> bool:
@@ -67,3 +67,31 @@ def each_mapped_call(function, info, in_dims, args):
                              for a, d in zip(args, in_dims)))
             for i in range(info.batch_size)]
     return (torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])), (0, 0)
+
+
+class _NoGradient(torch.autograd.Function):
+    """``value`` in a graph whose backward refuses: see :func:`without_gradient`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value, what, *inputs):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"attnlab: {ctx.what} carries no gradient (FlexAttention's lse "
+                           "does): use lse.detach() where a loss takes it")
+
+
+def without_gradient(value: torch.Tensor, what: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """``value`` (computed from ``inputs`` without autograd), tied to them so that a
+    backward through it raises naming ``what``, rather than giving gradients that leave
+    its part out; ``value`` itself where no input asks for a gradient."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _NoGradient.apply(value, what, *inputs)
+    return value

@@ -1,9 +1,8 @@
 """The one attention function, ``attention``, and its backends.
 
-Shapes: ``q`` is ``(..., q_heads, q_len, head_dim)``; ``k`` is
-``(..., kv_heads, k_len, head_dim)``; ``v`` is ``(..., kv_heads, k_len, v_dim)``;
-the output is ``(..., q_heads, q_len, v_dim)``. Internally everything is
-``(batch, heads, seq, dim)``; extra leading dimensions are flattened into batch.
+Shapes: ``q`` is ``(..., q_heads, q_len, head_dim)``; ``k`` is ``(..., kv_heads, k_len,
+head_dim)``; ``v`` is ``(..., kv_heads, k_len, v_dim)``; the output is ``(..., q_heads, q_len,
+v_dim)``. Internally ``(batch, heads, seq, dim)``, extra leading dimensions in batch.
 
 Conventions (DESIGN.md): bool masks are True where a query may attend, float
 masks are additive; causal and window rules are aligned to the end when
@@ -22,7 +21,7 @@ import torch
 
 from . import _variants
 from . import masks as _masks
-from ._tracing import autocasting, reads_values
+from ._tracing import autocasting, reads_values, without_gradient
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
@@ -159,12 +158,13 @@ def attention_with_lse(
     row's log-sum-exp: ``(out, lse)`` with ``lse`` ``(..., q_heads, q_len)`` float32 (float64
     for float64 inputs), the natural log of the row's softmax denominator over its
     allowed keys (the sink included), ``+inf`` for a row with nothing to attend (as
-    FlashAttention returns it). The lse carries no gradient. Only the backends that
-    declare ``lse`` in :func:`backend_table` take it (``auto`` picks among them)."""
-    return _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend,
-                   dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                        document_ids=document_ids, mask_mod=mask_mod, score_mod=score_mod),
-                   want_lse=True)
+    FlashAttention returns it); no gradient (a backward through it raises). Only the
+    backends declaring ``lse`` in :func:`backend_table` take it (``auto`` too)."""
+    out, lse = _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend, dict(
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
+        mask_mod=mask_mod, score_mod=score_mod), want_lse=True)
+    return out, without_gradient(lse, "the lse (of attention_with_lse, compat.flex_attention, "
+                                 "compat.flash_attn_*)", q, k, v)
 
 
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,

@@ -175,3 +175,17 @@ def test_return_aux_gives_torchs_aux_output():
         flex_attention(Q, K, V, return_aux=torch_flex.AuxRequest(lse=True, max_scores=True))
     with pytest.raises(ValueError, match="return_lse or return_aux"):
         flex_attention(Q, K, V, return_lse=True, return_aux=torch_flex.AuxRequest(lse=True))
+
+
+def test_a_backward_through_the_lse_raises_instead_of_leaving_it_out():
+    # torch's flex_attention differentiates its lse; attnlab's lse has no gradient, so a
+    # loss that takes it must fail loudly, not train on gradients without its term.
+    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+    out, lse = flex_attention(q, k, v, return_lse=True)
+    want, want_lse = flex_attention(Q, K, V, return_lse=True)
+    torch.testing.assert_close((out, lse), (want, want_lse), rtol=0, atol=0)
+    out.sum().backward(retain_graph=True)  # the output alone trains as before
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="the lse .* carries no gradient .* lse.detach()"):
+        (out.sum() + lse.sum()).backward()
+    (out.sum() + lse.detach().sum()).backward()
