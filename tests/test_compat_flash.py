@@ -25,12 +25,16 @@ from attnlab import reference as ref
 from attnlab.compat import flash_attn_func, flash_attn_varlen_func
 
 
-def _fa_bias(seqlen_q, seqlen_k, causal, window_size, slopes):
+def _fa_bias(seqlen_q, seqlen_k, causal, window_size, slopes, max_seqlen_k=None):
     """FlashAttention's mask and ALiBi bias as one additive ``(heads, seqlen_q, seqlen_k)``
-    array: ``-inf`` where a key is out, ``-slope * |i + sk - sq - j|`` elsewhere."""
+    array: ``-inf`` where a key is out, ``-slope * |i + sk - sq - j|`` elsewhere. A window
+    side of ``max_seqlen_k`` (varlen's; else seqlen_k) or more is unbounded, as mha_fwd
+    and mha_varlen_fwd set it."""
     left, right = window_size
     if causal:
         right = 0
+    most = seqlen_k if max_seqlen_k is None else max_seqlen_k
+    left, right = (-1 if side >= most else side for side in (left, right))
     i = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
     j = np.arange(seqlen_k)[None, :]
     ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
@@ -45,13 +49,13 @@ def _fa_bias(seqlen_q, seqlen_k, causal, window_size, slopes):
     return np.where(ok, bias, -np.inf)
 
 
-def _expected(q, k, v, causal, window_size, slopes, softcap, scale=None):
+def _expected(q, k, v, causal, window_size, slopes, softcap, scale=None, max_seqlen_k=None):
     """FlashAttention's output for one sequence ``(seqlen, heads, dim)`` by the oracle,
     with the masks above; plus its probabilities and lse."""
     qh, kh, vh = (np.asarray(t, dtype=np.float64).transpose(1, 0, 2) for t in (q, k, v))
     heads = qh.shape[0]
     slopes = np.zeros(heads) if slopes is None else np.asarray(slopes)
-    bias = _fa_bias(qh.shape[1], kh.shape[1], causal, window_size, slopes)
+    bias = _fa_bias(qh.shape[1], kh.shape[1], causal, window_size, slopes, max_seqlen_k)
     out, weights = ref.attention(qh, kh, vh, bias, scale=scale, return_weights=True,
                                  softcap=softcap or None)
     group = heads // kh.shape[0]
@@ -155,7 +159,7 @@ def test_varlen_is_each_sequence_on_its_own(p):
         want, want_w, want_lse = _expected(q[qa:qb], k[ka:kb], v[ka:kb], p["causal"],
                                            p["window_size"],
                                            None if slopes is None else slopes.numpy(),
-                                           p["softcap"])
+                                           p["softcap"], max_seqlen_k=max(p["lens_k"]))
         np.testing.assert_allclose(out[qa:qb].numpy(), want, atol=1e-10)
         np.testing.assert_allclose(probs[b, :, :qb - qa, :kb - ka].numpy(), want_w, atol=1e-10)
         np.testing.assert_allclose(lse[:, qa:qb].numpy(), want_lse, rtol=1e-6)
@@ -224,3 +228,33 @@ def test_varlen_refuses_what_it_cannot_state_exactly():
     torch.testing.assert_close(
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=same),
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=same[0]))
+
+
+def test_shape_errors_name_the_callers_layout():
+    q, v = torch.randn(2, 5, 4, 16), torch.randn(2, 7, 4, 16)
+    with pytest.raises(ValueError, match=r"k and v must have the same sizes but headdim \(q "
+                                         r"\(2, 5, 4, 16\), k \(2, 5, 4, 16\), v \(2, 7, 4, 16\); "
+                                         r"\(batch, seqlen, nheads, headdim\)\)"):
+        flash_attn_func(q, q, v)
+    with pytest.raises(ValueError, match=r"q and k must have the same batch and headdim"):
+        flash_attn_func(q, torch.randn(2, 5, 4, 8), torch.randn(2, 5, 4, 8))
+    with pytest.raises(ValueError, match=r"k's nheads must divide q's"):
+        flash_attn_func(q, torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16))
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"v \(7, 4, 16\); \(total_tokens, nheads, headdim\)"):
+        flash_attn_varlen_func(q[0], q[0], v[0], cu, cu, 5, 5)
+
+
+def test_a_window_side_of_seqlen_k_or_more_is_unbounded_as_flashattentions():
+    # mha_fwd sets a side >= seqlen_k to -1: with more queries than keys that is not the
+    # band the formula would give (its first rows would see no key at all).
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 2, 8, generator=g) for n in (9, 3, 3))
+    full = flash_attn_func(q, k, v)
+    for window in ((-1, 3), (-1, 7), (3, 3), (5, -1)):
+        torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), full)
+    assert not torch.allclose(flash_attn_func(q, k, v, window_size=(-1, 2)), full)
+    cu_q, cu_k = torch.tensor([0, 9], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    torch.testing.assert_close(
+        flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 9, 3, window_size=(-1, 3)),
+        full[0])

@@ -189,3 +189,15 @@ def test_a_backward_through_the_lse_raises_instead_of_leaving_it_out():
     with pytest.raises(RuntimeError, match="the lse .* carries no gradient .* lse.detach()"):
         (out.sum() + lse.sum()).backward()
     (out.sum() + lse.detach().sum()).backward()
+
+
+def test_masks_combinators_and_a_float64_lse_are_torchs():
+    from attnlab.compat import and_masks, noop_mask, or_masks
+
+    assert (and_masks, or_masks, noop_mask) == (torch_flex.and_masks, torch_flex.or_masks,
+                                                torch_flex.noop_mask)
+    q, k, v = (t.double() for t in (Q, K, V))
+    _, lse = flex_attention(q, k, v, return_lse=True)
+    _, want = _torch_flex(q, k, v, None, None, None, return_lse=True)
+    assert lse.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(lse, want)

@@ -10,6 +10,7 @@ return values.
 """
 
 from .flash_attn import flash_attn_func, flash_attn_varlen_func
-from .flex import create_block_mask, flex_attention
+from .flex import and_masks, create_block_mask, flex_attention, noop_mask, or_masks
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flex_attention", "create_block_mask"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flex_attention", "create_block_mask",
+           "and_masks", "or_masks", "noop_mask"]

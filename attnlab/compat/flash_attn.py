@@ -8,7 +8,8 @@ The semantics are FlashAttention's README's, mapped exactly:
 - ``causal``: aligned to the bottom-right corner when the lengths differ (attnlab's rule);
 - ``window_size=(left, right)``: query ``i`` attends keys ``j`` with
   ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, a negative
-  size meaning unbounded, ``right`` forced to 0 by ``causal``. ``(-1, 0)`` is attnlab's
+  size, or one of ``seqlen_k`` or more, meaning unbounded (as FlashAttention's C++ sets
+  it), ``right`` forced to 0 by ``causal``. ``(-1, 0)`` is attnlab's
   causal rule, ``(w, 0)`` causal with ``window=w + 1``, ``(w, w)`` ``window=w + 1``; every
   other pair becomes a band ``mask_mod`` (exact, evaluated once into a block mask);
 - ``softcap``: ``softcap * tanh(qk^T * softmax_scale / softcap)``, 0 = off (attnlab's);
@@ -39,14 +40,17 @@ from ..functional import attention, attention_with_lse
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 
-def _sides(window_size, causal: bool) -> tuple[int | None, int | None]:
-    """``window_size`` as ``(left, right)``, None where unbounded."""
+def _sides(window_size, causal: bool, seqlen_k: int) -> tuple[int | None, int | None]:
+    """``window_size`` as ``(left, right)``, None where unbounded: a negative side, and as
+    FlashAttention's ``mha_fwd`` has it, a side of ``seqlen_k`` or more (which, with more
+    queries than keys, is not the same as a band that wide)."""
     if (not isinstance(window_size, tuple | list) or len(window_size) != 2
             or not all(is_int(x) for x in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                         f"got {window_size!r}")
-    left, right = (None if int(x) < 0 else int(x) for x in window_size)
-    return left, 0 if causal else right
+    left, right = (int(x) for x in window_size)
+    right = 0 if causal else right
+    return tuple(None if x < 0 or x >= seqlen_k else x for x in (left, right))
 
 
 def _rule(left, right) -> tuple[bool, int | None] | None:
@@ -80,11 +84,22 @@ def _softcap(softcap) -> float | None:
     return float(softcap) or None
 
 
-def _layout(name: str, t, ndim: int, layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+def _layout(q, k, v, layout: str) -> None:
+    """q, k, v in FlashAttention's ``layout`` (its last three sizes ``seqlen, nheads,
+    headdim``), checked and named as the caller passed them."""
+    ndim = len(layout.split(","))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != ndim:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    shapes = f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; {layout})"
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same sizes but headdim {shapes}")
+    if q.shape[:-3] != k.shape[:-3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same batch and headdim {shapes}")
+    if q.shape[-2] % max(k.shape[-2], 1) or k.shape[-2] == 0:
+        raise ValueError(f"k's nheads must divide q's (MQA/GQA) {shapes}")
 
 
 def _common(dropout_p, softcap, deterministic, return_attn_probs, causal):
@@ -101,10 +116,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """FlashAttention's ``flash_attn_func``: ``q`` ``(batch, seqlen_q, nheads, headdim)``,
     ``k``/``v`` ``(batch, seqlen_k, nheads_k, headdim)``; returns ``out`` ``(batch,
     seqlen_q, nheads, headdim)``, or ``(out, softmax_lse, probs)`` (module docstring)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _layout(name, t, 4, "(batch, seqlen, nheads, headdim)")
+    _layout(q, k, v, "(batch, seqlen, nheads, headdim)")
     cap = _common(dropout_p, softcap, deterministic, return_attn_probs, causal)
-    left, right = _sides(window_size, causal)
+    left, right = _sides(window_size, causal, k.shape[1])
     rule = _rule(left, right)
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
     kw = dict(scale=softmax_scale, dropout_p=dropout_p, softcap=cap, alibi_slopes=alibi_slopes)
@@ -144,8 +158,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``cu_seqlens[b]:cu_seqlens[b + 1]``; returns ``out`` ``(total_q, nheads, headdim)``, or
     ``(out, softmax_lse (nheads, total_q), probs (batch, nheads, max_seqlen_q,
     max_seqlen_k))``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _layout(name, t, 3, "(total_tokens, nheads, headdim)")
+    _layout(q, k, v, "(total_tokens, nheads, headdim)")
     if block_table is not None:
         raise ValueError("block_table (a paged KV cache) is not supported; pass the keys and "
                          "values of each sequence packed, with cu_seqlens_k")
@@ -171,7 +184,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              "cu_seqlens: packed sequences take one slope per head, the same "
                              "for every sequence; pass (nheads,)")
         alibi_slopes = alibi_slopes[0]
-    left, right = _sides(window_size, causal)
+    left, right = _sides(window_size, causal, int(max_seqlen_k))
     rule = _rule(left, right)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     kw = dict(scale=softmax_scale, dropout_p=dropout_p, softcap=cap, alibi_slopes=alibi_slopes,

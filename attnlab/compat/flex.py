@@ -11,6 +11,8 @@ device (torch's own runs on the CPU forward only, compiled per mask).
   :func:`create_block_mask` or torch's own ``BlockMask`` (its ``mask_mod`` is evaluated
   again here). A row that may attend nothing gives zeros and, with ``return_lse``, an
   lse of ``-inf`` (FlexAttention's). ``kernel_options`` are accepted and ignored.
+- ``and_masks``, ``or_masks``, ``noop_mask``: torch's own (they broadcast as attnlab calls
+  a mask_mod), so that their import can be swapped too.
 - ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128)``:
   an :class:`attnlab.blockmask.BlockMask` (``B``/``H`` None: the mask does not depend on
   them), cached per (function, the tensors and values it reads, shape, device, block
@@ -21,12 +23,13 @@ device (torch's own runs on the CPU forward only, compiled per mask).
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 from ..blockmask import BLOCK_SIZE, BlockMask, block_mask
 from ..checks import boolean, positive_int
 from ..functional import attention, attention_with_lse
 
-__all__ = ["flex_attention", "create_block_mask"]
+__all__ = ["flex_attention", "create_block_mask", "and_masks", "or_masks", "noop_mask"]
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK_SIZE,
@@ -69,7 +72,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                    return_aux=None):
     """FlexAttention's ``flex_attention`` (module docstring): ``(B, Hq, L, E)`` query,
     ``(B, Hkv, S, E)`` key, ``(B, Hkv, S, Ev)`` value; returns ``(B, Hq, L, Ev)``, or
-    ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32 (``return_lse``, which FlexAttention
+    ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32 (float64 for float64 inputs, as
+    torch's; no gradient: a backward through it raises) (``return_lse``, which FlexAttention
     now calls deprecated), or ``(out, AuxOutput)`` for ``return_aux=AuxRequest(lse=True)``
     (torch's classes; ``max_scores`` is not computed here and is refused)."""
     if return_aux is not None:
@@ -100,4 +104,4 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if not return_lse:
         return attention(query, key, value, **kw)
     out, lse = attention_with_lse(query, key, value, **kw)
-    return out, lse.masked_fill(lse == float("inf"), float("-inf")).float()
+    return out, lse.masked_fill(lse == float("inf"), float("-inf"))
