@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._tracing import reads_values
+
 __all__ = ["BlockMask", "block_mask", "evaluate_mod", "mod_name", "CACHE_SIZE", "BLOCK_SIZE"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -109,6 +111,8 @@ class BlockMask:
         every (b, h): any tile, aligned to the blocks or not."""
         if q1 <= q0 or k1 <= k0:
             return EMPTY
+        if not reads_values():  # a trace: no branch on the kinds' values, every tile masked
+            return PARTIAL
         rows, cols = self._span(q0, q1, k0, k1)
         if not self._live[rows, cols].any():
             return EMPTY
@@ -132,6 +136,8 @@ class BlockMask:
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """The bool mask ``(batch, heads, q1 - q0, k1 - k0)`` of queries ``[q0, q1)`` and
         keys ``[k0, k1)``, put together from the blocks it covers."""
+        if not reads_values():  # a trace: no loop over the blocks the values name
+            return self.dense()[:, :, q0:q1, k0:k1]
         out = torch.zeros(self.batch, self.heads, q1 - q0, k1 - k0, dtype=torch.bool,
                           device=self.device)
         rows, cols = self._span(q0, q1, k0, k1) if q1 > q0 and k1 > k0 else (
@@ -167,10 +173,16 @@ class BlockMask:
         out = torch.empty(b, h, nq, self.block_q, nk, self.block_k, dtype=torch.bool,
                           device=self.device)
         blocks = out.permute(0, 1, 2, 4, 3, 5)  # (b, h, nq, nk, block_q, block_k)
-        blocks.copy_((kinds == FULL)[..., None, None].expand(blocks.shape))
+        full = (kinds == FULL)[..., None, None].expand(blocks.shape)
         where = index >= 0
-        if len(self.partial):
+        if not len(self.partial):
+            blocks.copy_(full)
+        elif reads_values():
+            blocks.copy_(full)
             blocks[where] = self.partial[index[where]]
+        else:  # a trace: a gather of every block (a boolean index has a data-dependent size)
+            blocks.copy_(torch.where(where[..., None, None], self.partial[index.clamp(min=0)],
+                                     full))
         whole = out.view(b, h, nq * self.block_q, nk * self.block_k)
         return whole[:, :, :self.q_len, :self.k_len]
 

@@ -234,3 +234,30 @@ def test_per_head_variants_and_a_gpt_compile_whole(backend):
         torch.testing.assert_close(torch.compile(model, backend="eager", fullgraph=True)(ids),
                                    model(ids), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_a_block_mask_with_a_score_mod_and_a_flashattention_band_compile_whole():
+    """A block mask built ahead together with a score_mod (the tiled path asks the block
+    mask about each tile), and FlashAttention's windows that are no attnlab rule (a band
+    mask_mod), trace without reading a value: fullgraph holds and equals eager."""
+    from attnlab.compat import create_block_mask, flash_attn_func, flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    block = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 40, 40, BLOCK_SIZE=16)
+
+    def biased(score, b, h, qi, ki):
+        return score + (qi - ki) * 0.01
+
+    def flex(q, k, v):
+        return flex_attention(q, k, v, block_mask=block, score_mod=biased)
+
+    torch.testing.assert_close(torch.compile(flex, backend="eager", fullgraph=True)(q, k, v),
+                               flex(q, k, v))
+    for window in ((8, 2), (5, 9)):
+        def band(q, k, v, window=window):
+            return flash_attn_func(q, k, v, window_size=window)
+        ql, kl, vl = (t.transpose(1, 2) for t in (q, k, v))
+        torch.testing.assert_close(
+            torch.compile(band, backend="eager", fullgraph=True)(ql, kl, vl), band(ql, kl, vl))
+    torch._dynamo.reset()

@@ -33,6 +33,7 @@ import functools
 
 import torch
 
+from .._tracing import reads_values
 from ..blockmask import block_mask
 from ..checks import boolean, is_int, probability
 from ..functional import attention, attention_with_lse
@@ -124,6 +125,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     kw = dict(scale=softmax_scale, dropout_p=dropout_p, softcap=cap, alibi_slopes=alibi_slopes)
     if rule is not None:
         kw.update(causal=rule[0], window=rule[1])
+    elif not reads_values():  # a trace: the band as a bool mask (a block mask reads values)
+        band = _band(left, right, k.shape[1] - q.shape[1])
+        kw["mask"] = band(None, None, torch.arange(q.shape[1], device=q.device)[:, None],
+                          torch.arange(k.shape[1], device=q.device))
     else:
         kw["mask_mod"] = _cached_band(left, right, k.shape[1] - q.shape[1])
     return _finish(q4, k4, v4, kw, return_attn_probs, lambda t: t.transpose(1, 2).contiguous())
