@@ -36,6 +36,17 @@ def test_a_split_character_is_held_back_until_it_is_whole(small_bpe):
     assert "" in pieces  # some steps had only part of a character to show
 
 
+def test_ids_past_the_tokenizer_decode_to_nothing_as_transformers_decode_them(small_bpe):
+    # A model's vocabulary padded past its tokenizer's (Qwen2's, many GGUF files'): an
+    # untrained model emits those ids, and `generate` stopped mid-line on them.
+    ids = split_ids(small_bpe)
+    past = small_bpe.vocab_size
+    stream = TextStream(small_bpe, context=[past + 3])
+    mixed = [past, *ids[:3], past + 63, *ids[3:], past + 1]
+    text = "".join(stream.push(i) for i in mixed) + stream.flush()
+    assert text == SENTENCE
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_every_prefix_of_random_byte_level_ids_streams_to_its_decode(small_bpe, data):

@@ -39,6 +39,11 @@ class TextStream:
     for more ids (a cleanup rule that rewrites text already emitted), the
     stream goes on after as many characters as it emitted, the best it can do
     once text has been printed.
+
+    An id at or past the tokenizer's ``vocab_size`` decodes to nothing, as transformers'
+    tokenizers decode an id they do not have: models pad their vocabulary past their
+    tokenizer's (Qwen2: 151936 ids for about 151665 tokens), and a model that is not
+    trained (or not trained long) may emit those ids.
     """
 
     def __init__(self, tokenizer: Any, context: Iterable[int] = ()) -> None:
@@ -49,7 +54,8 @@ class TextStream:
                 f"tokenizer: expected an object with decode(ids), got {type(tokenizer).__name__}"
             )
         self.tokenizer = tokenizer
-        self.ids: list[int] = [operator.index(i) for i in context]
+        self._known = getattr(tokenizer, "vocab_size", None)
+        self.ids: list[int] = self._known_ids(context)
         # Text handed out so far, after the context's own stable text.
         self.emitted = tokenizer.decode(self.ids).rstrip(_REPLACEMENT) if self.ids else ""
         self._start = len(self.emitted)
@@ -66,12 +72,13 @@ class TextStream:
         self.emitted += new
         return new
 
+    def _known_ids(self, ids: Iterable[int]) -> list[int]:
+        ids = [operator.index(i) for i in ids]
+        return ids if self._known is None else [i for i in ids if i < self._known]
+
     def push(self, ids: int | Iterable[int]) -> str:
         """Add one id or several; return the text that became stable (maybe "")."""
-        if hasattr(ids, "__iter__"):
-            self.ids.extend(operator.index(i) for i in ids)
-        else:
-            self.ids.append(operator.index(ids))
+        self.ids.extend(self._known_ids(ids if hasattr(ids, "__iter__") else [ids]))
         return self._new(final=False)
 
     def flush(self) -> str:
