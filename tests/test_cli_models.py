@@ -172,3 +172,26 @@ def test_ablate_a_checkpoint_trained_on_my_own_text(tmp_path, capsys):
                  str(tmp_path / "r.png"), "--json", str(js)]) == 0
     assert "the held-out part of the training text" in capsys.readouterr().out
     assert json.loads(js.read_text())["layers"] == 1
+
+
+def test_a_folder_without_a_fitting_tokenizer_is_refused_before_its_weights_are_read(
+        gpt2_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from attnlab.models import GPT
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(GPT, "from_hf", unread)
+    bare = tmp_path / "bare"
+    shutil.copytree(gpt2_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in _err(capsys, "generate", "--model", str(bare),
+                                            "--prompt", "x")
+    small = tmp_path / "small"
+    shutil.copytree(gpt2_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 3}))
+    assert f"tokenizer.json has {len(WORDS)} tokens but the model's vocab_size is 3" in _err(
+        capsys, "generate", "--model", str(small), "--prompt", "x")

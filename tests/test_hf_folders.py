@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,6 +43,15 @@ def test_sharded_folders_load(tmp_path):
     hf.save_pretrained(tmp_path / "m", max_shard_size="20KB")
     assert (tmp_path / "m" / "model.safetensors.index.json").exists()
     _same_logits(hf, GPT.from_hf(str(tmp_path / "m")))
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    for value, words in ((7, "got 7"), (["a.safetensors"], "got ['a.safetensors']"),
+                         ("../x.safetensors", "names shards outside its folder")):
+        name = next(iter(good["weight_map"]))
+        index.write_text(json.dumps({**good, "weight_map": {**good["weight_map"],
+                                                            name: value}}))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            GPT.from_hf(tmp_path / "m")
 
 
 def test_a_bert_folder_gives_the_hidden_states(tmp_path):

@@ -177,8 +177,12 @@ def read_folder(folder: str | os.PathLike) -> tuple[Config, SafetensorsState]:
         weight_map = read_json(index, CONFIG_LIMIT, "index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{str(index)!r} has no weight_map")
+        odd = [n for n in weight_map.values() if not isinstance(n, str)]
+        if odd:
+            raise ValueError(f"{str(index)!r}: each weight_map value must be a shard's file "
+                             f"name (a string), got {odd[0]!r}")
         names = sorted(set(weight_map.values()))
-        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+        bad = [n for n in names if Path(n).name != n]
         if bad:
             raise ValueError(f"{str(index)!r} names shards outside its folder: {bad[:3]}")
         files = [path / n for n in names]
