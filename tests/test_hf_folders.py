@@ -54,6 +54,28 @@ def test_sharded_folders_load(tmp_path):
             GPT.from_hf(tmp_path / "m")
 
 
+def test_a_tied_config_beside_an_lm_head_of_its_own_is_refused_unless_they_are_equal(
+        tmp_path):
+    # config.json says tied, the file holds an output layer: attnlab used to tie silently
+    # (its logits then differed from transformers' by up to 10).
+    from safetensors.torch import load_file, save_file
+
+    hf = llama(False)
+    hf.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config,
+                                                            "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="ties the output layer to the token embedding .* an "
+                                         "lm_head.weight of their own that differs: set "
+                                         "tie_word_embeddings to false"):
+        GPT.from_hf(tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    ours = GPT.from_hf(tmp_path / "m")  # both saved, equal: the tie
+    assert ours.lm_head.weight is ours.tok_emb.weight
+
+
 def test_a_bert_folder_gives_the_hidden_states(tmp_path):
     torch.manual_seed(0)
     hf = T.BertModel(T.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,

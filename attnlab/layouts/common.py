@@ -86,6 +86,22 @@ def check_layer_count(s: _Named, prefix: str, num_layers: int, key: str) -> None
                             f"({len(indices)} under {prefix!r})")
 
 
+def check_tied_head(state: Tensors, cfg: Mapping[str, Any], embedding: torch.Tensor) -> None:
+    """A config that ties the output layer to the token embedding (``tie_word_embeddings``
+    true, or left out where it defaults to true), beside weights holding an
+    ``lm_head.weight`` of their own: equal to the embedding (some writers save both) it
+    is the tie; different, it is refused naming both, since reading either way (the tie,
+    or the file's layer, as transformers 5 reads it) changes the logits silently."""
+    if not cfg["tie_embeddings"] or "lm_head.weight" not in state:
+        return
+    head = state["lm_head.weight"]
+    if head.shape != embedding.shape or not torch.equal(head, embedding):
+        raise ValueError("config.json ties the output layer to the token embedding "
+                         "(tie_word_embeddings true, or left out where it defaults to true), "
+                         "but the weights hold an lm_head.weight of their own that differs: "
+                         "set tie_word_embeddings to false in config.json to use it")
+
+
 def _detached(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors detached, views (a transpose, a slice) left as views: building the
     model copies each one into its parameter (``models.loading.build_loaded``), a file's

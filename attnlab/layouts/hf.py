@@ -37,6 +37,7 @@ from .common import (
     _strip,
     check_layer_count,
     check_shapes,
+    check_tied_head,
 )
 from .hf_bloom import bloom_config, bloom_state
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
@@ -106,6 +107,7 @@ def gpt2_state(state: Tensors, cfg: Config,
     check_shapes(s, gpt2_shapes(cfg))
     if "lm_head.weight" in state and not cfg["tie_embeddings"]:
         check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], d)})
+    check_tied_head(state, cfg, s["wte.weight"])
     out = {"tok_emb.weight": s["wte.weight"], "pos_emb.weight": s["wpe.weight"],
            "norm.weight": s["ln_f.weight"], "norm.bias": s["ln_f.bias"]}
     if "lm_head.weight" in state and not cfg["tie_embeddings"]:

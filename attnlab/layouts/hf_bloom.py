@@ -26,6 +26,7 @@ from .common import (
     _strip,
     check_layer_count,
     check_shapes,
+    check_tied_head,
 )
 
 __all__ = ["bloom_config", "bloom_state", "bloom_shapes", "BLOOM_CONTEXT"]
@@ -89,6 +90,7 @@ def bloom_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     check_shapes(s, bloom_shapes(cfg))
     if not cfg["tie_embeddings"]:
         check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], d)})
+    check_tied_head(state, cfg, s["word_embeddings.weight"])
     out = {"tok_emb.weight": s["word_embeddings.weight"]}
     for kind in ("weight", "bias"):
         out[f"embed_norm.{kind}"] = s[f"word_embeddings_layernorm.{kind}"]

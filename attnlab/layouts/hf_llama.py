@@ -20,6 +20,7 @@ from .common import (
     _strip,
     check_layer_count,
     check_shapes,
+    check_tied_head,
     rope_theta,
     window_field,
 )
@@ -100,6 +101,7 @@ def llama_state(state: Tensors, cfg: Config,
     check_shapes(s, llama_shapes(cfg, norms))
     if not cfg["tie_embeddings"]:
         check_shapes(_Named(state), {"lm_head.weight": (cfg["vocab_size"], cfg["d_model"])})
+    check_tied_head(state, cfg, s["embed_tokens.weight"])
     out = {"tok_emb.weight": s["embed_tokens.weight"], "norm.weight": s["norm.weight"]}
     if not cfg["tie_embeddings"]:
         out["lm_head.weight"] = _Named(state)["lm_head.weight"]
