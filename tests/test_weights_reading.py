@@ -107,3 +107,22 @@ def test_a_gpt2_folder_loads_without_a_second_copy_of_its_projections(tmp_path):
                          capture_output=True, text=True, check=True)
     weights, extra = map(float, out.stdout.split())
     assert weights > 70 and extra < 15, out.stdout
+
+
+def test_a_file_too_large_to_map_says_so_rather_than_corrupt(tmp_path, monkeypatch):
+    # A valid 31 GiB file on a 23 GiB machine: safetensors cannot map it, which was
+    # reported as "not a valid safetensors file (truncated or corrupt?)".
+    import safetensors
+
+    from attnlab.io import CheckpointError
+
+    save_file({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
+
+    def refused(path, **kwargs):
+        raise OSError(f"unable to mmap 33429975568 bytes from file <{path}>: Cannot allocate "
+                      "memory (12)")
+
+    monkeypatch.setattr(safetensors, "safe_open", refused)
+    with pytest.raises(CheckpointError, match=r"model.safetensors' \(0.0 GiB\) cannot be "
+                                              r"mapped into memory .* too large for this machine"):
+        SafetensorsState([tmp_path / "model.safetensors"])

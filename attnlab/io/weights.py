@@ -103,6 +103,15 @@ def _written(address: int, nbytes: int) -> bool:
 # --------------------------------------------------------------------- safetensors files
 
 
+def _too_large(path: Path, exc: Exception) -> str:
+    from ..checks import machine_memory
+
+    total = machine_memory()
+    memory = f"; this machine has {total / 2**30:,.1f} GiB of memory" if total else ""
+    return (f"{str(path)!r} ({path.stat().st_size / 2**30:,.1f} GiB) cannot be mapped into "
+            f"memory ({exc}){memory}: the model is too large for this machine")
+
+
 class SafetensorsState(Mapping):
     """The tensors of one or more safetensors files (a sharded checkpoint), read lazily.
 
@@ -124,6 +133,8 @@ class SafetensorsState(Mapping):
             try:
                 handle = safe_open(path, framework="pt", device=device)
             except Exception as exc:  # safetensors raises its own error types
+                if "Cannot allocate memory" in str(exc):  # a whole file it cannot map
+                    raise CheckpointError(_too_large(path, exc)) from exc
                 raise CheckpointError(f"{str(path)!r}: not a valid safetensors file "
                                       f"(truncated or corrupt?): {exc}") from exc
             self._handles[path] = handle
