@@ -91,6 +91,18 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(originals, tmp
             assert float((got - originals[name](ids).logits).abs().max()) < 1e-4
 
 
+def test_a_llama_file_with_biases_reads_them_as_llama_cpp_does(tmp_path):
+    # llama.cpp takes a Llama layer's q/k/v/output and MLP biases where a file has them;
+    # attnlab refused such a file ("has no place in the model its metadata describes").
+    torch.manual_seed(0)
+    hf = _sharpened(T.LlamaForCausalLM(T.LlamaConfig(**_SMALL, attention_bias=True,
+                                                     mlp_bias=True)))
+    ours = GPT.from_gguf(_write(tmp_path, hf, "llama", "F32"), dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours(ids) - hf(ids).logits).abs().max()) < 1e-4
+
+
 def test_quantised_weights_differ_from_the_original_as_their_type_says(originals, tmp_path):
     """The types are really written and read: F16 and Q8_0 move the logits by a little
     (more for Q8_0), and not at all for F32 (so the equality above is not vacuous)."""

@@ -126,3 +126,16 @@ def test_a_file_too_large_to_map_says_so_rather_than_corrupt(tmp_path, monkeypat
     with pytest.raises(CheckpointError, match=r"model.safetensors' \(0.0 GiB\) cannot be "
                                               r"mapped into memory .* too large for this machine"):
         SafetensorsState([tmp_path / "model.safetensors"])
+
+
+def test_float8_and_unsigned_tensors_are_read_as_their_own_dtype(tmp_path):
+    # They were read as uint8, and a model that met one named "torch.uint8" for a float8.
+    want = {"f8": torch.randn(3, 4).to(torch.float8_e4m3fn),
+            "f8b": torch.randn(5).to(torch.float8_e5m2),
+            "u16": torch.arange(6).to(torch.uint16), "u32": torch.arange(7).to(torch.uint32)}
+    save_file(want, tmp_path / "w.safetensors")
+    state = SafetensorsState([tmp_path / "w.safetensors"])
+    for name, t in want.items():
+        assert state.shapes()[name] == (tuple(t.shape), t.dtype)
+        assert state[name].dtype == t.dtype and torch.equal(state[name].view(torch.uint8),
+                                                            t.view(torch.uint8))

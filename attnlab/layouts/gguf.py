@@ -132,6 +132,11 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
     if "vocab_size" not in cfg and isinstance(meta.get("tokenizer.ggml.tokens"), list):
         cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if cfg["model_type"] != "qwen2":  # (Qwen2's q/k/v biases are its layout's own)
+        # llama.cpp reads a Llama layer's biases where the file has them (transformers:
+        # attention_bias for q, k, v and the output, mlp_bias for the MLP).
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
     heads = cfg.get("num_attention_heads")
     hidden = cfg.get("hidden_size")
