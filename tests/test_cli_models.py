@@ -195,3 +195,26 @@ def test_a_folder_without_a_fitting_tokenizer_is_refused_before_its_weights_are_
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 3}))
     assert f"tokenizer.json has {len(WORDS)} tokens but the model's vocab_size is 3" in _err(
         capsys, "generate", "--model", str(small), "--prompt", "x")
+
+
+def test_a_model_file_that_is_not_a_regular_file_is_named_as_what_it_is(gpt2_dir, tmp_path,
+                                                                       capsys):
+    # It was "has no tokenizer.json" (or config.json, model.safetensors) where the file
+    # was there but a FIFO, a device or a folder.
+    import os
+    import shutil
+
+    cases = {"config.json": "is a device", "tokenizer.json": "is a FIFO",
+             "model.safetensors": "not a regular file"}
+    for name, words in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(gpt2_dir, folder)
+        (folder / name).unlink()
+        if name == "config.json":
+            (folder / name).symlink_to("/dev/zero")
+        elif name == "tokenizer.json":
+            os.mkfifo(folder / name)
+        else:
+            (folder / name).mkdir()
+        err = _err(capsys, "generate", "--model", str(folder), "--prompt", "x")
+        assert words in err and "has no" not in err, err

@@ -35,7 +35,7 @@ NAMED_MODELS = ("minilm", "smollm2")
 
 
 def _model_type(folder: Path) -> object:
-    if not (folder / CONFIG_FILE).is_file():
+    if not os.path.lexists(folder / CONFIG_FILE):  # (a FIFO or a device: read_json says so)
         return None
     config = read_json(folder / CONFIG_FILE, CONFIG_LIMIT, "config")
     return config.get("model_type") if isinstance(config, dict) else None
@@ -50,7 +50,7 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     if kind in MODEL_TYPES and "format" in read_json(path / CONFIG_FILE, CONFIG_LIMIT, "config"):
         raise ValueError(f"--model {str(folder)!r} is an attnlab checkpoint: use --ckpt "
                          f"{str(folder)!r}")
-    if path.is_dir() and not (path / CONFIG_FILE).is_file():
+    if path.is_dir() and not os.path.lexists(path / CONFIG_FILE):
         raise ValueError(f"--model {str(folder)!r} has no {CONFIG_FILE}; expected a folder "
                          "written by save_pretrained (config.json, model.safetensors, "
                          "tokenizer.json), a GGUF file, smollm2 or minilm")
@@ -62,7 +62,7 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
         (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
     # The tokenizer first: a folder without one, or with one too large for the model, is
     # refused before the weights are read (a 7B folder takes minutes and its size in RAM).
-    if not (path / "tokenizer.json").is_file():
+    if not os.path.lexists(path / "tokenizer.json"):
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
     tokenizer = _chat_tokenizer(path) or HFTokenizer(path / "tokenizer.json")

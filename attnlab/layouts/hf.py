@@ -173,9 +173,9 @@ def read_folder(folder: str | os.PathLike) -> tuple[Config, SafetensorsState]:
                          "by save_pretrained")
     cfg = read_json(path / CONFIG_FILE, CONFIG_LIMIT, "config")
     index = path / "model.safetensors.index.json"
-    if (path / "model.safetensors").is_file():
+    if os.path.lexists(path / "model.safetensors"):  # (not a regular file: said when read)
         files = [path / "model.safetensors"]
-    elif index.is_file():
+    elif os.path.lexists(index):
         weight_map = read_json(index, CONFIG_LIMIT, "index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{str(index)!r} has no weight_map")
