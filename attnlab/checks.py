@@ -68,7 +68,10 @@ def probability(name: str, value: object) -> float:
 
 
 def boolean(name: str, value: object) -> bool:
-    """``value`` if it is a bool, else TypeError: ``"no"`` or ``1`` is not silently true."""
+    """``value`` as a bool (NumPy's bool too), else TypeError: ``"no"`` or ``1`` is not
+    silently true."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value

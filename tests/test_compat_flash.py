@@ -258,3 +258,13 @@ def test_a_window_side_of_seqlen_k_or_more_is_unbounded_as_flashattentions():
     torch.testing.assert_close(
         flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 9, 3, window_size=(-1, 3)),
         full[0])
+
+
+def test_numpys_bool_is_a_bool():
+    # code ported from a data loader passes causal=np.bool_(True); it was refused as
+    # "causal must be a bool, got bool np.True_"
+    q = torch.randn(1, 5, 2, 8)
+    torch.testing.assert_close(flash_attn_func(q, q, q, causal=np.True_),
+                               flash_attn_func(q, q, q, causal=True))
+    with pytest.raises(TypeError, match="causal must be a bool, got int 1"):
+        flash_attn_func(q, q, q, causal=1)
