@@ -201,3 +201,25 @@ def test_masks_combinators_and_a_float64_lse_are_torchs():
     _, want = _torch_flex(q, k, v, None, None, None, return_lse=True)
     assert lse.dtype == want.dtype == torch.float64
     torch.testing.assert_close(lse, want)
+
+
+def test_a_torch_block_mask_is_read_as_its_blocks_say():
+    # BlockMask.from_kv_blocks carries noop_mask: only its blocks say what is allowed, as
+    # torch's compiled kernel (the one GPU code runs) reads them. attnlab attended
+    # everywhere; here query block 0 lists key block 0 only: block-causal.
+    num = torch.tensor([1, 2], dtype=torch.int32).view(1, 1, 2).expand(1, 2, 2).contiguous()
+    idx = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32).view(1, 1, 2, 2).expand(
+        1, 2, 2, 2).contiguous()
+    blocks = torch_flex.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+    allowed = torch.ones(32, 32, dtype=torch.bool)
+    allowed[:16, 16:] = False
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=blocks), want)
+    # a full block is whole: its mask_mod is not asked there
+    full = torch_flex.BlockMask.from_kv_blocks(
+        torch.zeros(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
+        num[:, :1], idx[:, :1], BLOCK_SIZE=16, mask_mod=lambda b, h, qi, ki: ki < 0)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=full),
+                               want)

@@ -8,8 +8,9 @@ device (torch's own runs on the CPU forward only, compiled per mask).
   ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled score and the block mask's
   ``mask_mod`` are attnlab's, called vectorised (``attnlab.blockmask``): write them with
   tensor operations, as FlexAttention's examples are. ``block_mask`` is one from
-  :func:`create_block_mask` or torch's own ``BlockMask`` (its ``mask_mod`` is evaluated
-  again here). A row that may attend nothing gives zeros and, with ``return_lse``, an
+  :func:`create_block_mask` or torch's own ``BlockMask``, read as torch's compiled kernel
+  (what GPU code runs) reads it: the blocks it lists, whole where it lists them full, its
+  ``mask_mod`` evaluated again on the others (``BlockMask.from_kv_blocks`` too). A row that may attend nothing gives zeros and, with ``return_lse``, an
   lse of ``-inf`` (FlexAttention's). ``kernel_options`` are accepted and ignored.
 - ``and_masks``, ``or_masks``, ``noop_mask``: torch's own (they broadcast as attnlab calls
   a mask_mod), so that their import can be swapped too.
@@ -21,6 +22,8 @@ device (torch's own runs on the CPU forward only, compiled per mask).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
@@ -51,6 +54,44 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BL
                       device=device)
 
 
+# torch BlockMask -> attnlab's, per object (a BlockMask hashes by identity).
+_FROM_TORCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _listed(num, indices, nk: int) -> torch.Tensor:
+    """The blocks a torch BlockMask lists (``num`` (B, H, nq) of ``indices`` (B, H, nq, n)
+    valid) as a bool ``(B, H, nq, nk)``."""
+    valid = torch.arange(indices.shape[-1], device=indices.device) < num[..., None]
+    out = torch.zeros(*num.shape, nk + 1, dtype=torch.bool, device=indices.device)
+    out.scatter_(-1, torch.where(valid, indices.long(), nk), True)
+    return out[..., :nk]
+
+
+def _from_torch(torch_mask, mod, shape, sizes, device) -> BlockMask:
+    """A torch BlockMask as its compiled kernel reads it: blocks it does not list are empty,
+    its full blocks are whole (the mask_mod is not asked there), its partial blocks are the
+    mask_mod's (torch's eager path asks the mask_mod everywhere; from_kv_blocks masks
+    carry noop_mask, so only the blocks say anything)."""
+    batch, heads, q_len, k_len = (int(x) for x in shape)
+    evaluated = block_mask(mod, batch, heads, q_len, k_len, block_q=int(sizes[0]),
+                           block_k=int(sizes[1]), device=device).dense()
+    nk = -(-k_len // int(sizes[1]))
+
+    def expand(blocks):  # (B, H, nq, nk) -> (B, H, q_len, k_len)
+        rows = blocks.repeat_interleave(int(sizes[0]), 2)[:, :, :q_len]
+        return rows.repeat_interleave(int(sizes[1]), 3)[..., :k_len].to(device)
+
+    allowed = expand(_listed(torch_mask.kv_num_blocks, torch_mask.kv_indices, nk)) & evaluated
+    if torch_mask.full_kv_num_blocks is not None:
+        allowed |= expand(_listed(torch_mask.full_kv_num_blocks, torch_mask.full_kv_indices,
+                                  nk))
+
+    def by_blocks(b, h, q_idx, kv_idx):
+        return allowed[b, h, q_idx, kv_idx]
+    return block_mask(by_blocks, batch, heads, q_len, k_len, block_q=int(sizes[0]),
+                      block_k=int(sizes[1]), device=device, cache=False)
+
+
 def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
     if block_mask_ is None or isinstance(block_mask_, BlockMask):
         return block_mask_
@@ -63,8 +104,14 @@ def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
         raise ValueError(f"block_mask is for (Q_LEN, KV_LEN) = {tuple(shape[-2:])}, but the "
                          f"inputs have {(query.shape[-2], key.shape[-2])}")
     sizes = getattr(block_mask_, "BLOCK_SIZE", (BLOCK_SIZE, BLOCK_SIZE))
-    return block_mask(mod, int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]),
-                      block_q=int(sizes[0]), block_k=int(sizes[1]), device=query.device)
+    if getattr(block_mask_, "kv_num_blocks", None) is None:
+        return block_mask(mod, int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]),
+                          block_q=int(sizes[0]), block_k=int(sizes[1]), device=query.device)
+    found = _FROM_TORCH.get(block_mask_)
+    if found is None or found.device != query.device:
+        found = _from_torch(block_mask_, mod, shape, sizes, query.device)
+        _FROM_TORCH[block_mask_] = found
+    return found
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
