@@ -10,8 +10,9 @@ device (torch's own runs on the CPU forward only, compiled per mask).
   tensor operations, as FlexAttention's examples are. ``block_mask`` is one from
   :func:`create_block_mask` or torch's own ``BlockMask``, read as torch's compiled kernel
   (what GPU code runs) reads it: the blocks it lists, whole where it lists them full, its
-  ``mask_mod`` evaluated again on the others (``BlockMask.from_kv_blocks`` too). A row that may attend nothing gives zeros and, with ``return_lse``, an
-  lse of ``-inf`` (FlexAttention's). ``kernel_options`` are accepted and ignored.
+  ``mask_mod`` evaluated again on the others (``BlockMask.from_kv_blocks`` too). A row
+  that may attend nothing gives zeros and, with ``return_lse``, an lse of ``-inf``
+  (FlexAttention's). ``kernel_options`` are accepted and ignored.
 - ``and_masks``, ``or_masks``, ``noop_mask``: torch's own (they broadcast as attnlab calls
   a mask_mod), so that their import can be swapped too.
 - ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128)``:
