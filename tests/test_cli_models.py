@@ -189,12 +189,15 @@ def test_a_folder_without_a_fitting_tokenizer_is_refused_before_its_weights_are_
     (bare / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in _err(capsys, "generate", "--model", str(bare),
                                             "--prompt", "x")
-    small = tmp_path / "small"
-    shutil.copytree(gpt2_dir, small)
-    config = json.loads((small / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 3}))
-    assert f"tokenizer.json has {len(WORDS)} tokens but the model's vocab_size is 3" in _err(
-        capsys, "generate", "--model", str(small), "--prompt", "x")
+    large = tmp_path / "large"
+    shutil.copytree(gpt2_dir, large)
+    from tokenizers import Tokenizer, models
+
+    words = [*WORDS, "extra", "words"]
+    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")).save(
+        str(large / "tokenizer.json"))
+    assert (f"tokenizer.json has {len(words)} tokens but the model's vocab_size is "
+            f"{len(WORDS)}") in _err(capsys, "generate", "--model", str(large), "--prompt", "x")
 
 
 def test_a_model_file_that_is_not_a_regular_file_is_named_as_what_it_is(gpt2_dir, tmp_path,

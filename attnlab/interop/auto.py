@@ -24,7 +24,7 @@ from torch import nn
 
 from ..io import CONFIG_FILE, read_json
 from ..io.reading import CONFIG_LIMIT, TOKENIZER_LIMIT
-from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS
+from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS, encoder_layout, gpt_layout
 from ..models import GPT, MODEL_TYPES, Encoder
 
 __all__ = ["load", "load_for_cli", "load_hf_folder", "load_gguf", "known_text",
@@ -58,27 +58,19 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
         raise ValueError(f"--model {str(folder)!r}: model_type {kind!r} is not supported "
                          f"(expected one of {sorted(GPT_LAYOUTS)} (decoders) or "
                          f"{sorted(ENCODER_LAYOUTS)} (encoders))")
-    if not path.is_dir():  # from_hf says what it is instead
-        (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
-    # The tokenizer first: a folder without one, or with one too large for the model, is
-    # refused before the weights are read (a 7B folder takes minutes and its size in RAM).
+    # The config against the weights' shapes (no weight read), then the tokenizer: a
+    # folder without one, or with one too large for the model, is refused before the
+    # weights are read (a 7B folder takes minutes and its size in RAM).
+    config, _ = (encoder_layout if kind in ENCODER_LAYOUTS else gpt_layout)(path)
     if not os.path.lexists(path / "tokenizer.json"):
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
     tokenizer = _chat_tokenizer(path) or HFTokenizer(path / "tokenizer.json")
-    _check_vocab(folder, tokenizer, read_json(path / CONFIG_FILE, CONFIG_LIMIT,
-                                              "config").get("vocab_size"))
-    model = (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
-    _check_vocab(folder, tokenizer, model.config.vocab_size)
-    return model, tokenizer
-
-
-def _check_vocab(folder, tokenizer, vocab_size) -> None:
-    """A tokenizer with more tokens than the model has ids is refused (fewer is how models
-    pad their vocabulary)."""
-    if isinstance(vocab_size, int) and tokenizer.vocab_size > vocab_size:
+    if tokenizer.vocab_size > config["vocab_size"]:
         raise ValueError(f"--model {str(folder)!r}: tokenizer.json has {tokenizer.vocab_size} "
-                         f"tokens but the model's vocab_size is {vocab_size}")
+                         f"tokens but the model's vocab_size is {config['vocab_size']}")
+    model = (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
+    return model, tokenizer
 
 
 def _chat_tokenizer(folder: Path):
