@@ -88,10 +88,14 @@ class _NoGradient(torch.autograd.Function):
                            "does): use lse.detach() where a loss takes it")
 
 
-def without_gradient(value: torch.Tensor, what: str, *inputs: torch.Tensor) -> torch.Tensor:
+def without_gradient(value: torch.Tensor, what: str, *inputs) -> torch.Tensor:
     """``value`` (computed from ``inputs`` without autograd), tied to them so that a
     backward through it raises naming ``what``, rather than giving gradients that leave
-    its part out; ``value`` itself where no input asks for a gradient."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _NoGradient.apply(value, what, *inputs)
+    its part out; ``value`` itself where no input asks for a gradient, and while
+    torch.compile traces (a backward that raises stops a fullgraph trace). ``inputs``:
+    tensors or None."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not torch.compiler.is_compiling()):
+        return _NoGradient.apply(value, what, *tensors)
     return value

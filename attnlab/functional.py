@@ -119,8 +119,8 @@ def attention(
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
             signature; True = may attend), or a block mask made from one
             (``attnlab.blockmask.block_mask``, ``attnlab.compat.create_block_mask``).
-            Evaluated once per (function, shape) into a block mask and cached
-            (``attnlab.blockmask``: vectorised as there, pure); tiles it forbids are
+            Evaluated into a block mask, cached per (function, what it reads, shape)
+            (``attnlab.blockmask``: vectorised as there); tiles it forbids are
             skipped. Exceptions it raises come back as one ValueError naming it.
         sinks: ``(q_heads,)`` floats, differentiable: gpt-oss's attention sinks, one
             logit per head that joins each row's softmax denominator and weighs no
@@ -164,7 +164,7 @@ def attention_with_lse(
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
         mask_mod=mask_mod, score_mod=score_mod), want_lse=True)
     return out, without_gradient(lse, "the lse (of attention_with_lse, compat.flex_attention, "
-                                 "compat.flash_attn_*)", q, k, v)
+                                 "compat.flash_attn_*)", q, k, v, sinks, alibi_slopes)
 
 
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,

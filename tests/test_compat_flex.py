@@ -189,6 +189,19 @@ def test_a_backward_through_the_lse_raises_instead_of_leaving_it_out():
     with pytest.raises(RuntimeError, match="the lse .* carries no gradient .* lse.detach()"):
         (out.sum() + lse.sum()).backward()
     (out.sum() + lse.detach().sum()).backward()
+    # the sinks (differentiable) alone asking for a gradient: the same named error
+    from attnlab.functional import attention_with_lse
+
+    sinks = torch.zeros(Q.shape[1], requires_grad=True)
+    _, lse = attention_with_lse(Q, K, V, sinks=sinks)
+    with pytest.raises(RuntimeError, match="the lse .* carries no gradient"):
+        lse.sum().backward()
+    # and a compiled call that returns the lse still traces whole (the lse then carries
+    # no gradient, as before)
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, return_lse=True),
+                             backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v)[1], want_lse)
+    torch._dynamo.reset()
 
 
 def test_masks_combinators_and_a_float64_lse_are_torchs():
