@@ -75,12 +75,12 @@ def _blocks(q_len: int, k_len: int, causal: bool, window: int,
     T=2048 0.84x -> 0.81x, T=4096 0.89x -> 0.87x, T=8192 0.92x -> 0.90x (from 128 x 512);
     dense T=1024 1.01x -> 0.98x, T=2048 1.00x -> 0.96x. Longer rows, and the dense
     backward, keep 128 x 512 (64 x 512 for a short dense row), whose blocks pack their
-    own keys. So do ``documents``: the blocks of a document read keys that nest, but a
-    head's blocks go longest first, one document after another, so a worker's held
-    keys rarely serve its next block (8 documents in T=8192: 1.39x the time of a call
-    per document in blocks of 32, 1.04x in blocks of 128 x 512). ``documents``: the mean
-    number of keys a query's document holds, or None. Short documents (packed sentences)
-    take blocks of 32 rows, whose tiles reach few documents past the rows' own: 12 heads,
+    own keys. So do ``documents`` (measured when a worker held only a block's own keys,
+    before it held them to the head's end: 8 documents in T=8192, 1.39x the time of a
+    call per document in blocks of 32, 1.04x in blocks of 128 x 512). ``documents``: the
+    mean number of keys a query's document holds, or None. Short documents (packed
+    sentences; the forward takes a block's rows a document at a time) take blocks of 32
+    rows: 12 heads,
     one thread, the forward, against the blocks above: documents of 14 keys (head_dim 32,
     T=454) 0.82x, of 40 (T=1024) 0.92x, of 64 (T=2048) causal 0.85x, dense 1.02x; of 128,
     no gain. The backward tiles documents of up to 4 * SHORT_DOCUMENT keys by 64 x 64 (at

@@ -18,8 +18,10 @@ sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its cl
 the globals its code names hold (and those of the functions among them, as ``and_masks``
 holds its parts), each tensor by identity and version: so a document-id tensor bound
 again to the same global name, or changed in place, is a new mask, as FlexAttention's
-``create_block_mask`` evaluates the function on every call. (A Python list or dict the
-function reads, changed in place, is not seen: bind a new one.)
+``create_block_mask`` evaluates the function on every call. A bound method counts as its
+object and function. Not seen: a Python list or dict the function reads changed in place,
+and what it reaches through an attribute (``self.ids``) or a ``functools.partial``: bind
+a new one, or pass ``cache=False``.
 """
 
 from __future__ import annotations
@@ -262,6 +264,9 @@ def _reads(fn, held: list, depth: int = 0) -> tuple:
     """What ``fn`` reads besides its arguments, as a hashable key: its closure's values and
     the globals its code names, tensors as (identity, version) and kept alive in ``held``
     (so that no new tensor takes a cached one's identity), functions by their own reads."""
+    if isinstance(fn, types.MethodType):  # a bound method: a new object at each access
+        held.append(fn.__self__)
+        return (("self", id(fn.__self__)), *_reads(fn.__func__, held, depth))
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
         return (_value(fn, held, depth),)
@@ -279,7 +284,9 @@ def _reads(fn, held: list, depth: int = 0) -> tuple:
 def _value(v, held: list, depth: int):
     if isinstance(v, torch.Tensor):
         held.append(v)
-        return ("tensor", id(v), v._version)
+        # (an inference tensor keeps no version: changed in place under inference_mode,
+        # it is not seen)
+        return ("tensor", id(v), None if v.is_inference() else v._version)
     if v is None or isinstance(v, int | float | bool | str | bytes):
         return v
     if depth < 4 and isinstance(v, tuple):

@@ -150,3 +150,30 @@ def test_a_mask_reading_a_global_rebound_or_changed_in_place_is_evaluated_again(
     # reading the same values again is the cached evaluation
     assert block_mask(both, 1, 1, 8, 8, block_q=4, block_k=4) is block_mask(
         both, 1, 1, 8, 8, block_q=4, block_k=4)
+
+
+def test_inference_tensors_and_bound_methods_are_keyed_too():
+    # An inference tensor keeps no version counter (reading it raised); a bound method is
+    # a new object at each access (it missed the cache every call).
+    with torch.inference_mode():
+        ids = torch.tensor([0, 0, 1, 1])
+
+    def same(b, h, q, kv):
+        return ids[q] == ids[kv]
+
+    assert torch.equal(block_mask(same, 1, 1, 4, 4, block_q=2, block_k=2).dense()[0, 0],
+                       ids[:, None] == ids[None, :])
+
+    class Documents:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def mask(self, b, h, q, kv):
+            return self.ids[q] == self.ids[kv]
+
+    docs = Documents(torch.tensor([0, 1, 1, 1]))
+    first = block_mask(docs.mask, 1, 1, 4, 4, block_q=2, block_k=2)
+    assert block_mask(docs.mask, 1, 1, 4, 4, block_q=2, block_k=2) is first
+    other = Documents(torch.tensor([0, 0, 0, 1]))
+    assert not torch.equal(block_mask(other.mask, 1, 1, 4, 4, block_q=2, block_k=2).dense(),
+                           first.dense())
