@@ -220,8 +220,11 @@ def test_varlen_refuses_what_it_cannot_state_exactly():
                                          r"sequence \(4\), got 3"):
         flash_attn_varlen_func(q, q, q, cu, cu, 3, 4)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, never decrease and "
-                                         r"end at the number of tokens \(6\)"):
+                                         r"end at or before the number of tokens \(6\)"):
         flash_attn_varlen_func(q, q, q, cu, torch.tensor([0, 4, 2, 6]), 4, 4)
+    with pytest.raises(ValueError, match=r"end at or before the number of tokens \(6\), got "
+                                         r"\[0, 2, 7\]"):
+        flash_attn_varlen_func(q, q, q, cu, torch.tensor([0, 2, 7]), 4, 5)
     with pytest.raises(ValueError, match="one slope per head, the same for every sequence"):
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=torch.rand(2, 2))
     same = torch.tensor([[0.5, 0.25], [0.5, 0.25]])
@@ -268,3 +271,19 @@ def test_numpys_bool_is_a_bool():
                                flash_attn_func(q, q, q, causal=True))
     with pytest.raises(TypeError, match="causal must be a bool, got int 1"):
         flash_attn_func(q, q, q, causal=1)
+
+
+def test_varlen_tokens_past_the_last_sequence_are_padding():
+    # Code that pads q/k/v to a fixed total (FlashAttention leaves those rows alone) was
+    # refused; the padding's rows are zeros, the sequences' are as without it.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 8, generator=g) for n in (9, 8, 8))
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 3, 6],
+                                                                        dtype=torch.int32)
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (1, 1))):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 3, causal=causal,
+                                     window_size=window)
+        want = flash_attn_varlen_func(q[:6], k[:6], v[:6], cu_q, cu_k, 4, 3, causal=causal,
+                                      window_size=window)
+        torch.testing.assert_close(out[:6], want)
+        assert not out[6:].any()

@@ -23,7 +23,8 @@ The semantics are FlashAttention's README's, mapped exactly:
   sign encoding is not reproduced).
 
 Refused, each with one ValueError: a negative ``softcap``; ``block_table`` (a paged KV
-cache); in varlen, per-sequence ALiBi slopes that differ between sequences.
+cache); in varlen, per-sequence ALiBi slopes that differ between sequences. Varlen tokens
+past ``cu_seqlens[-1]`` (padding to a fixed total) are left out: their rows are zeros.
 ``deterministic`` is accepted and changes nothing (attnlab's backward is deterministic).
 """
 
@@ -148,9 +149,9 @@ def _cu_seqlens(name: str, cu, total: int, device) -> torch.Tensor:
         raise TypeError(f"{name} must be a 1-D integer tensor (batch + 1,) of cumulative "
                         f"sequence lengths, got {cu!r}")
     cu = cu.to(device=device, dtype=torch.long)
-    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name} must start at 0, never decrease and end at the number of "
-                         f"tokens ({total}), got {cu.tolist()}")
+    if int(cu[0]) != 0 or int(cu[-1]) > total or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must start at 0, never decrease and end at or before the "
+                         f"number of tokens ({total}), got {cu.tolist()}")
     return cu
 
 
@@ -180,9 +181,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), "
                              f"got {most!r}")
     batch = len(cu_q) - 1
-    seqs = torch.arange(batch, device=q.device)
-    q_ids = torch.repeat_interleave(seqs, cu_q[1:] - cu_q[:-1])
-    k_ids = torch.repeat_interleave(seqs, cu_k[1:] - cu_k[:-1])
+    # Tokens past cu_seqlens[-1] (padding to a fixed total, which FlashAttention leaves
+    # alone) are sequences of their own, the queries' with no keys: their rows are zeros.
+    ids = torch.arange(batch + 2, device=q.device)
+    q_ids = torch.repeat_interleave(ids, torch.cat([cu_q[1:] - cu_q[:-1], (
+        q.shape[0] - cu_q[-1]).view(1), cu_q.new_zeros(1)]))
+    k_ids = torch.repeat_interleave(ids, torch.cat([cu_k[1:] - cu_k[:-1], cu_k.new_zeros(1), (
+        k.shape[0] - cu_k[-1]).view(1)]))
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.ndim == 2:
         if alibi_slopes.shape[0] != batch or not bool((alibi_slopes == alibi_slopes[:1]).all()):
             raise ValueError(f"alibi_slopes of shape {tuple(alibi_slopes.shape)} with "
@@ -197,7 +202,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if rule is not None:
         kw.update(causal=rule[0], window=rule[1])
     else:  # a band around each query's position in its own sequence
-        offset = (cu_k[1:] - cu_q[1:])[q_ids]
+        offset = torch.cat([cu_k[1:] - cu_q[1:], cu_q.new_zeros(2)])[q_ids]
         kw["mask_mod"] = block_mask(_band(left, right, offset), 1, 1, q.shape[0], k.shape[0],
                                     device=q.device, cache=False)
     result = _finish(q4, k4, v4, kw, return_attn_probs,
