@@ -221,3 +221,26 @@ def test_a_model_file_that_is_not_a_regular_file_is_named_as_what_it_is(gpt2_dir
             (folder / name).mkdir()
         err = _err(capsys, "generate", "--model", str(folder), "--prompt", "x")
         assert words in err and "has no" not in err, err
+
+
+def test_a_prompt_stops_at_the_folders_end_of_text_token(gpt2_dir, tmp_path, capsys):
+    # transformers' generate stops at generation_config.json's eos_token_id (else
+    # config.json's); --prompt went on to --max-new-tokens.
+    import shutil
+
+    from attnlab.interop.auto import load_hf_folder
+
+    folder = tmp_path / "eos"
+    shutil.copytree(gpt2_dir, folder)
+    model, tokenizer = load_hf_folder(folder)
+    ids = tokenizer.encode("the cat")
+    greedy = model.generate(torch.tensor([ids]), 6, temperature=0)[0, len(ids):].tolist()
+    assert main(["generate", "--model", str(folder), "--prompt", "the cat", "--temperature",
+                 "0", "--max-new-tokens", "6"]) == 0
+    longer = capsys.readouterr().out
+    stop = greedy[0]  # (a plain word here: printed, as a special token would not be)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 1]}))
+    assert main(["generate", "--model", str(folder), "--prompt", "the cat", "--temperature",
+                 "0", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip("\n") == tokenizer.decode(ids + greedy[:1]) and len(out) < len(longer)

@@ -161,6 +161,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             setattr(args, option, text[:-1] if text.endswith("\n") else text)
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     ids, shown, eos_id = _prompt_ids(args, tokenizer)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if eos_id is not None and (vocab is None or not 0 <= eos_id < vocab):
+        eos_id = None  # (a config's id past a small model's vocabulary: never produced)
     if not hasattr(model, "generate"):
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         kind = type(model).__name__
@@ -188,11 +191,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, int | None]:
     """``(ids, text to print first, id that ends the reply)`` of ``--prompt`` or ``--chat``:
     a chat message goes through the model's chat template (whose text holds the special
-    tokens, so none are added), and the reply ends at the model's end-of-turn token."""
+    tokens, so none are added), and the reply ends at the model's end-of-turn token; a
+    prompt's text ends at the model's end-of-text token where it names one, as
+    transformers' generate stops at it (an attnlab checkpoint names none)."""
     name = "--prompt" if args.chat is None else "--chat"
     try:
         if args.chat is None:
-            ids, shown, eos_id = tokenizer.encode(args.prompt), args.prompt, None
+            ids, shown = tokenizer.encode(args.prompt), args.prompt
+            eos_id = getattr(tokenizer, "eos_id", None)
         else:
             if not hasattr(tokenizer, "apply_chat"):
                 raise ValueError("this model has no chat template (a GGUF file's is used, "

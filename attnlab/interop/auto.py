@@ -66,11 +66,27 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
     tokenizer = _chat_tokenizer(path) or HFTokenizer(path / "tokenizer.json")
+    if tokenizer.eos_id is None:
+        tokenizer.eos_id = _eos_id(path)
     if tokenizer.vocab_size > config["vocab_size"]:
         raise ValueError(f"--model {str(folder)!r}: tokenizer.json has {tokenizer.vocab_size} "
                          f"tokens but the model's vocab_size is {config['vocab_size']}")
     model = (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
     return model, tokenizer
+
+
+def _eos_id(folder: Path) -> int | None:
+    """The end-of-text id transformers' ``generate`` stops at: ``generation_config.json``'s
+    ``eos_token_id``, else ``config.json``'s (the first of a list); None where neither
+    names an int."""
+    for name in ("generation_config.json", CONFIG_FILE):
+        if not os.path.lexists(folder / name):
+            continue
+        eos = read_json(folder / name, CONFIG_LIMIT, "config").get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            return eos
+    return None
 
 
 def _chat_tokenizer(folder: Path):

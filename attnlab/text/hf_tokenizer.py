@@ -37,6 +37,9 @@ class HFTokenizer(Tokenizer):
     """
 
     type_name: ClassVar[str] = "hf"
+    # The model's end-of-text token, where the folder the tokenizer came with names one
+    # (what ``attnlab generate`` stops at, as transformers' generate does); None here.
+    eos_id: int | None = None
 
     def __init__(self, source: PathLike | Any) -> None:
         from tokenizers import Tokenizer as _HFTok
