@@ -192,11 +192,26 @@ def _one_and_two_processes(tmp_path, common, *split):
                              str(tmp_path / "one")], capture_output=True, text=True,
                             env=_env(), timeout=300)
     assert single.returncode == 0, single.stderr
+    # Each rank records, at the interpreter's exit, that it finalised: a rank that did
+    # could abort there while gloo's threads free their last work (attnlab.cli.run).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "if 'RANK' in os.environ:\n"
+        f"    atexit.register(lambda: open(os.path.join({str(site)!r}, 'finalised-' + "
+        "os.environ['RANK']), 'w').close())\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     dual = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", "-m", "attnlab", *common, *split, "--out",
-                           str(tmp_path / "two")], capture_output=True, text=True, env=_env(),
+                           str(tmp_path / "two")], capture_output=True, text=True, env=env,
                           timeout=300)
-    assert dual.returncode == 0, dual.stderr[-2000:]
+    # The ranks' own lines first (an abort's reason), then the launcher's ending.
+    told = [line for line in dual.stderr.splitlines()
+            if any(w in line for w in ("terminate", "Error", "error:", "Abort"))]
+    assert dual.returncode == 0, "\n".join(told[:20]) + "\n" + dual.stderr[-1500:]
+    assert not sorted(p.name for p in site.glob("finalised-*"))
     a, b = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)

@@ -9,11 +9,13 @@ on stderr and exits with status 2. Every option's help shows its default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import select
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .commands import (
     cmd_ablate,
@@ -253,6 +255,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def run() -> NoReturn:
+    """``attnlab`` and ``python -m attnlab``: :func:`main`, its status the process's.
+
+    A process that trained under torchrun ends there without finalising the
+    interpreter: gloo's worker threads outlive the group, and one that frees a tensor
+    while the interpreter finalises aborts the rank after a finished run (see
+    :func:`attnlab.training.distributed._leave_group`). Everything it wrote is closed by
+    then; its standard streams are flushed here."""
+    status = main()
+    group = sys.modules.get("attnlab.training.distributed")
+    if group is not None and group.threads_left():
+        for stream in (sys.stdout, sys.stderr):
+            # A reader gone or a stream closed: nothing left to keep.
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(status)
+    raise SystemExit(status)
 
 
 # The options that hold text to read (not a path, where any bytes may name a file), by

@@ -57,22 +57,36 @@ def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
     return dist.get_rank(), world, created
 
 
+# Set once this process has left a group: its worker threads live on (see _leave_group).
+_THREADS_LEFT = False
+
+
 def _leave_group(wait: bool) -> None:
     """Leave the group ``_dist_setup`` created; after a finished run (``wait``), once
-    gloo's worker threads are idle.
+    every queued collective has run.
 
     A gloo worker frees each collective's work item right after running it; when that
-    drops the last reference to a tensor Python has seen (DDP's, ours), freeing it
-    takes the GIL. If the main thread was already finalising the interpreter, the
-    worker was unwound there and the rank aborted ("terminate called without an
-    active exception", exit status -6: about one two-rank run in 15 here). The
-    barrier returns once every queued collective has run, and waits with the GIL
-    released, so the workers finish freeing before this process goes on to exit."""
+    drops the last reference to a tensor Python has seen, freeing it takes the GIL. If
+    the main thread is already finalising the interpreter then, the worker is unwound
+    and the rank aborts ("terminate called without an active exception", exit status
+    -6). The barrier (GIL released) makes that rare, not impossible: a worker can still
+    be between finishing a collective and freeing it, and the group's threads are never
+    joined, since torch 2.13's DistributedDataParallel keeps the group alive after
+    ``destroy_process_group``. So the CLI ends such a process without finalising
+    (:func:`attnlab.cli.run`), as ``threads_left()`` tells it to."""
     import torch.distributed as dist
 
+    global _THREADS_LEFT
     if wait:
         dist.barrier()
     dist.destroy_process_group()
+    _THREADS_LEFT = True
+
+
+def threads_left() -> bool:
+    """Whether this process left a torchrun group whose worker threads outlive it, so
+    that it should end with ``os._exit`` once its output is flushed."""
+    return _THREADS_LEFT
 
 
 def _mean_across(value: torch.Tensor, world: int, group=None) -> float:
