@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _variants
+from . import _lse, _variants
 from . import masks as _masks
-from ._tracing import autocasting, reads_values, without_gradient
+from ._tracing import autocasting, reads_values
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
 from .checks import boolean, finite_float, one_of, optional_positive_int, probability
@@ -158,13 +158,12 @@ def attention_with_lse(
     row's log-sum-exp: ``(out, lse)`` with ``lse`` ``(..., q_heads, q_len)`` float32 (float64
     for float64 inputs), the natural log of the row's softmax denominator over its
     allowed keys (the sink included), ``+inf`` for a row with nothing to attend (as
-    FlashAttention returns it); no gradient (a backward through it raises). Only the
-    backends declaring ``lse`` in :func:`backend_table` take it (``auto`` too)."""
-    out, lse = _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend, dict(
+    FlashAttention returns it), differentiable as torch's ``flex_attention``'s (see
+    ``attnlab._lse``). Only the backends declaring ``lse`` in :func:`backend_table`
+    take it (``auto`` too)."""
+    return _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
         mask_mod=mask_mod, score_mod=score_mod), want_lse=True)
-    return out, without_gradient(lse, "the lse (of attention_with_lse, compat.flex_attention, "
-                                 "compat.flash_attn_*)", q, k, v, sinks, alibi_slopes)
 
 
 def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, backend,
@@ -201,6 +200,7 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
     if want_lse:
         out, lse = chosen.lse.forward(q4, k4, v4, mask4, causal, window, scale, dropout_p,
                                       variants)
+        lse = _lse.with_gradient(lse, chosen.lse, q4, k4, mask4, causal, window, scale, variants)
         return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
     out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows,
                               variants)

@@ -177,30 +177,34 @@ def test_return_aux_gives_torchs_aux_output():
         flex_attention(Q, K, V, return_lse=True, return_aux=torch_flex.AuxRequest(lse=True))
 
 
-def test_a_backward_through_the_lse_raises_instead_of_leaving_it_out():
-    # torch's flex_attention differentiates its lse; attnlab's lse has no gradient, so a
-    # loss that takes it must fail loudly, not train on gradients without its term.
-    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
-    out, lse = flex_attention(q, k, v, return_lse=True)
-    want, want_lse = flex_attention(Q, K, V, return_lse=True)
-    torch.testing.assert_close((out, lse), (want, want_lse), rtol=0, atol=0)
-    out.sum().backward(retain_graph=True)  # the output alone trains as before
-    assert q.grad is not None and q.grad.abs().sum() > 0
-    with pytest.raises(RuntimeError, match="the lse .* carries no gradient .* lse.detach()"):
-        (out.sum() + lse.sum()).backward()
-    (out.sum() + lse.detach().sum()).backward()
-    # the sinks (differentiable) alone asking for a gradient: the same named error
-    from attnlab.functional import attention_with_lse
-
-    sinks = torch.zeros(Q.shape[1], requires_grad=True)
-    _, lse = attention_with_lse(Q, K, V, sinks=sinks)
-    with pytest.raises(RuntimeError, match="the lse .* carries no gradient"):
+def test_the_lse_has_torchs_gradient():
+    # torch's flex_attention differentiates its lse (its backward does not run on a CPU:
+    # the reference is torch's logsumexp of the scores); a loss that takes it trains with
+    # its term. A score_mod's tensors' share cannot be seen: a backward raises instead.
+    q, k, v = (t.double().requires_grad_() for t in (Q, K, V))
+    g_out, g_lse = torch.randn(B, H, L, E, dtype=torch.float64), torch.randn(B, H, L,
+                                                                             dtype=torch.float64)
+    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, L, S)
+    out, lse = flex_attention(q, k, v, block_mask=causal, return_lse=True)
+    got = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), (q, k, v))
+    scores = (q @ k.transpose(-1, -2) / E ** 0.5).masked_fill(
+        torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want_out = torch.softmax(scores, -1) @ v
+    want = torch.autograd.grad((want_out * g_out).sum() + (want_lse * g_lse).sum(), (q, k, v))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _, lse = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, return_lse=True)
+    with pytest.raises(RuntimeError, match="with a score_mod .* carries no gradient"):
         lse.sum().backward()
     # and a compiled call that returns the lse still traces whole (the lse then carries
-    # no gradient, as before)
+    # no gradient)
+    want, want_lse = flex_attention(Q, K, V, return_lse=True)
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, return_lse=True),
                              backend="eager", fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v)[1], want_lse)
+    torch.testing.assert_close(compiled(*(t.clone().requires_grad_() for t in (Q, K, V)))[1],
+                               want_lse)
     torch._dynamo.reset()
 
 

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from test_functional import BACKENDS, FLASH, tiny_tiles  # the backends and tiles of every test
 
 import attnlab
-from attnlab import backends
+from attnlab import _native, backends
 from attnlab import reference as ref
 from attnlab.blockmask import block_mask
+from attnlab.functional import attention_with_lse
 
 # What each variant is called in the backend table.
 CAPABILITY = {"softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks",
@@ -219,3 +220,53 @@ def test_gradients_match_float64_eager(backend, p):
     for want, got in zip(*grads):
         assert got is not None
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+def _lse_gradients(p, q, k, mask, g):
+    """The oracle's gradient of ``sum(g * lse)`` in q, k and the sinks, by its closed form:
+    ``d lse_i / d s_ij = P_ij`` (the oracle's weights), through the softcap's tanh and the
+    scale to q and k; a sink's ``d lse_i / d sink = 1 - sum_j P_ij`` (1 on a row with no
+    allowed key, whose lse is the sink's logit)."""
+    _, weights = _oracle(p, q, k, q.new_zeros(k.shape), mask, rows=True)
+    qn, kn = q.detach().numpy(), k.detach().numpy()
+    group = qn.shape[1] // kn.shape[1]
+    kg = np.repeat(kn, group, axis=1)  # (B, Hq, Lk, D)
+    scale = 1 / np.sqrt(qn.shape[-1])
+    ds = g[..., None] * weights  # (B, Hq, Lq, Lk)
+    if "softcap" in p["variants"]:
+        c = p["variants"]["softcap"]
+        ds = ds * (1 - np.tanh(scale * qn @ kg.swapaxes(-1, -2) / c) ** 2)
+    dq = scale * ds @ kg
+    dk = (scale * ds.swapaxes(-1, -2) @ qn).reshape(*kn.shape[:2], group, *kn.shape[2:]).sum(2)
+    dsinks = (g * (1 - weights.sum(-1))).sum(axis=(0, 2))
+    return dq, dk, dsinks
+
+
+@pytest.mark.parametrize("backend", [n for n, b in backends.TABLE.items() if b.lse is not None])
+@settings(max_examples=40, deadline=None)
+@given(p=problems())
+def test_lse_gradients_match_the_oracle(backend, p):
+    # torch's flex_attention differentiates its lse; attnlab's does too, on every backend
+    # that forms it, so a loss on it (a z-loss, a merge of pieces) trains with its term.
+    if backend == "flash" and not _native.available() or not _claims(backend, p):
+        return  # refusals: test_values_match_the_oracle
+    (q, k, v), mask = _inputs(p, torch.float64, grad=True)
+    kw = _torch_variants(p, torch.float64, grad=True)
+    with tiny_tiles():
+        out, lse = attention_with_lse(q, k, v, mask=mask, causal=p["causal"],
+                                      window=p["window"], backend=backend, **kw)
+    g = torch.randn(lse.shape, generator=torch.Generator().manual_seed(p["seed"] + 7),
+                    dtype=torch.float64)
+    if "score_mod" in p["variants"]:  # its tensors' share cannot be seen: refused
+        with pytest.raises(RuntimeError, match="with a score_mod .* carries no gradient"):
+            torch.autograd.grad(lse, [q], g)
+        return
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    with tiny_tiles():
+        got = torch.autograd.grad(lse, leaves, g, allow_unused=True)
+    dq, dk, dsinks = _lse_gradients(p, q, k, mask, g.numpy())
+    np.testing.assert_allclose(got[0].numpy(), dq, atol=1e-9, rtol=1e-9)
+    np.testing.assert_allclose(got[1].numpy(), dk, atol=1e-9, rtol=1e-9)
+    assert got[2] is None or not got[2].any()  # the lse does not read v
+    if "sinks" in kw:
+        np.testing.assert_allclose(got[3].numpy(), dsinks, atol=1e-9, rtol=1e-9)

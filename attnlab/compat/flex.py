@@ -121,9 +121,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     """FlexAttention's ``flex_attention`` (module docstring): ``(B, Hq, L, E)`` query,
     ``(B, Hkv, S, E)`` key, ``(B, Hkv, S, Ev)`` value; returns ``(B, Hq, L, Ev)``, or
     ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` float32 (float64 for float64 inputs, as
-    torch's; no gradient: a backward through it raises) (``return_lse``, which FlexAttention
-    now calls deprecated), or ``(out, AuxOutput)`` for ``return_aux=AuxRequest(lse=True)``
-    (torch's classes; ``max_scores`` is not computed here and is refused)."""
+    torch's, and differentiable as torch's: see ``attention_with_lse``) (``return_lse``,
+    which FlexAttention now calls deprecated), or ``(out, AuxOutput)`` for
+    ``return_aux=AuxRequest(lse=True)`` (torch's classes; ``max_scores`` is not computed
+    here and is refused)."""
     if return_aux is not None:
         if return_lse:
             raise ValueError("give return_lse or return_aux, not both (as FlexAttention)")
