@@ -46,11 +46,15 @@ MODELS = {
     "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)),
     "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**_SMALL, sliding_window=None)),
     "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_SMALL)),
+    # heads of their own width (4 x 32 over 64, as Mistral NeMo's 32 x 128 over 5120)
+    "mistral-wide-heads": lambda: T.MistralForCausalLM(T.MistralConfig(
+        **_SMALL, sliding_window=None, head_dim=32)),
 }
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # llama.cpp writes Mistral as llama
+# llama.cpp writes Mistral as llama
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mistral-wide-heads": "llama"}
 CASES = [("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"),
          ("llama", "Q4_1"), ("llama", "Q5_0"), ("mistral", "F32"), ("qwen2", "F32"),
-         ("qwen2", "Q8_0")]
+         ("qwen2", "Q8_0"), ("mistral-wide-heads", "F32"), ("mistral-wide-heads", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +252,10 @@ def test_unsupported_architecture_type_and_options_are_named(tmp_path):
                                                 ("add_float32", "llama.rope.scaling.factor",
                                                  4.0)])
     _refused(path, "rope.scaling.type='linear'")
+    path = tmp_path / "partial-rotary.gguf"  # a rotation over part of each head
+    write_gguf(path, hf, tokenizer=META, extra=[("add_uint32", "llama.rope.dimension_count",
+                                                 8)])
+    _refused(path, "llama.rope.dimension_count=8 is not the heads' width 16")
 
 
 def test_an_unsupported_tensor_type_is_named_before_anything_is_read(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
 
+from attnlab.layouts.hf_llama import llama_config  # noqa: E402
 from attnlab.models import GPT, Encoder  # noqa: E402
 
 
@@ -53,7 +54,9 @@ def assert_same_logits(hf) -> GPT:
 
 
 HF_MODELS = {"gpt2": gpt2, "llama-untied": lambda: llama(False),
-             "llama-tied": lambda: llama(True), "llama-mqa": lambda: llama(False, 1)}
+             "llama-tied": lambda: llama(True), "llama-mqa": lambda: llama(False, 1),
+             # heads of their own width: 6 x 16 over 48 (Mistral NeMo: 32 x 128 over 5120)
+             "llama-wide-heads": lambda: llama(False, head_dim=16)}
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
@@ -142,7 +145,8 @@ def test_bert_hidden_states_with_padding():
                                                   num_hidden_layers=1, num_attention_heads=4,
                                                   intermediate_size=64))),
      ["model_type", "bert"]),
-    (lambda: GPT.from_hf(llama(False, head_dim=16)), ["head_dim=16", "hidden_size=48"]),
+    (lambda: llama_config({**llama(False).config.to_dict(), "head_dim": 7}),
+     ["head_dim=7", "even"]),
     (lambda: GPT.from_hf(llama(False, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                     "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,

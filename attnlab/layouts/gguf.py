@@ -140,12 +140,18 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
     _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
     heads = cfg.get("num_attention_heads")
     hidden = cfg.get("hidden_size")
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        value = _scalar(meta, f"{arch}.{key}", where)
-        if value is not None and heads and hidden and value != hidden // heads:
-            raise ValueError(f"{where}: metadata {arch}.{key}={value} is not "
-                             f"embedding_length / head_count = {hidden // heads}; not "
-                             "supported (attnlab rotates and attends over whole heads)")
+    if heads and hidden:
+        # Heads of their own width (attention.key_length, as llama.cpp writes Mistral
+        # NeMo's 128 over 5120 / 32); values and the rotation span the same width.
+        head_dim = _scalar(meta, f"{arch}.attention.key_length", where) or hidden // heads
+        for key in ("rope.dimension_count", "attention.value_length"):
+            value = _scalar(meta, f"{arch}.{key}", where)
+            if value is not None and value != head_dim:
+                raise ValueError(f"{where}: metadata {arch}.{key}={value} is not the "
+                                 f"heads' width {head_dim}; not supported (attnlab rotates "
+                                 "and attends over whole heads)")
+        if head_dim != hidden // heads:
+            cfg["head_dim"] = head_dim
     return cfg
 
 

@@ -41,9 +41,9 @@ def llama_config(cfg: Mapping[str, Any]) -> Config:
     raw = cfg.get("head_dim")
     head_dim = (hidden // heads if raw == 0 and not isinstance(raw, bool) else
                 _size(cfg, "head_dim", hidden // heads))
-    if head_dim * heads != hidden:
-        raise ValueError(f"config head_dim={head_dim} with {heads} heads does not make "
-                         f"hidden_size={hidden}; not supported")
+    if head_dim % 2:
+        raise ValueError(f"config head_dim={head_dim} is not valid (RoPE needs an even "
+                         "head_dim)")
     kv_heads = _size(cfg, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ValueError(f"config num_key_value_heads={kv_heads} is not valid with "
@@ -59,6 +59,9 @@ def llama_config(cfg: Mapping[str, Any]) -> Config:
         qkv_bias=bool(cfg.get("attention_bias", False)),
         out_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        # Heads wider or narrower than hidden_size / heads (Mistral NeMo: 32 x 128 over
+        # 5120): the attention is heads * head_dim wide and o_proj maps it back.
+        **({} if head_dim * heads == hidden else {"head_dim": head_dim}),
     )
 
 
