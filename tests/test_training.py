@@ -719,3 +719,40 @@ def test_a_file_that_comes_in_while_the_folder_is_swapped_is_kept_and_said_so(tm
     assert not (kept[0] / io.ATOMIC_MARKER).exists()
     io.recover_dir(out)
     assert (kept[0] / "notes.txt").read_text() == "mine"
+
+
+def test_a_rank_that_left_its_group_ends_without_finalising(monkeypatch, capsys):
+    # attnlab.cli.run: where gloo's threads outlive the group (distributed.threads_left),
+    # the process ends with os._exit once its streams are flushed, after a finished run
+    # and after an error main() does not turn into a line; otherwise as before.
+    from attnlab import cli
+    from attnlab.training import distributed
+
+    class Ended(Exception):
+        pass
+
+    ended = []
+
+    def end(status):
+        ended.append(status)
+        raise Ended
+
+    def failing():
+        raise RuntimeError("a collective failed")
+
+    monkeypatch.setattr(os, "_exit", end)
+    monkeypatch.setattr(distributed, "_THREADS_LEFT", True)
+    for main, status in ((failing, 1), (lambda: 3, 3)):
+        monkeypatch.setattr(cli, "main", main)
+        with pytest.raises(Ended):
+            cli.run()
+        assert ended[-1] == status
+    assert "RuntimeError: a collective failed" in capsys.readouterr().err
+    monkeypatch.setattr(distributed, "_THREADS_LEFT", False)
+    with pytest.raises(SystemExit) as info:
+        cli.run()
+    assert info.value.code == 3
+    monkeypatch.setattr(cli, "main", failing)
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        cli.run()
+    assert ended == [1, 3]

@@ -14,6 +14,7 @@ import os
 import select
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -263,11 +264,21 @@ def run() -> NoReturn:
     A process that trained under torchrun ends there without finalising the
     interpreter: gloo's worker threads outlive the group, and one that frees a tensor
     while the interpreter finalises aborts the rank after a finished run (see
-    :func:`attnlab.training.distributed._leave_group`). Everything it wrote is closed by
-    then; its standard streams are flushed here."""
-    status = main()
-    group = sys.modules.get("attnlab.training.distributed")
-    if group is not None and group.threads_left():
+    :func:`attnlab.training.distributed._leave_group`), or after an error that ends the
+    run (its traceback printed, status 1). Everything it wrote is closed by then; its
+    standard streams are flushed here."""
+    def threads_left() -> bool:
+        group = sys.modules.get("attnlab.training.distributed")
+        return group is not None and group.threads_left()
+
+    try:
+        status = main()
+    except BaseException as exc:  # one main() does not turn into a line (a RuntimeError)
+        if not threads_left():
+            raise
+        traceback.print_exc()
+        status = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    if threads_left():
         for stream in (sys.stdout, sys.stderr):
             # A reader gone or a stream closed: nothing left to keep.
             with contextlib.suppress(OSError, ValueError, AttributeError):
