@@ -14,12 +14,16 @@ sink's share: ``d lse_i / d sink_h = exp(sink_h - lse_i)``.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._tracing import without_gradient
 
 
 class _LseGradient(torch.autograd.Function):
-    """``lse`` itself, differentiable in ``q``, ``k`` and ``sinks``."""
+    """``lse`` itself, differentiable in ``q``, ``k`` and ``sinks`` (once: its backward
+    is not differentiable again, and a second backward through it raises)."""
+
+    generate_vmap_rule = True  # (a vmap of a grad that never reaches the lse)
 
     @staticmethod
     def forward(lse, q, k, sinks, step, settings):
@@ -32,16 +36,25 @@ class _LseGradient(torch.autograd.Function):
         ctx.save_for_backward(lse, q, k, sinks)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         lse, q, k, sinks = ctx.saved_tensors
         mask, causal, window, scale, variants = ctx.settings
         grad = grad.to(lse.dtype)
         dq = dk = dsinks = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            minus_g = (-grad).unsqueeze(-1).to(q.dtype)  # (B, Hq, Lq, 1)
-            dq, dk, _ = ctx.step.backward(q, k, k.new_zeros(*k.shape[:-1], 1), mask, minus_g,
-                                          lse, torch.ones_like(minus_g), causal, window,
-                                          scale, variants, None)
+            # (B, Hq, Lq, 1) in the lse's dtype: a scaled loss's -g would overflow fp16
+            minus_g = (-grad).unsqueeze(-1)
+            try:
+                dq, dk, _ = ctx.step.backward(q, k, k.new_zeros(*k.shape[:-1], 1), mask,
+                                              minus_g, lse, torch.ones_like(minus_g), causal,
+                                              window, scale, variants, None)
+            except RuntimeError as exc:  # the textbook paths differentiate with autograd
+                if not torch._C._are_functorch_transforms_active():
+                    raise
+                raise RuntimeError("attnlab: under torch.func's transforms the lse's gradient "
+                                   "runs on the native kernel only: use backend='flash' (or "
+                                   "'auto')") from exc
             dq, dk = dq.to(q.dtype), dk.to(k.dtype)
         if sinks is not None and ctx.needs_input_grad[3]:
             share = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # 0 on empty rows

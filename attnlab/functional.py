@@ -158,9 +158,9 @@ def attention_with_lse(
     row's log-sum-exp: ``(out, lse)`` with ``lse`` ``(..., q_heads, q_len)`` float32 (float64
     for float64 inputs), the natural log of the row's softmax denominator over its
     allowed keys (the sink included), ``+inf`` for a row with nothing to attend (as
-    FlashAttention returns it), differentiable as torch's ``flex_attention``'s (see
-    ``attnlab._lse``). Only the backends declaring ``lse`` in :func:`backend_table`
-    take it (``auto`` too)."""
+    FlashAttention returns it), differentiable once as torch's ``flex_attention``'s (see
+    ``attnlab._lse``; not under torch.compile). Only the backends declaring ``lse`` in
+    :func:`backend_table` take it (``auto`` too)."""
     return _attend(q, k, v, mask, causal, window, scale, dropout_p, False, backend, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
         mask_mod=mask_mod, score_mod=score_mod), want_lse=True)
@@ -188,19 +188,17 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
     # the call says why; auto takes the one its rule gives.
     request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants, want_lse)
     chosen = resolve(request, backend)
-    if mask4 is not None and mask4.dtype != torch.bool and variants and variants.sinks is not None:
-        # A sink's share depends on the level of the scores: the mask is added as it is.
-        mask4 = mask4.to(torch.promote_types(mask4.dtype, _masks.additive_dtype(q4.dtype)))
-    elif mask4 is not None and mask4.dtype != torch.bool:
-        # Exact additive semantics in any dtype: shifted by the allowed keys' maximum
-        # and kept in float32 (or float64) on every route, never rounded to bf16/fp16.
-        mask4 = _masks.shift_rows(mask4, q4.shape[-2], k4.shape[-2], causal=causal,
-                                  window=window, dtype=_masks.additive_dtype(q4.dtype),
-                                  documents=variants and variants.documents)
+    # Exact additive semantics in any dtype (masks.for_kernels): in float32 (or float64)
+    # on every route, each row shifted by its allowed keys' maximum (but beside sinks).
+    mask4, shift = _masks.for_kernels(mask4, q4.shape[-2], k4.shape[-2], q4.dtype,
+                                      causal=causal, window=window, documents=variants and
+                                      variants.documents, sinks=bool(variants and
+                                                                     variants.sinks is not None))
     if want_lse:
         out, lse = chosen.lse.forward(q4, k4, v4, mask4, causal, window, scale, dropout_p,
                                       variants)
         lse = _lse.with_gradient(lse, chosen.lse, q4, k4, mask4, causal, window, scale, variants)
+        lse = lse if shift is None else lse + shift  # the denominators of the mask as given
         return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
     out, weights = chosen.run(q4, k4, v4, mask4, causal, window, scale, dropout_p, rows,
                               variants)

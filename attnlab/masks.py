@@ -5,11 +5,10 @@ to a key, and broadcasts to ``(batch, heads, q_len, k_len)``. Float masks are
 additive (0 where allowed, ``-inf`` where not). :func:`from_attention_mask`
 converts what tokenizers return (1 = real token, 0 = padding).
 
-Causal masks with ``q_len != k_len`` are aligned to the end (bottom-right):
-query ``i`` sits at position ``p = i + (k_len - q_len)`` and sees keys
-``j <= p``. That is what decoding with a KV cache needs. With document ids (packed
-sequences, :class:`Documents`) a query sees only its document's keys, and the rules
-are aligned to each document's end.
+Causal masks with ``q_len != k_len`` are aligned to the end (bottom-right): query ``i``
+sits at position ``p = i + (k_len - q_len)`` and sees keys ``j <= p``, as decoding with
+a KV cache needs. With document ids (packed sequences, :class:`Documents`) a query sees
+only its document's keys, and the rules are aligned to each document's end.
 
 The key rule is written once, in :func:`key_bounds` and :class:`KeyRule`; the
 builders here derive from it. The conversions of other conventions live in
@@ -330,9 +329,25 @@ def additive_dtype(dtype: torch.dtype) -> torch.dtype:
 _SHIFT_SCRATCH = 1 << 22
 
 
+def for_kernels(mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype, *,
+                causal: bool, window: int | None, documents: Documents | None,
+                sinks: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A 4-D mask as every backend takes it and its rows' shift ``(B|1, H|1, Lq|1)``
+    (which a row's log-sum-exp adds back) or None: a bool mask as it is; an additive one
+    in at least float32, shifted by :func:`shift_rows` but beside ``sinks`` (whose share
+    depends on the level of the scores)."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask, None
+    if sinks:
+        return mask.to(torch.promote_types(mask.dtype, additive_dtype(dtype))), None
+    mask, top = shift_rows(mask, q_len, k_len, causal=causal, window=window, with_shift=True,
+                           dtype=additive_dtype(dtype), documents=documents)
+    return mask, top.squeeze(-1)
+
+
 def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = False,
                window: int | None = None, dtype: torch.dtype = torch.float32,
-               documents: Documents | None = None) -> torch.Tensor:
+               documents: Documents | None = None, with_shift: bool = False):
     """An additive mask with each row's largest *allowed* entry moved to 0.
 
     Softmax ignores a constant added to a row, so this changes no weight, but it
@@ -350,12 +365,13 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     come out positive; they are clamped to 0 so that no finite pair of values can
     overflow to ``+inf`` (they are masked to ``-inf`` anyway). Rows with no allowed
     key are left unshifted. The shift carries no gradient (softmax has none there).
+    ``with_shift``: ``(mask, shift)``, the shift ``(..., q_len or 1, 1)`` subtracted.
     """
     while mask.ndim < 2:
         mask = mask.unsqueeze(0)
     mask = mask.to(torch.promote_types(mask.dtype, dtype))
-    if k_len == 0 or mask.shape[-1] == 0:
-        return mask  # no keys: nothing to shift
+    if k_len == 0 or mask.shape[-1] == 0:  # no keys: nothing to shift
+        return (mask, mask.new_zeros(*mask.shape[:-1], 1)) if with_shift else mask
     top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
     rule = KeyRule(q_len, k_len, causal=causal, window=window, documents=documents)
     if not rule.full(0, q_len, 0, k_len):
@@ -364,7 +380,7 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
         if not torch.equal(row_top, top.expand_as(row_top)):
             top = row_top
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return (mask - top).clamp(max=0.0)
+    return ((mask - top).clamp(max=0.0), top) if with_shift else (mask - top).clamp(max=0.0)
 
 
 def _allowed_max(mask: torch.Tensor, rule: KeyRule) -> torch.Tensor:

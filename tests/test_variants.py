@@ -270,3 +270,31 @@ def test_lse_gradients_match_the_oracle(backend, p):
     assert got[2] is None or not got[2].any()  # the lse does not read v
     if "sinks" in kw:
         np.testing.assert_allclose(got[3].numpy(), dsinks, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("backend", [n for n, b in backends.TABLE.items() if b.lse is not None])
+def test_the_lse_of_an_additive_mask_as_given_differentiated_once(backend):
+    if backend == "flash" and not _native.available():
+        return
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(5, 5, generator=g, dtype=torch.float64) * 3
+    q.requires_grad_()
+    _, lse = attention_with_lse(q, k, v, mask=bias, causal=True, backend=backend)
+    scores = (q @ k.mT / 2 + bias).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1),
+                                               float("-inf"))
+    want = torch.logsumexp(scores, -1)  # the rows were shifted inside: added back
+    torch.testing.assert_close(lse, want, rtol=1e-12, atol=1e-12)
+    z_loss = (lse ** 2).sum()  # not linear in the lse: its level matters
+    torch.testing.assert_close(torch.autograd.grad(z_loss, q, create_graph=True)[0],
+                               torch.autograd.grad((want ** 2).sum(), q)[0])
+    # a second backward through it raises (it is differentiated once), not a wrong one
+    grad, = torch.autograd.grad((lse ** 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        grad.sum().backward()
+    # a vmap of a grad that takes only the output is unaffected by the lse's gradient
+    if backend in ("eager", "sdpa", "flash"):
+        f = lambda x: attention_with_lse(x, k, v, backend=backend)[0].sum()  # noqa: E731
+        per_row = torch.func.vmap(torch.func.grad(f))(q.detach().unsqueeze(0).expand(2, -1, -1,
+                                                                                  -1, -1))
+        torch.testing.assert_close(per_row[1], torch.func.grad(f)(q.detach()))

@@ -19,8 +19,9 @@ The semantics are FlashAttention's README's, mapped exactly:
   its own end (attnlab's ``document_ids``);
 - ``return_attn_probs=True``: ``(out, softmax_lse, probs)``, the lse ``(batch, nheads,
   seqlen_q)`` float32 (varlen: ``(nheads, total_q)``), ``+inf`` for a row with no key,
-  and the probabilities before dropout (FlashAttention's testing output; its dropout
-  sign encoding is not reproduced).
+  differentiable as ``attention_with_lse``'s (FlashAttention's is not), and the
+  probabilities before dropout (FlashAttention's testing output; its dropout sign
+  encoding is not reproduced).
 
 Refused, each with one ValueError: a negative ``softcap``; ``block_table`` (a paged KV
 cache); in varlen, per-sequence ALiBi slopes that differ between sequences. Varlen tokens
