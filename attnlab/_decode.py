@@ -52,7 +52,8 @@ class DecoderLayer:
     "swiglu", "geglu"); ``rotary`` the layer's RoPE or None; ``window`` its sliding window
     or None; ``scale``, ``softcap``, ``alibi_slopes`` and ``sinks`` as
     :func:`attnlab.attention` takes them; the post-norms (Gemma 2) norm each branch again
-    before it is added, both or neither.
+    before it is added, both or neither; the q/k norms (Qwen3, ``(head_dim,)``) norm each
+    head's query and key before RoPE, both or neither, of the layer's norm kind and eps.
     """
 
     norm: str
@@ -89,6 +90,10 @@ class DecoderLayer:
     post_attn_norm_bias: torch.Tensor | None = None
     post_mlp_norm_weight: torch.Tensor | None = None
     post_mlp_norm_bias: torch.Tensor | None = None
+    q_norm_weight: torch.Tensor | None = None
+    q_norm_bias: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    k_norm_bias: torch.Tensor | None = None
 
 
 def _reserved(caches: Sequence[KVCache], call):

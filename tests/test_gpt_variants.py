@@ -36,6 +36,7 @@ OPTIONS = {
     "geglu": dict(mlp="geglu"),
     "scale_embeddings": dict(scale_embeddings=True),
     "embed_norm": dict(embed_norm=True),
+    "qk_norm": dict(qk_norm=True),
 }
 EVERYTHING = {k: v for opts in OPTIONS.values() for k, v in opts.items()}
 

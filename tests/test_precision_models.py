@@ -238,11 +238,13 @@ def _decoded(model: GPT, ids: torch.Tensor, bf16_cache: bool) -> torch.Tensor:
 @pytest.mark.parametrize("precision", ["bf16", "int8", "bf16 cache"])
 def test_every_variant_decodes_in_the_fused_run_at_each_precision(precision):
     """A model with every score and block variant (softcap, ALiBi, sinks, a per-layer
-    window, a query scale, a head width of its own, post-norms, Gemma's norm, GeGLU)
-    decodes through the fused run in bf16, int8 and with a bf16 cache: every layer of
-    every token in the kernel, the logits those of the same weights through the modules,
-    and within the precision's tolerance of the float32 model. (Widths are multiples of
-    16: int8 groups of other widths are quantised apart and decode through the modules.)"""
+    window, a query scale, a head width of its own, post-norms, Gemma's norm, GeGLU,
+    Qwen3's q/k norms) decodes through the fused run in bf16, int8 and with a bf16 cache:
+    every layer of every token in the kernel, the logits those of the same weights
+    through the modules, and within the precision's tolerance of the float32 model.
+    (Widths are multiples of 16: int8 groups of other widths are quantised apart and
+    decode through the modules. The q/k norms make this random model's scores sharp, a
+    few units: int8's noise in the projections moves its logits by up to 6%.)"""
     from test_decode import counting_fused_steps, fused_layers_off
     from test_gpt_variants import EVERYTHING, model_with
 
@@ -261,7 +263,7 @@ def test_every_variant_decodes_in_the_fused_run_at_each_precision(precision):
             want = f32(IDS[:, :12] % 40)
         # The run keeps the row float32 between layers where bf16 modules round it.
         _close(got, modules, 2e-2 if precision == "bf16" else 1e-5)
-        _close(got, want, 0.05)
+        _close(got, want, 0.06 if precision == "int8" else 0.05)
 
 
 @pytest.mark.parametrize("options", [

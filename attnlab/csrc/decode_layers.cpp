@@ -7,6 +7,8 @@
 //
 // With post-norms (Gemma 2) each branch is normed again before it is added:
 //   y = x + post_attn_norm(out(attend(...))),  y + post_mlp_norm(down(act(up(norm2(y))))).
+// With q/k norms (Qwen3) each head's query and key are normed (the layer's norm kind, over
+// head_dim) between the qkv product and RoPE.
 //
 // A run is built once for as long as its layers stay what they are (models/decoding.py
 // builds one per `generate` call): `add` takes one layer's tensors and settings by name
@@ -87,11 +89,12 @@ struct Layer {
   // undefined where none. The post-norms (Gemma 2) norm each branch again before it is added.
   Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;
   Tensor post_attn_weight, post_attn_bias, post_mlp_weight, post_mlp_bias;
+  Tensor q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias;  // (head_dim,), Qwen3
   optional<Tensor> alibi, sinks;  // (num_heads,) float64, or none
   // q|k|v joined, the output projection, the MLP's up ([gate | up] joined when gated), down.
   Product qkv, out, up, down;
   int64_t heads, kv_heads, head_dim, window;
-  bool rope, post_norms;
+  bool rope, post_norms, qk_norms;
 };
 
 // The product of a weight (out, in), its scales (int8) and bias, or why linear_row and
@@ -117,7 +120,8 @@ std::string norm_problem(const char* name, const Tensor& w, const Tensor& b, Nor
                          int64_t d) {
   for (const Tensor* t : {&w, &b})
     if (t->defined() && (!floating(*t) || t->dim() != 1 || t->size(0) != d))
-      return std::string(name) + " parameters are not (d_model,) float32 or bf16 CPU tensors";
+      return std::string(name) + " parameters are not (" + std::to_string(d) +
+             ",) float32 or bf16 CPU tensors";
   if (norm == Norm::RMS && b.defined()) return std::string(name) + ": RMSNorm has no bias";
   return "";
 }
@@ -142,7 +146,9 @@ struct DecoderRun : torch::CustomClassHolder {
                   const optional<Tensor>& post_attn_norm_weight,
                   const optional<Tensor>& post_attn_norm_bias,
                   const optional<Tensor>& post_mlp_norm_weight,
-                  const optional<Tensor>& post_mlp_norm_bias) {
+                  const optional<Tensor>& post_mlp_norm_bias,
+                  const optional<Tensor>& q_norm_weight, const optional<Tensor>& q_norm_bias,
+                  const optional<Tensor>& k_norm_weight, const optional<Tensor>& k_norm_bias) {
     const optional<Norm> n = norm_kind(norm);
     const optional<Mlp> m = mlp_kind(mlp);
     if (!n) return "norm " + norm + " is not one the fused layer runs";
@@ -157,10 +163,16 @@ struct DecoderRun : torch::CustomClassHolder {
     const bool post = post_attn_norm_weight.has_value() || post_mlp_norm_weight.has_value();
     if (post && !(post_attn_norm_weight.has_value() && post_mlp_norm_weight.has_value()))
       return "post-norms come in pairs (after attention and after the MLP)";
+    const bool qk = q_norm_weight.has_value() || k_norm_weight.has_value() ||
+                    q_norm_bias.has_value() || k_norm_bias.has_value();
+    if (qk && !(q_norm_weight.has_value() && k_norm_weight.has_value()))
+      return "q/k norms come in pairs, each with its weight";
     Layer L{*n, *m, eps, scale, softcap, value(norm1_weight), value(norm1_bias),
             value(norm2_weight), value(norm2_bias), value(post_attn_norm_weight),
             value(post_attn_norm_bias), value(post_mlp_norm_weight), value(post_mlp_norm_bias),
-            alibi, sinks, {}, {}, {}, {}, num_heads, num_kv_heads, head_dim, window, rope, post};
+            value(q_norm_weight), value(q_norm_bias), value(k_norm_weight), value(k_norm_bias),
+            alibi, sinks, {}, {}, {}, {}, num_heads, num_kv_heads, head_dim, window, rope, post,
+            qk};
     // The widths are given (an int8 weight's padded shape does not say them); every
     // product's shape is checked against them.
     const int64_t d = model_dim;
@@ -172,6 +184,8 @@ struct DecoderRun : torch::CustomClassHolder {
           norm_problem("norm2", L.norm2_weight, L.norm2_bias, L.norm, d),
           norm_problem("post_attn_norm", L.post_attn_weight, L.post_attn_bias, L.norm, d),
           norm_problem("post_mlp_norm", L.post_mlp_weight, L.post_mlp_bias, L.norm, d),
+          norm_problem("q_norm", L.q_norm_weight, L.q_norm_bias, L.norm, head_dim),
+          norm_problem("k_norm", L.k_norm_weight, L.k_norm_bias, L.norm, head_dim),
           make_product("qkv", qkv_weight, value(qkv_scales), value(qkv_bias),
                        (num_heads + 2 * num_kv_heads) * head_dim, d, L.qkv),
           make_product("out", out_weight, value(out_scales), value(out_bias), d,
@@ -181,11 +195,13 @@ struct DecoderRun : torch::CustomClassHolder {
       if (!why.empty()) return why;
     // Gemma's norm: 1 + weight, stored once in float32 (the run lasts as long as the
     // weights do; adding 1 to a bf16 weight would round it).
-    for (Tensor* t : {&L.norm1_weight, &L.norm2_weight, &L.post_attn_weight, &L.post_mlp_weight}) {
+    for (Tensor* t : {&L.norm1_weight, &L.norm2_weight, &L.post_attn_weight, &L.post_mlp_weight,
+                      &L.q_norm_weight, &L.k_norm_weight}) {
       *t = float_copy(*t);
       if (t->defined() && norm == "rmsnorm_plus_one") *t = *t + 1.0;
     }
-    for (Tensor* t : {&L.norm1_bias, &L.norm2_bias, &L.post_attn_bias, &L.post_mlp_bias})
+    for (Tensor* t : {&L.norm1_bias, &L.norm2_bias, &L.post_attn_bias, &L.post_mlp_bias,
+                      &L.q_norm_bias, &L.k_norm_bias})
       *t = float_copy(*t);
     d_model = d;
     layers.push_back(std::move(L));
@@ -243,7 +259,15 @@ struct DecoderRun : torch::CustomClassHolder {
   static Tensor run_layer(const Tensor& h, const Layer& L, Tensor& k, Tensor& v, int64_t pos,
                           const optional<Tensor>& cos, const optional<Tensor>& sin) {
     const Tensor none;
-    const Tensor qkv = L.qkv(normed(h, L, L.norm1_weight, L.norm1_bias), none);
+    Tensor qkv = L.qkv(normed(h, L, L.norm1_weight, L.norm1_bias), none);
+    if (L.qk_norms) {  // each head's query and key normed over head_dim, the values kept
+      const Tensor rows = qkv.view({L.heads + 2 * L.kv_heads, L.head_dim});
+      qkv = at::cat({normed(rows.narrow(0, 0, L.heads), L, L.q_norm_weight, L.q_norm_bias),
+                     normed(rows.narrow(0, L.heads, L.kv_heads), L, L.k_norm_weight,
+                            L.k_norm_bias),
+                     rows.narrow(0, L.heads + L.kv_heads, L.kv_heads)})
+                .view({1, -1});
+    }
     const Tensor heads = decode_step(qkv.view({1, 1, qkv.size(1)}), cos, sin, k, v, pos,
                                      L.window, L.heads, L.kv_heads, L.scale, L.softcap,
                                      L.alibi, L.sinks);
@@ -282,7 +306,11 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
             torch::arg("post_attn_norm_weight") = c10::IValue(),
             torch::arg("post_attn_norm_bias") = c10::IValue(),
             torch::arg("post_mlp_norm_weight") = c10::IValue(),
-            torch::arg("post_mlp_norm_bias") = c10::IValue()})
+            torch::arg("post_mlp_norm_bias") = c10::IValue(),
+            torch::arg("q_norm_weight") = c10::IValue(),
+            torch::arg("q_norm_bias") = c10::IValue(),
+            torch::arg("k_norm_weight") = c10::IValue(),
+            torch::arg("k_norm_bias") = c10::IValue()})
       .def("size", &attnlab::DecoderRun::size)
       .def("step", &attnlab::DecoderRun::step);
 }

@@ -42,12 +42,19 @@ from .common import (
 from .hf_bloom import bloom_config, bloom_state
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
 from .hf_gemma2 import gemma2_config, gemma2_state
-from .hf_llama import llama_config, llama_state, mistral_config, qwen2_config
+from .hf_llama import (
+    QWEN3_NAMES,
+    llama_config,
+    llama_state,
+    mistral_config,
+    qwen2_config,
+    qwen3_config,
+)
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
            "gpt2_config", "gpt2_state", "llama_config", "llama_state", "mistral_config",
-           "qwen2_config", "gemma2_config", "gemma2_state", "bloom_config", "bloom_state",
-           "bert_config", "bert_state"]
+           "qwen2_config", "qwen3_config", "gemma2_config", "gemma2_state", "bloom_config",
+           "bloom_state", "bert_config", "bert_state"]
 
 
 # ------------------------------------------------------------------------- GPT-2
@@ -214,6 +221,7 @@ _GPT = {"gpt2": ("GPT-2", gpt2_config, lambda st, c, hf: gpt2_state(st, c, hf)),
         "llama": ("Llama", llama_config, lambda st, c, hf: llama_state(st, c)),
         "mistral": ("Mistral", mistral_config, lambda st, c, hf: llama_state(st, c)),
         "qwen2": ("Qwen2", qwen2_config, lambda st, c, hf: llama_state(st, c)),
+        "qwen3": ("Qwen3", qwen3_config, lambda st, c, hf: llama_state(st, c, QWEN3_NAMES)),
         "gemma2": ("Gemma 2", gemma2_config, lambda st, c, hf: gemma2_state(st, c)),
         "bloom": ("BLOOM", bloom_config, lambda st, c, hf: bloom_state(st, c))}
 GPT_LAYOUTS = {kind: name for kind, (name, _, _) in _GPT.items()}

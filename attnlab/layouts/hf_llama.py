@@ -1,6 +1,7 @@
 """Hugging Face's Llama layout and its relatives that only add to it: Llama (SmolLM,
 TinyLlama), Mistral (a sliding window on every layer), Qwen2 (q/k/v biases, a window on
-some layers). Plain data, as :mod:`.hf`; Gemma 2 reuses the state map with its own names."""
+some layers), Qwen3 (Qwen2's windows, a norm over each head's queries and keys). Plain
+data, as :mod:`.hf`; Gemma 2 reuses the state map with its own names."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .common import (
 )
 
 __all__ = ["llama_config", "llama_shapes", "llama_state", "mistral_config", "qwen2_config",
+           "qwen3_config", "QWEN3_NAMES",
            "window_layers", "LLAMA_NAMES"]
 
 
@@ -89,8 +91,8 @@ def llama_shapes(cfg: Config, norms: tuple[str, ...] = ("input_layernorm",
         for name, shape in rows.items():
             want[f"layers.{i}.{name}.weight"] = shape
             want[f"layers.{i}.{name}.bias"] = shape[:1]
-        for norm in norms:
-            want[f"layers.{i}.{norm}.weight"] = (d,)
+        for norm in norms:  # (a head's own: Qwen3's q_norm and k_norm)
+            want[f"layers.{i}.{norm}.weight"] = (head_dim,) if "attn." in norm else (d,)
     return want
 
 
@@ -148,6 +150,21 @@ def qwen2_config(cfg: Mapping[str, Any]) -> Config:
                  "full_attention" for i in range(n)]
     out.update(window_layers(types, n, window))
     return out
+
+
+def qwen3_config(cfg: Mapping[str, Any]) -> Config:
+    """Qwen2's layout (its windows) with biases on q/k/v and o_proj only where
+    ``attention_bias`` says, and an RMSNorm over each head's queries and keys before RoPE
+    (``q_norm``, ``k_norm``: ``GPTConfig.qk_norm``)."""
+    out = qwen2_config(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+    out.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
+    return out
+
+
+# Qwen3's names: Llama's and the heads' norms.
+QWEN3_NAMES = {**LLAMA_NAMES, "self_attn.q_norm": "attn.q_norm",
+               "self_attn.k_norm": "attn.k_norm"}
 
 
 def window_layers(types: Any, n: int, window: int | None) -> dict[str, Any]:

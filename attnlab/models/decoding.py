@@ -145,6 +145,8 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
     mods = block._modules
     attn, mlp, norm1, norm2 = (mods.get(n) for n in ("attn", "mlp", "norm1", "norm2"))
     post_attn, post_mlp = mods.get("post_attn_norm"), mods.get("post_mlp_norm")
+    q_norm, k_norm = (None, None) if attn is None else (attn._modules.get("q_norm"),
+                                                        attn._modules.get("k_norm"))
     if (type(attn) is not MultiHeadAttention or type(mlp) is not MLP
             or attn.qkv_hook is not None
             or not may_decode(attn.backend, dropout_p=attn.dropout if attn.training else 0.0)
@@ -152,8 +154,9 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
             or (attn.training and attn.resid_dropout)):
         return None
     norm = norm_kind(norm1)
-    norms = [n for n in (norm1, norm2, post_attn, post_mlp) if n is not None]
+    norms = [n for n in (norm1, norm2, post_attn, post_mlp, q_norm, k_norm) if n is not None]
     if (norm is None or (post_attn is None) != (post_mlp is None)
+            or (q_norm is None) != (k_norm is None)
             or any(type(n) is not type(norm1) or n.eps != norm1.eps
                    or len(n.normalized_shape) != 1 for n in norms)):
         return None
@@ -182,7 +185,8 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
         if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             return None
     n1, n2 = norm1._parameters, norm2._parameters
-    p1, p2 = ({} if n is None else n._parameters for n in (post_attn, post_mlp))
+    p1, p2, pq, pk = ({} if n is None else n._parameters
+                      for n in (post_attn, post_mlp, q_norm, k_norm))
     (qkv_w, qkv_b, qkv_s), (out_w, out_b, out_s), (up_w, up_b, up_s), (down_w, down_b, down_s) \
         = products
     return _decode.DecoderLayer(
@@ -196,4 +200,6 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
         up_out=sum(m.out_features for m in groups[2]), qkv_scales=qkv_s, out_scales=out_s,
         up_scales=up_s, down_scales=down_s, **attn.score_options(),
         post_attn_norm_weight=p1.get("weight"), post_attn_norm_bias=p1.get("bias"),
-        post_mlp_norm_weight=p2.get("weight"), post_mlp_norm_bias=p2.get("bias"))
+        post_mlp_norm_weight=p2.get("weight"), post_mlp_norm_bias=p2.get("bias"),
+        q_norm_weight=pq.get("weight"), q_norm_bias=pq.get("bias"),
+        k_norm_weight=pk.get("weight"), k_norm_bias=pk.get("bias"))

@@ -52,6 +52,7 @@ class Block(nn.Module):
             window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
             scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
             sinks=cfg.sinks, context_parallel=context_parallel,
+            qk_norm=cfg.norm if cfg.qk_norm else None, qk_norm_eps=cfg.norm_eps,
         )
         self.post_attn_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
                                if cfg.post_norms else None)

@@ -55,6 +55,8 @@ class GPTConfig(Config):
       (gpt-oss's attention sinks);
     - ``post_norms``: a norm on the output of the attention and of the MLP before each is
       added back (Gemma 2's ``post_attention_layernorm`` / ``post_feedforward_layernorm``);
+    - ``qk_norm``: a norm of the model's ``norm`` kind over each head's query and key
+      before RoPE (Qwen3's ``q_norm`` / ``k_norm``);
     - ``scale_embeddings``: token embeddings times ``sqrt(d_model)`` (Gemma);
       ``embed_norm``: a norm of the embeddings before the first block (BLOOM's
       ``word_embeddings_layernorm``).
@@ -91,6 +93,7 @@ class GPTConfig(Config):
     post_norms: bool = False
     scale_embeddings: bool = False
     embed_norm: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -124,7 +127,7 @@ class GPTConfig(Config):
             if getattr(self, name) is not None:
                 finite_float(f"GPTConfig.{name}", getattr(self, name), positive=True)
         for name in ("tie_embeddings", "qkv_bias", "out_bias", "mlp_bias", "sinks",
-                     "post_norms", "scale_embeddings", "embed_norm"):
+                     "post_norms", "scale_embeddings", "embed_norm", "qk_norm"):
             boolean(f"GPTConfig.{name}", getattr(self, name))  # "no" is not False
         probability("GPTConfig.dropout", self.dropout)
         finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
@@ -139,7 +142,7 @@ class GPTConfig(Config):
         inner, kv_dim = self.num_heads * head_dim, (self.num_kv_heads or self.num_heads) * head_dim
         attn = d * (inner + 2 * kv_dim) + inner * d + inner + 2 * kv_dim + d + self.num_heads
         mlp = (3 if self.mlp in GATED_MLP_KINDS else 2) * d * self.d_ff + 2 * self.d_ff + d
-        per_layer = attn + mlp + (8 if self.post_norms else 4) * d
+        per_layer = attn + mlp + (8 if self.post_norms else 4) * d + 4 * head_dim
         emb = self.vocab_size * d + (self.context_length * d if self.positions == "learned"
                                      else 0) + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d

@@ -15,19 +15,16 @@ from ..checks import boolean, one_of, optional_positive_int, positive_int, proba
 from ..distributed import ContextParallel
 from ..functional import BACKENDS, attention, decode_step, may_decode
 from ..rope import RotaryEmbedding
-from . import fused, rows, scores, split
+from . import fused, inputs, rows, scores, split
 from .construction import book_call, from_torch
-from .layers import dropout
+from .inputs import _shape
+from .layers import NORM_KINDS, dropout, make_norm
 
 __all__ = ["MultiHeadAttention"]
 
 
-def _shape(t: object) -> object:
-    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSequence,
-                         nn.Module):
+                         inputs.InputChecks, nn.Module):
     """Multi-head attention with grouped-query heads, RoPE, sliding window and a KV cache.
 
     Args:
@@ -64,6 +61,10 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
             first) that joins each softmax's denominator and weighs no value (gpt-oss).
         context_parallel (ContextParallel | None): the sequence split across processes
             (:mod:`.split`): ``forward`` takes and returns this rank's shard.
+        qk_norm (str | None): a norm of :data:`~attnlab.modules.layers.NORM_KINDS` over
+            each head's query and key (``q_norm``, ``k_norm``, ``(head_dim,)`` weights),
+            after the projections and before RoPE: Qwen3's (``"rmsnorm"``); None for none.
+        qk_norm_eps (float): its epsilon.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
     ``out_proj``), so under the same ``torch.manual_seed`` a
@@ -106,6 +107,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         alibi: bool = False,
         sinks: bool = False,
         context_parallel: ContextParallel | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         if book_args:
@@ -152,6 +155,11 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         self.out_proj = nn.Linear(inner, d_out, bias=out_bias)
         self._init_scores(num_heads, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks)
         self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
+        if qk_norm is not None:
+            one_of("qk_norm", qk_norm, NORM_KINDS)
+        self.q_norm, self.k_norm = ((make_norm(qk_norm, self.head_dim, qk_norm_eps),
+                                     make_norm(qk_norm, self.head_dim, qk_norm_eps))
+                                    if qk_norm is not None else (None, None))
         # One (d_in, q + k + v) tensor (bf16: (q + k + v, d_in) rows) holds the three
         # weights, views of it (see modules.fused); the output projection is packed too.
         fused.pack_groups(self)
@@ -275,6 +283,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         # (B, T, (H + 2 Hkv) * D) in one product in inference (fused.joint), else None.
         qkv = None if kv is not None else fused.joint(
             x, (self.W_query, self.W_key, self.W_value))
+        if qkv is not None and self._normed_heads():
+            qkv = self._norm_packed(qkv)
         options = self.score_options(x.device)
         if (qkv is not None and t == 1 and cache is not None and positions is None
                 and self.qkv_hook is None
@@ -303,6 +313,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
             q = fused.run(x, self.W_query).view(b, t, heads, head_dim).transpose(1, 2)
             k = fused.run(src, self.W_key).view(b, s, kv_heads, head_dim).transpose(1, 2)
             v = fused.run(src, self.W_value).view(b, s, kv_heads, head_dim).transpose(1, 2)
+            q, k = self._norm_heads(q, k)
             if rot is not None:
                 q = rot.rotate(q, cos, sin)
                 if kv is not None:  # the other sequence has its own positions 0..S-1
@@ -348,37 +359,25 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
             return out[0][0], out[1][0]
         return out[0]
 
+    def _normed_heads(self) -> bool:
+        return self.q_norm is not None or self.k_norm is not None
+
+    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, H, T, D)`` queries and ``(B, Hkv, S, D)`` keys through ``q_norm`` and
+        ``k_norm`` (each head's D features) where the module has them."""
+        return (q if self.q_norm is None else self.q_norm(q),
+                k if self.k_norm is None else self.k_norm(k))
+
+    def _norm_packed(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The joint ``(B, T, (H + 2 Hkv) * D)`` product with its queries and keys normed."""
+        q, k, v = qkv.unflatten(-1, (-1, self.head_dim)).split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
+        return torch.cat([*self._norm_heads(q, k), v], dim=-2).flatten(-2)
+
     def _project(self, merged: torch.Tensor) -> torch.Tensor:
         """The heads side by side ``(B, T, num_heads * head_dim)`` -> output projection
         ``(B, T, d_out)``, dropout."""
         return dropout(fused.apply(merged, self.out_proj), self.resid_dropout, self.training)
-
-    def _check_x(self, x) -> tuple[int, int]:
-        if not isinstance(x, torch.Tensor) or x.ndim != 3:
-            raise ValueError(
-                f"x must be (batch, seq, features={self.d_in}) (batch first) or one "
-                f"(seq, features={self.d_in}) sequence, got {_shape(x)}"
-            )
-        if x.shape[-1] != self.d_in:
-            raise ValueError(
-                f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but d_in={self.d_in}"
-            )
-        weight = self.W_query._parameters.get("weight")  # read directly: once a token
-        if not fused.takes(x.dtype, self.W_query):
-            raise TypeError(f"x has dtype {x.dtype} but the module's weights are {weight.dtype}; "
-                            f"expected a {weight.dtype} x (or convert the module with .to())")
-        return x.shape[0], x.shape[1]
-
-    def _check_kv(self, kv, b: int) -> None:
-        if not isinstance(kv, torch.Tensor) or kv.ndim != 3:
-            raise ValueError(
-                f"kv must be (batch, k_seq, features={self.d_in}) (batch first), got {_shape(kv)}"
-            )
-        if kv.shape[0] != b or kv.shape[-1] != self.d_in:
-            raise ValueError(
-                f"kv has shape {tuple(kv.shape)} but expected (batch={b}, k_seq, "
-                f"features={self.d_in})"
-            )
 
     # ------------------------------------------------------------------ interop
 
