@@ -24,7 +24,8 @@ CHAT_TEMPLATE = (
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -102,7 +103,7 @@ def sentencepiece_metadata() -> dict:
 def write_gguf(path, hf_model, *, arch: str = "llama", name: str = "tiny", kind: str = "F32",
                tokenizer: dict | None = None, extra: tuple = (),
                feed_forward_length: int | None = None, skip: tuple = ()) -> None:
-    """Write ``hf_model`` (a Llama/Mistral/Qwen2 transformers model) to ``path`` as GGUF;
+    """Write ``hf_model`` (a Llama/Mistral/Qwen2/Qwen3 transformers model) to ``path`` as GGUF;
     ``extra``: more keys, as ``(GGUFWriter method, key, value)``; ``feed_forward_length``:
     a width that does not fit the tensors; ``skip``: tensors (llama.cpp names) left out."""
     cfg = hf_model.config

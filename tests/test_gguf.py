@@ -39,6 +39,8 @@ def _sharpened(hf):
         for name, p in hf.named_parameters():
             if name.endswith("bias"):  # random init leaves biases at zero: make them count
                 p.normal_(0, 0.5)
+            elif "q_norm" in name or "k_norm" in name:  # (Qwen3's) ones: make them count
+                p.normal_(1, 0.5)
     return hf.eval()
 
 
@@ -49,12 +51,16 @@ MODELS = {
     # heads of their own width (4 x 32 over 64, as Mistral NeMo's 32 x 128 over 5120)
     "mistral-wide-heads": lambda: T.MistralForCausalLM(T.MistralConfig(
         **_SMALL, sliding_window=None, head_dim=32)),
+    # (head_dim 128, Qwen3's own: transformers' GGUF reader takes no other for qwen3)
+    "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**_SMALL, head_dim=128)),
 }
 # llama.cpp writes Mistral as llama
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mistral-wide-heads": "llama"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mistral-wide-heads": "llama",
+        "qwen3": "qwen3"}
 CASES = [("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"),
          ("llama", "Q4_1"), ("llama", "Q5_0"), ("mistral", "F32"), ("qwen2", "F32"),
-         ("qwen2", "Q8_0"), ("mistral-wide-heads", "F32"), ("mistral-wide-heads", "Q8_0")]
+         ("qwen2", "Q8_0"), ("mistral-wide-heads", "F32"), ("mistral-wide-heads", "Q8_0"),
+         ("qwen3", "F32"), ("qwen3", "Q8_0")]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,14 @@ from ..io.files import PathLike
 from ..io.gguf import GGUFFile
 from . import int8
 from .common import Config, ShapeMismatch
-from .hf_llama import LLAMA_NAMES, llama_config, llama_state, qwen2_config
+from .hf_llama import (
+    LLAMA_NAMES,
+    QWEN3_NAMES,
+    llama_config,
+    llama_state,
+    qwen2_config,
+    qwen3_config,
+)
 
 __all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "required_tensors",
            "ARCHITECTURES", "PRECISIONS", "file_precision"]
@@ -33,7 +40,8 @@ __all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "require
 # sliding window in its metadata (llama.cpp attends over the whole context), so a
 # Mistral file is read as the Llama it is run as.
 ARCHITECTURES = {"llama": ("llama", llama_config, True),
-                 "qwen2": ("qwen2", qwen2_config, False)}
+                 "qwen2": ("qwen2", qwen2_config, False),
+                 "qwen3": ("qwen3", qwen3_config, False)}
 
 # "<arch>.<key>" -> transformers' config key
 CONFIG_KEYS = {
@@ -56,7 +64,9 @@ LAYER_TENSOR_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's
 }
+QK_NORMS = ("attn_q_norm", "attn_k_norm")
 
 
 def hf_name(name: str) -> str | None:
@@ -86,8 +96,8 @@ def llama_name(hf: str) -> str | None:
     parts = base.split(".")
     if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit():
         module = ".".join(parts[2:-1])
-        if module in LLAMA_NAMES:
-            return f"blocks.{parts[1]}.{LLAMA_NAMES[module]}.{parts[-1]}"
+        if module in QWEN3_NAMES:  # (Llama's and Qwen3's head norms)
+            return f"blocks.{parts[1]}.{QWEN3_NAMES[module]}.{parts[-1]}"
     return None
 
 
@@ -117,13 +127,14 @@ def _scalar(meta: Mapping[str, Any], key: str, where: str) -> Any:
 def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
                 where: str = "the GGUF file") -> dict[str, Any]:
     """The transformers config dict that GGUF metadata ``meta`` describes (``model_type``
-    llama or qwen2), for :func:`~.hf.llama_config` and its relatives. What
+    llama, qwen2 or qwen3), for :func:`~.hf.llama_config` and its relatives. What
     attnlab does not do (RoPE scaling, mixtures of experts, partial rotary) is refused
     here, naming the key."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{where}: architecture {arch!r} is not supported (expected one of "
-                         f"{sorted(ARCHITECTURES)}: Llama, SmolLM, TinyLlama, Mistral, Qwen2)")
+                         f"{sorted(ARCHITECTURES)}: Llama, SmolLM, TinyLlama, Mistral, Qwen2, "
+                         "Qwen3)")
     cfg: dict[str, Any] = {"model_type": ARCHITECTURES[arch][0]}
     for key, hf_key in CONFIG_KEYS.items():
         value = _scalar(meta, f"{arch}.{key}", where)
@@ -177,6 +188,8 @@ def required_tensors(cfg: Config) -> list[str]:
               "ffn_up": cfg["mlp_bias"], "ffn_down": cfg["mlp_bias"]}
     for i in range(cfg["num_layers"]):
         for short in LAYER_TENSOR_NAMES:
+            if short in QK_NORMS and not cfg.get("qk_norm"):
+                continue
             names.append(f"blk.{i}.{short}.weight")
             if biased.get(short):
                 names.append(f"blk.{i}.{short}.bias")
@@ -311,10 +324,7 @@ def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
     except ValueError as exc:
         raise ValueError(f"{file.name}: {exc}") from None
     check_tensor_names(file.tensors, config, file.name)
-    permuted = ARCHITECTURES[arch][2]
-    if permuted and (config["d_model"] // config["num_heads"]) % 2:
-        raise ValueError(f"{file.name}: head size {config['d_model'] // config['num_heads']} "
-                         "is odd; rotary embeddings need an even one")
+    permuted = ARCHITECTURES[arch][2]  # (an odd head_dim: refused by llama_config)
     file.check_types(file.tensors)
     state = GGUFState(file, permuted=permuted, heads=config["num_heads"],
                       kv_heads=config["num_kv_heads"],
@@ -324,7 +334,8 @@ def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
         weights = {llama_name(key): (lambda k: lambda: state.int8(k))(key)
                    for key in state if state.held_int8(key)}
     try:
-        return config, llama_state(state, config), file.name, weights
+        names = QWEN3_NAMES if config.get("qk_norm") else LLAMA_NAMES
+        return config, llama_state(state, config, names), file.name, weights
     except ShapeMismatch as exc:
         raise ShapeMismatch(f"{file.name} does not fit the GPT: {exc}") from None
     except ValueError as exc:  # a tensor the layout needs and the file lacks
