@@ -7,6 +7,12 @@ angle ``p * inv_freq[i]`` with ``inv_freq[i] = base ** (-2i / D)``::
     rope(x, p) = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x2, x1)
     cos = cat(cos(p * inv_freq), cos(p * inv_freq))   (likewise sin)
 
+``scaling`` stretches the frequencies for contexts longer than the model was trained on,
+as transformers' ``rope_parameters`` say: ``{"rope_type": "linear", "factor": f}`` divides
+every ``inv_freq`` by ``f``; ``"llama3"`` (Llama 3.1-3.3) divides the low frequencies
+(wavelengths above ``original_max_position_embeddings / low_freq_factor``) by ``factor``,
+keeps the high ones (below ``... / high_freq_factor``) and blends those between.
+
 This is ``transformers``' ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen, ...), not
 the interleaved-pairs convention of the original RoFormer/GPT-J code. The angle
 table is computed in float64 and stored in float32, so positions in the hundreds of
@@ -15,16 +21,63 @@ thousands keep their accuracy (float32 angles lose ~1e-2 rad there).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from .checks import finite_float, is_int
 
-__all__ = ["RotaryEmbedding", "rotate_half"]
+__all__ = ["RotaryEmbedding", "rotate_half", "check_scaling", "SCALINGS"]
+
+# rope_type -> the keys of its scaling (transformers' names)
+SCALINGS = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}
 
 # Positions below this are served from the cached table ((TABLE_MAX, head_dim) x 2 in
 # float32 at most); beyond it the factors are computed for the asked positions only.
 TABLE_MAX = 1 << 15
+
+
+def check_scaling(name: str, scaling: object) -> dict | None:
+    """``scaling`` (None, or a mapping with a ``rope_type`` of :data:`SCALINGS` and its
+    keys, positive numbers) as a plain dict; a ValueError naming ``name`` otherwise."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    if kind not in SCALINGS:
+        raise ValueError(f"{name}={scaling!r} is not supported (expected None or a rope_type "
+                         f"of {sorted(SCALINGS)} with its keys)")
+    out = {"rope_type": kind}
+    for key in SCALINGS[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+                or value == float("inf"):
+            raise ValueError(f"{name}: {key}={value!r} is not valid (expected a positive "
+                             f"number for rope_type {kind!r})")
+        out[key] = value
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"{name}: high_freq_factor={out['high_freq_factor']} must exceed "
+                         f"low_freq_factor={out['low_freq_factor']}")
+    return out
+
+
+def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """``inv_freq`` as ``scaling`` (:func:`check_scaling`'s) stretches it."""
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    # Between the bands: a blend, weight 0 at the low band's edge and 1 at the high one's.
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelength > context / low, inv_freq / factor, blended)
+    return torch.where(wavelength < context / high, inv_freq, out)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +93,8 @@ class RotaryEmbedding(nn.Module):
         head_dim (int): size ``D`` of each head's vectors; must be even.
         base (float): the frequency base; ``inv_freq[i] = base ** (-2i / D)``.
             10000.0 for Llama 1/2 and most models.
+        scaling (dict | None): the frequencies stretched for longer contexts (module
+            docstring): ``{"rope_type": "linear" | "llama3", ...}``; None for none.
 
     The cos/sin table grows on demand to the largest position asked for and is
     rebuilt on the device of the input. It is a plain tensor attribute, not a
@@ -56,7 +111,8 @@ class RotaryEmbedding(nn.Module):
         torch.Size([2, 8, 1, 64])
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0,
+                 scaling: dict | None = None) -> None:
         super().__init__()
         if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be an even int >= 2 for RoPE, got {head_dim!r}")
@@ -64,6 +120,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"base must be a number > 1, got {base!r}")
         self.head_dim = head_dim
         self.base = float(base)
+        self.scaling = check_scaling("scaling", scaling)
         # (max_len, head_dim) float32 tables of cos and signed sin, filled on first use.
         # On the CPU even when the model is built on the meta device (loading weights
         # without a random initialisation): _ensure moves them where the input is.
@@ -71,12 +128,13 @@ class RotaryEmbedding(nn.Module):
         self._sin = torch.empty(0, head_dim, device="cpu")
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        scaled = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, base={self.base}{scaled}"
 
     def inv_freq(self, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """``(head_dim // 2,)`` inverse frequencies ``base ** (-2i / head_dim)``."""
+        """``(head_dim // 2,)`` inverse frequencies ``base ** (-2i / head_dim)``, scaled."""
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
-        return (1.0 / (self.base ** (exponent / self.head_dim))).to(dtype)
+        return _scaled(1.0 / (self.base ** (exponent / self.head_dim)), self.scaling).to(dtype)
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
         """``(..., head_dim)`` float64 angles ``cat(p * inv_freq, p * inv_freq)``."""

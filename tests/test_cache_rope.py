@@ -48,6 +48,41 @@ def test_rope_matches_transformers_llama(head_dim, base, offset):
         torch.testing.assert_close(rope(q), q_hf, **tol)
 
 
+@settings(max_examples=40, deadline=None)
+@given(head_dim=st.sampled_from([8, 64, 128]), factor=st.sampled_from([1.5, 4.0, 8.0, 32.0]),
+       low=st.sampled_from([0.5, 1.0, 2.0]), span=st.sampled_from([0.5, 3.0, 8.0]),
+       context=st.sampled_from([16, 512, 8192]), base=st.sampled_from([10000.0, 500000.0]))
+def test_scaled_frequencies_are_transformers(head_dim, factor, low, span, context, base):
+    # Llama 3.1's "llama3" and "linear" RoPE scaling, as transformers computes them.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for kind, keys in (("llama3", dict(low_freq_factor=low, high_freq_factor=low + span,
+                                       original_max_position_embeddings=context)),
+                       ("linear", {})):
+        scaling = {"rope_type": kind, "factor": factor, **keys}
+        config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim,
+                             max_position_embeddings=4 * context,
+                             rope_parameters={**scaling, "rope_theta": base})
+        want, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        got = RotaryEmbedding(head_dim, base, scaling).inv_freq()
+        assert attention_factor == 1.0
+        torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=0)  # (hf: float32)
+        assert not torch.equal(got, RotaryEmbedding(head_dim, base).inv_freq())
+
+
+@pytest.mark.parametrize("scaling, match", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type of"),
+    ({"rope_type": "linear"}, "factor=None"),
+    ({"rope_type": "linear", "factor": -2}, "factor=-2"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, "must exceed low_freq_factor"),
+    ("llama3", "not supported"),
+])
+def test_bad_scalings_are_named(scaling, match):
+    with pytest.raises(ValueError, match=match):
+        RotaryEmbedding(16, 10000.0, scaling)
+
+
 def test_cos_sin_are_transformers_tables():
     config = LlamaConfig(hidden_size=32, num_attention_heads=2, head_dim=16)
     x = torch.zeros(1, 7, 16)

@@ -68,6 +68,10 @@ def model_with(seed=0, **options) -> GPT:
     (dict(positions="nope"), r"'learned', 'rope', 'alibi'"),
     (dict(norm="gemma"), "rmsnorm_plus_one"),
     (dict(mlp="swish"), "geglu"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "GPTConfig.rope_scaling="),
+    (dict(positions="learned", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "rope_scaling needs positions='rope'"),
+    (dict(qk_norm="yes"), "GPTConfig.qk_norm"),
 ])
 def test_bad_options_are_refused_naming_the_field(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -86,6 +90,22 @@ def test_the_config_goes_through_json_and_a_checkpoint_unchanged(tmp_path):
     ids = torch.randint(0, 40, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+
+
+def test_a_rope_scaling_goes_through_a_checkpoint_and_reaches_every_layer(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    model = model_with(rope_scaling=scaling)
+    assert all(b.attn.rotary.scaling == scaling for b in model.blocks)
+    attnlab.save_checkpoint(model, tmp_path / "ckpt")
+    loaded = attnlab.load_checkpoint(tmp_path / "ckpt")
+    assert loaded.config == model.config and loaded.config.rope_scaling == scaling
+    ids = torch.randint(0, 40, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+        assert not torch.allclose(model_with()(ids), model(ids))  # the scaling counts
+        want = model(ids)
+    torch.testing.assert_close(_cached_logits(model, ids, 3), want, atol=2e-5, rtol=2e-5)
 
 
 def test_per_layer_windows_and_options_reach_each_attention():

@@ -76,6 +76,13 @@ OPTION_MODELS = {
                                                     scale_attn_by_inverse_layer_idx=True),
     "gpt2-reorder-and-upcast": lambda: gpt2(reorder_and_upcast_attn=True),
     "llama-biases": lambda: llama(False, attention_bias=True, mlp_bias=True),
+    # Llama 3.1's RoPE scaling (a context of 8 originally: every band of its frequencies
+    # counts on these short sequences) and the linear one
+    "llama-rope-llama3": lambda: llama(False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}),
+    "llama-rope-linear": lambda: llama(False, rope_scaling={"rope_type": "linear",
+                                                            "factor": 4.0}),
 }
 
 
@@ -139,19 +146,14 @@ def test_bert_hidden_states_with_padding():
 @pytest.mark.parametrize("make, words", [
     (lambda: GPT.from_hf(llama(False).__class__(T.LlamaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}))),
-     ["rope_type", "linear"]),
+        num_attention_heads=4, rope_scaling={"rope_type": "yarn", "factor": 2.0}))),
+     ["rope_type", "yarn"]),
     (lambda: GPT.from_hf(T.BertModel(T.BertConfig(vocab_size=50, hidden_size=32,
                                                   num_hidden_layers=1, num_attention_heads=4,
                                                   intermediate_size=64))),
      ["model_type", "bert"]),
     (lambda: llama_config({**llama(False).config.to_dict(), "head_dim": 7}),
      ["head_dim=7", "even"]),
-    (lambda: GPT.from_hf(llama(False, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                    "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 32})),
-     ["rope_type", "llama3"]),
     (lambda: GPT.from_hf(llama(False, hidden_act="gelu")), ["hidden_act", "gelu"]),
     (lambda: GPT.from_hf(gpt2(activation_function="relu")), ["activation_function", "relu"]),
 ])

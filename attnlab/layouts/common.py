@@ -12,6 +12,7 @@ import torch
 
 from ..checks import is_int
 from ..io.files import CheckpointError
+from ..rope import SCALINGS, check_scaling
 
 Tensors = Mapping[str, torch.Tensor]
 Config = dict[str, Any]
@@ -154,17 +155,31 @@ def _positive(cfg: Mapping[str, Any], key: str, default: float) -> float:
 
 def rope_theta(cfg: Mapping[str, Any]) -> float:
     """RoPE's base of a Llama-family config (``rope_theta``, or inside
-    ``rope_parameters``); any RoPE scaling but the default is refused naming it."""
+    ``rope_parameters``), checked with its scaling (:func:`rope_scaling`)."""
+    rope_scaling(cfg)
+    params = cfg.get("rope_parameters") or {}
+    return _positive({"rope_theta": params.get("rope_theta", cfg.get("rope_theta"))},
+                     "rope_theta", 10000.0)
+
+
+def rope_scaling(cfg: Mapping[str, Any]) -> dict | None:
+    """The RoPE scaling of a config (``rope_parameters``, or the older ``rope_scaling``)
+    as ``GPTConfig.rope_scaling`` takes it: None for the default, ``linear`` and
+    ``llama3`` (Llama 3.1-3.3) with their keys; any other kind is refused naming it."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
         bad = "rope_parameters" if not isinstance(params, Mapping) else "rope_scaling"
         raise ValueError(f"config {bad}={cfg[bad]!r} is not valid (expected an object)")
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default')")
-    return _positive({"rope_theta": params.get("rope_theta", cfg.get("rope_theta"))},
-                     "rope_theta", 10000.0)
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in SCALINGS:
+        raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default', "
+                         "'linear' or 'llama3')")
+    return check_scaling("config rope_parameters",
+                         {"rope_type": kind, **{k: merged.get(k) for k in SCALINGS[kind]}})
 
 
 def window_field(cfg: Mapping[str, Any], key: str) -> int | None:

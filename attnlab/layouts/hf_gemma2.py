@@ -15,7 +15,16 @@ from typing import Any
 
 import torch
 
-from .common import Config, Tensors, _positive, _require, _size, rope_theta, window_field
+from .common import (
+    Config,
+    Tensors,
+    _positive,
+    _require,
+    _size,
+    rope_scaling,
+    rope_theta,
+    window_field,
+)
 from .hf_llama import LLAMA_NAMES, llama_state, window_layers
 
 __all__ = ["gemma2_config", "gemma2_state", "GEMMA2_NAMES"]
@@ -60,7 +69,7 @@ def gemma2_config(cfg: Mapping[str, Any]) -> Config:
         context_length=_size(cfg, "max_position_embeddings", 8192),
         d_model=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, d_ff=_size(cfg, "intermediate_size"), positions="rope",
-        rope_base=rope_theta(cfg), norm="rmsnorm_plus_one",
+        rope_base=rope_theta(cfg), rope_scaling=rope_scaling(cfg), norm="rmsnorm_plus_one",
         norm_eps=_positive(cfg, "rms_norm_eps", 1e-6), mlp="geglu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=bias, out_bias=bias, mlp_bias=False,

@@ -22,6 +22,7 @@ from .common import (
     check_layer_count,
     check_shapes,
     check_tied_head,
+    rope_scaling,
     rope_theta,
     window_field,
 )
@@ -55,7 +56,8 @@ def llama_config(cfg: Mapping[str, Any]) -> Config:
         context_length=_size(cfg, "max_position_embeddings"),
         d_model=hidden, num_layers=_size(cfg, "num_hidden_layers"), num_heads=heads,
         num_kv_heads=kv_heads, d_ff=_size(cfg, "intermediate_size"),
-        positions="rope", rope_base=rope_theta(cfg), norm="rmsnorm",
+        positions="rope", rope_base=rope_theta(cfg), rope_scaling=rope_scaling(cfg),
+        norm="rmsnorm",
         norm_eps=_positive(cfg, "rms_norm_eps", 1e-6), mlp="swiglu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),

@@ -48,7 +48,7 @@ class Block(nn.Module):
             cfg.d_model, cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
             resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-            rope=cfg.positions == "rope", rope_base=cfg.rope_base,
+            rope=cfg.positions == "rope", rope_base=cfg.rope_base, rope_scaling=cfg.rope_scaling,
             window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
             scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
             sinks=cfg.sinks, context_parallel=context_parallel,

@@ -18,6 +18,7 @@ from ..checks import (
 )
 from ..config import Config
 from ..modules.layers import GATED_MLP_KINDS, MLP_KINDS, NORM_KINDS
+from ..rope import check_scaling
 
 __all__ = ["GPTConfig"]
 
@@ -57,6 +58,9 @@ class GPTConfig(Config):
       added back (Gemma 2's ``post_attention_layernorm`` / ``post_feedforward_layernorm``);
     - ``qk_norm``: a norm of the model's ``norm`` kind over each head's query and key
       before RoPE (Qwen3's ``q_norm`` / ``k_norm``);
+    - ``rope_scaling``: RoPE's frequencies stretched for longer contexts,
+      ``{"rope_type": "linear" | "llama3", ...}`` with transformers' keys (Llama 3.1-3.3's
+      ``llama3``; :mod:`attnlab.rope`);
     - ``scale_embeddings``: token embeddings times ``sqrt(d_model)`` (Gemma);
       ``embed_norm``: a norm of the embeddings before the first block (BLOOM's
       ``word_embeddings_layernorm``).
@@ -94,6 +98,7 @@ class GPTConfig(Config):
     scale_embeddings: bool = False
     embed_norm: bool = False
     qk_norm: bool = False
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -132,6 +137,10 @@ class GPTConfig(Config):
         probability("GPTConfig.dropout", self.dropout)
         finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
         finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
+        self.rope_scaling = check_scaling("GPTConfig.rope_scaling", self.rope_scaling)
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ValueError(f"GPTConfig.rope_scaling needs positions='rope', got "
+                             f"positions={self.positions!r}")
         count = self.num_parameters()
         fits_in_memory(f"a GPT of {count:,} parameters", 4 * count)
 

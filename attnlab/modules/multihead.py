@@ -46,7 +46,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         window (int | None): sliding window W: a query at position p sees keys
             ``p - W < j`` (and ``j <= p`` when causal, ``j < p + W`` otherwise).
         backend (str): backend of :func:`attnlab.attention`, one of ``attnlab.BACKENDS``.
-        rope_base (float): RoPE frequency base.
+        rope_base (float), rope_scaling (dict | None): RoPE's frequency base and scaling
+            (:class:`RotaryEmbedding`'s ``base`` and ``scaling``).
         head_dim (int | None): width of each head; None = ``d_out // num_heads``. Given,
             the queries are ``num_heads * head_dim`` wide and ``out_proj`` maps that width
             back to ``d_out`` (Gemma 2's heads are wider than ``d_model / num_heads``).
@@ -61,10 +62,9 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
             first) that joins each softmax's denominator and weighs no value (gpt-oss).
         context_parallel (ContextParallel | None): the sequence split across processes
             (:mod:`.split`): ``forward`` takes and returns this rank's shard.
-        qk_norm (str | None): a norm of :data:`~attnlab.modules.layers.NORM_KINDS` over
-            each head's query and key (``q_norm``, ``k_norm``, ``(head_dim,)`` weights),
-            after the projections and before RoPE: Qwen3's (``"rmsnorm"``); None for none.
-        qk_norm_eps (float): its epsilon.
+        qk_norm (str | None), qk_norm_eps (float): a norm of ``NORM_KINDS`` over each
+            head's query and key (``q_norm``, ``k_norm``, ``(head_dim,)`` weights) after
+            the projections and before RoPE, and its epsilon: Qwen3's ``"rmsnorm"``.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
     ``out_proj``), so under the same ``torch.manual_seed`` a
@@ -101,6 +101,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         window: int | None = None,
         backend: str = "auto",
         rope_base: float = 10000.0,
+        rope_scaling: dict | None = None,
         head_dim: int | None = None,
         scale: float | None = None,
         softcap: float | None = None,
@@ -154,7 +155,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(inner, d_out, bias=out_bias)
         self._init_scores(num_heads, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks)
-        self.rotary = RotaryEmbedding(self.head_dim, rope_base) if rope else None
+        self.rotary = RotaryEmbedding(self.head_dim, rope_base, rope_scaling) if rope else None
         if qk_norm is not None:
             one_of("qk_norm", qk_norm, NORM_KINDS)
         self.q_norm, self.k_norm = ((make_norm(qk_norm, self.head_dim, qk_norm_eps),
