@@ -11,7 +11,9 @@ angle ``p * inv_freq[i]`` with ``inv_freq[i] = base ** (-2i / D)``::
 as transformers' ``rope_parameters`` say: ``{"rope_type": "linear", "factor": f}`` divides
 every ``inv_freq`` by ``f``; ``"llama3"`` (Llama 3.1-3.3) divides the low frequencies
 (wavelengths above ``original_max_position_embeddings / low_freq_factor``) by ``factor``,
-keeps the high ones (below ``... / high_freq_factor``) and blends those between.
+keeps the high ones (below ``... / high_freq_factor``) and blends those between;
+``{"rope_type": "factors", "factors": [...]}`` divides each by its own (``head_dim / 2``
+of them: llama.cpp's ``rope_freqs`` tensor, in which a Llama 3.1 GGUF file writes it).
 
 This is ``transformers``' ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen, ...), not
 the interleaved-pairs convention of the original RoFormer/GPT-J code. The angle
@@ -33,7 +35,8 @@ __all__ = ["RotaryEmbedding", "rotate_half", "check_scaling", "SCALINGS"]
 # rope_type -> the keys of its scaling (transformers' names)
 SCALINGS = {"linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}
+                       "original_max_position_embeddings"),
+            "factors": ("factors",)}
 
 # Positions below this are served from the cached table ((TABLE_MAX, head_dim) x 2 in
 # float32 at most); beyond it the factors are computed for the asked positions only.
@@ -50,6 +53,14 @@ def check_scaling(name: str, scaling: object) -> dict | None:
         raise ValueError(f"{name}={scaling!r} is not supported (expected None or a rope_type "
                          f"of {sorted(SCALINGS)} with its keys)")
     out = {"rope_type": kind}
+    if kind == "factors":
+        factors = scaling.get("factors")
+        if not isinstance(factors, list | tuple) or not factors or not all(
+                isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < float("inf")
+                for f in factors):
+            raise ValueError(f"{name}: factors={factors!r} is not valid (expected a list of "
+                             "positive numbers, one per frequency)")
+        return {"rope_type": kind, "factors": [float(f) for f in factors]}
     for key in SCALINGS[kind]:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
@@ -67,6 +78,9 @@ def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     """``inv_freq`` as ``scaling`` (:func:`check_scaling`'s) stretches it."""
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype,
+                                       device=inv_freq.device)
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -121,6 +135,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = float(base)
         self.scaling = check_scaling("scaling", scaling)
+        if self.scaling is not None and self.scaling["rope_type"] == "factors" and \
+                len(self.scaling["factors"]) != head_dim // 2:
+            raise ValueError(f"scaling has {len(self.scaling['factors'])} factors, expected "
+                             f"one per frequency: head_dim / 2 = {head_dim // 2}")
         # (max_len, head_dim) float32 tables of cos and signed sin, filled on first use.
         # On the CPU even when the model is built on the meta device (loading weights
         # without a random initialisation): _ensure moves them where the input is.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import gguf
 import numpy as np
@@ -26,6 +27,26 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def llama3_rope_factors(scaling: dict, head_dim: int) -> np.ndarray:
+    """The divisor of each RoPE frequency that llama.cpp's convert_hf_to_gguf.py writes as
+    ``rope_freqs.weight`` for a Llama 3.1 config (its own loop, in float32)."""
+    base = scaling["rope_theta"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -142,6 +163,9 @@ def write_gguf(path, hf_model, *, arch: str = "llama", name: str = "tiny", kind:
     w.add_chat_template(tokenizer["chat_template"])
     for method, key, value in extra:
         getattr(w, method)(key, value)
+    scaling = getattr(cfg, "rope_parameters", None) or {}
+    if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter writes Llama 3.1
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim))
     permute = arch == "llama"
     for hf_name, t in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -243,6 +243,46 @@ def test_a_damaged_count_is_refused_not_looped_over(good_file, tmp_path):
     _refused(path, "not a valid GGUF file")
 
 
+def test_a_llama_31_file_scales_rope_by_its_rope_freqs(tmp_path):
+    # llama.cpp writes Llama 3.1-3.3's RoPE scaling as rope_freqs.weight (a divisor per
+    # frequency); such files were refused. The logits are those of the model written.
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+    hf = _sharpened(T.LlamaForCausalLM(T.LlamaConfig(**{**_SMALL, "rope_parameters": scaling})))
+    with torch.no_grad():  # scores of several units: the rotation's frequencies count
+        for name, p in hf.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(6)
+    path = _write(tmp_path, hf, "llama", "F32")
+    ours = GPT.from_gguf(path, dtype=torch.float32)
+    assert ours.config.rope_scaling["rope_type"] == "factors"
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert float((ours(ids) - want).abs().max()) < 1e-4
+        plain = GPT.from_hf(T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)).eval())
+        plain.load_state_dict(ours.state_dict())
+        assert float((plain(ids) - want).abs().max()) > 1e-2  # unscaled: other logits
+    assert _greedy(ours, ids[:1], 8) == _greedy(lambda x: hf(x).logits, ids[:1], 8)
+    # the linear scaling, which llama.cpp writes as metadata
+    hf = T.LlamaForCausalLM(T.LlamaConfig(**{**_SMALL, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(6)
+    path = tmp_path / "linear.gguf"
+    write_gguf(path, hf.eval(), tokenizer=META, extra=[
+        ("add_string", "llama.rope.scaling.type", "linear"),
+        ("add_float32", "llama.rope.scaling.factor", 4.0)])
+    ours = GPT.from_gguf(path, dtype=torch.float32)
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    with torch.no_grad():
+        assert float((ours(ids) - hf(ids).logits).abs().max()) < 1e-4
+
+
 def test_unsupported_architecture_type_and_options_are_named(tmp_path):
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)).eval()
@@ -254,10 +294,10 @@ def test_unsupported_architecture_type_and_options_are_named(tmp_path):
     _refused(path, "mixture of experts")
     path = tmp_path / "rope.gguf"
     write_gguf(path, hf, tokenizer=META, extra=[("add_string", "llama.rope.scaling.type",
-                                                 "linear"),
+                                                 "yarn"),
                                                 ("add_float32", "llama.rope.scaling.factor",
                                                  4.0)])
-    _refused(path, "rope.scaling.type='linear'")
+    _refused(path, "rope.scaling.type='yarn'")
     path = tmp_path / "partial-rotary.gguf"  # a rotation over part of each head
     write_gguf(path, hf, tokenizer=META, extra=[("add_uint32", "llama.rope.dimension_count",
                                                  8)])

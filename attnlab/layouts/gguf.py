@@ -149,6 +149,9 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if meta.get(f"{arch}.rope.scaling.type") == "linear" and factor not in (None, 1.0):
+        cfg["rope_parameters"] = {"rope_type": "linear", "factor": factor}
     heads = cfg.get("num_attention_heads")
     hidden = cfg.get("hidden_size")
     if heads and hidden:
@@ -170,10 +173,9 @@ def _refuse_what_attnlab_does_not_do(meta: Mapping[str, Any], arch: str,
                                      tensor_names, where: str) -> None:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
-    if (scaling not in (None, "none") and factor != 1.0) or "rope_freqs.weight" in tensor_names:
-        what = "rope_freqs.weight (Llama 3.1's RoPE scaling)" if scaling is None \
-            else f"{arch}.rope.scaling.type={scaling!r}"
-        raise ValueError(f"{where}: {what} is not supported (attnlab's RoPE is unscaled)")
+    if scaling not in (None, "none", "linear") and factor != 1.0:
+        raise ValueError(f"{where}: {arch}.rope.scaling.type={scaling!r} is not supported "
+                         "(attnlab scales RoPE linearly or by rope_freqs.weight)")
     if (_scalar(meta, f"{arch}.expert_count", where) or 0) > 0:
         raise ValueError(f"{where}: a mixture of experts ({arch}.expert_count="
                          f"{meta[f'{arch}.expert_count']}) is not supported")
@@ -182,6 +184,8 @@ def _refuse_what_attnlab_does_not_do(meta: Mapping[str, Any], arch: str,
 def required_tensors(cfg: Config) -> list[str]:
     """llama.cpp's names of the tensors a GPT of ``cfg`` (``GPTConfig`` values) reads."""
     names = ["token_embd.weight", "output_norm.weight"]
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "factors":
+        names.append("rope_freqs.weight")  # (Llama 3.1's: read into the config)
     names += [] if cfg["tie_embeddings"] else ["output.weight"]
     biased = {"attn_q": cfg["qkv_bias"], "attn_k": cfg["qkv_bias"], "attn_v": cfg["qkv_bias"],
               "attn_output": cfg["out_bias"], "ffn_gate": cfg["mlp_bias"],
@@ -318,6 +322,12 @@ def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
     """
     file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     hf = gguf_config(file.metadata, file.tensors, file.name)
+    if "rope_freqs.weight" in file.tensors:  # a divisor per RoPE frequency (Llama 3.1's)
+        freqs = "rope_freqs.weight"
+        if file.type_name(freqs) != "F32" or len(file.shape(freqs)) != 1:
+            raise ValueError(f"{file.name}: rope_freqs.weight is not a 1-D F32 tensor")
+        hf["rope_parameters"] = {"rope_type": "factors",
+                                 "factors": file.tensor(freqs).tolist()}
     arch = file.metadata["general.architecture"]
     try:
         config = ARCHITECTURES[arch][1](hf)
