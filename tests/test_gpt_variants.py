@@ -203,3 +203,22 @@ def test_document_ids_are_checked():
     with pytest.raises(ValueError, match="document_ids is for packed rows scored whole"):
         model(ids, document_ids=torch.zeros(2, 6, dtype=torch.long),
               caches=model.new_cache(2, 8))
+
+
+def test_wide_heads_and_their_norms_are_checked_and_counted():
+    from attnlab.layouts.hf_llama import qwen3_config
+    from attnlab.modules import MultiHeadAttention
+    from attnlab.training import activation_bytes
+
+    for eps, error in ((-1.0, ValueError), (float("nan"), ValueError), (None, TypeError)):
+        with pytest.raises(error, match="qk_norm_eps"):
+            MultiHeadAttention(32, 32, 4, qk_norm="rmsnorm", qk_norm_eps=eps)
+    # a Qwen3 config.json without head_dim: transformers' default, 128
+    qwen3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, num_hidden_layers=1, vocab_size=40,
+                 max_position_embeddings=32, hidden_act="silu")
+    assert qwen3_config(qwen3)["head_dim"] == 128
+    assert qwen3_config({**qwen3, "head_dim": 16}).get("head_dim") is None  # 4 x 16 = 64
+    # heads 8 times wider than d_model hold 8 times the activations
+    wide, narrow = (GPTConfig(**{**SMALL, "positions": "rope", "head_dim": h}) for h in (48, 6))
+    assert activation_bytes(wide, 8, 16) > 4 * activation_bytes(narrow, 8, 16)

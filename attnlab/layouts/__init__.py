@@ -7,7 +7,7 @@ Nothing here imports a model class (the layer sits below :mod:`attnlab.models`),
 
 - :mod:`.hf`: GPT-2, the table of decoder layouts and the entry points ``gpt_layout`` /
   ``encoder_layout`` / ``read_folder``;
-- :mod:`.hf_llama` (Llama, Mistral, Qwen2), :mod:`.hf_gemma2`, :mod:`.hf_bloom`: the other
+- :mod:`.hf_llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`.hf_gemma2`, :mod:`.hf_bloom`: the other
   decoders;
 - :mod:`.hf_encoders`: BERT, RoBERTa, DistilBERT;
 - :mod:`.common`: what every converter shares (named state view, shape checks,

@@ -1,4 +1,4 @@
-"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2 (-> GPT; Gemma 2
+"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2, Qwen3 (-> GPT; Gemma 2
 and BLOOM in :mod:`.hf_gemma2` and :mod:`.hf_bloom`) and BERT, RoBERTa, DistilBERT
 (-> Encoder, in :mod:`.hf_encoders`).
 

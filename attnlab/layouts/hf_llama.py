@@ -157,8 +157,9 @@ def qwen2_config(cfg: Mapping[str, Any]) -> Config:
 def qwen3_config(cfg: Mapping[str, Any]) -> Config:
     """Qwen2's layout (its windows) with biases on q/k/v and o_proj only where
     ``attention_bias`` says, and an RMSNorm over each head's queries and keys before RoPE
-    (``q_norm``, ``k_norm``: ``GPTConfig.qk_norm``)."""
-    out = qwen2_config(cfg)
+    (``q_norm``, ``k_norm``: ``GPTConfig.qk_norm``). Without ``head_dim`` the heads are
+    128 wide, as transformers' Qwen3Config has them."""
+    out = qwen2_config(cfg if "head_dim" in cfg else {**cfg, "head_dim": 128})
     bias = bool(cfg.get("attention_bias", False))
     out.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
     return out

@@ -314,7 +314,8 @@ class GPT(GenerationMixin, nn.Module):
                 quantize: str | None = None) -> GPT:
         """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
         ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM``,
-        ``Qwen2ForCausalLM``, ``Gemma2ForCausalLM`` or ``BloomForCausalLM``, or of a local
+        ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM`` or
+        ``BloomForCausalLM``, or of a local
         folder written by their ``save_pretrained`` (safetensors only; nothing is
         downloaded).
 
@@ -357,7 +358,7 @@ class GPT(GenerationMixin, nn.Module):
     def from_gguf(cls, path, *, dtype: torch.dtype | None = None,
                   quantize: str | None = None) -> GPT:
         """A GPT with the weights of a GGUF file (llama.cpp's format): the ``llama``
-        (Llama 2 and 3, SmolLM, TinyLlama, Mistral) and ``qwen2`` architectures, tensors
+        (Llama 2 and 3, SmolLM, TinyLlama, Mistral), ``qwen2`` and ``qwen3`` architectures, tensors
         of the types :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1,
         K-quants...). ``path`` may also be an open :class:`attnlab.io.gguf.GGUFFile`. The
         architecture, the tensor types and every shape are checked before anything is

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _native
+from ..checks import finite_float
 from . import fused
 
 __all__ = ["MLP", "MLP_KINDS", "NORM_KINDS", "GATED_MLP_KINDS", "RMSNorm", "RMSNormPlusOne",
@@ -100,12 +101,13 @@ class RMSNormPlusOne(nn.Module):
 _NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_plus_one": RMSNormPlusOne}
 
 
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+def make_norm(kind: str, dim: int, eps: float, eps_name: str = "eps") -> nn.Module:
     """A norm of :data:`NORM_KINDS` (``"layernorm"``, ``"rmsnorm"``,
-    ``"rmsnorm_plus_one"``) over the last ``dim`` features."""
+    ``"rmsnorm_plus_one"``) over the last ``dim`` features; a bad ``eps`` is named as
+    ``eps_name``."""
     if kind not in NORM_KINDS:
         raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
-    return _NORMS[kind](dim, eps=eps)
+    return _NORMS[kind](dim, eps=finite_float(eps_name, eps, positive=True))
 
 
 def norm_kind(module: nn.Module) -> str | None:

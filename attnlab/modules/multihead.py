@@ -158,8 +158,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         self.rotary = RotaryEmbedding(self.head_dim, rope_base, rope_scaling) if rope else None
         if qk_norm is not None:
             one_of("qk_norm", qk_norm, NORM_KINDS)
-        self.q_norm, self.k_norm = ((make_norm(qk_norm, self.head_dim, qk_norm_eps),
-                                     make_norm(qk_norm, self.head_dim, qk_norm_eps))
+        self.q_norm, self.k_norm = (tuple(make_norm(qk_norm, self.head_dim, qk_norm_eps,
+                                                    "qk_norm_eps") for _ in "qk")
                                     if qk_norm is not None else (None, None))
         # One (d_in, q + k + v) tensor (bf16: (q + k + v, d_in) rows) holds the three
         # weights, views of it (see modules.fused); the output projection is packed too.

@@ -95,11 +95,12 @@ def activation_bytes(model: object, batch: int, context: int) -> int:
     activations; per layer and head, the attention weights. Checked before the
     first step, so ``--batch-size 10**12`` is one line and not an allocator failure.
     ``model``: a model, or its config (anything with ``d_model`` and ``vocab_size``,
-    and ``num_layers``/``num_heads`` where there are several)."""
+    and ``num_layers``/``num_heads``/``head_dim`` where there are several)."""
     config = getattr(model, "config", model)
     d, vocab = config.d_model, config.vocab_size
     layers, heads = getattr(config, "num_layers", 1), getattr(config, "num_heads", 1)
-    per_token = 3 * vocab + 24 * d * layers
+    width = max(d, heads * (getattr(config, "head_dim", None) or d // heads))  # (wide heads)
+    per_token = 3 * vocab + 24 * width * layers
     return 4 * batch * context * (per_token + 2 * heads * layers * context)
 
 
