@@ -110,7 +110,7 @@ def test_unsupported_model_types_are_refused_naming_the_supported_ones(tmp_path)
                          ).save_pretrained(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"'gpt_neox' is not supported by GPT \(expected one of "
                                          r"\['bloom', 'gemma2', 'gpt2', 'llama', 'mistral', "
-                                         r"'qwen2'\]\)"):
+                                         r"'qwen2', 'qwen3'\]\)"):
         GPT.from_hf(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"not supported by Encoder .*'bert', 'distilbert', "
                                          r"'roberta'.*'llama' is a layout of GPT"):
