@@ -232,21 +232,39 @@ def test_a_console_that_cannot_show_an_emoji_gets_a_question_mark_not_an_error(t
 
 
 def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
-    """--write-notebooks rewrites a notebook it wrote (run, with outputs, it still is), and
-    refuses, naming it and writing nothing, where a learner edited a cell or a file of
-    that name is not attnlab's; from the command line one line, exit 2."""
+    """--write-notebooks rewrites a notebook it wrote; one run on the same lesson keeps
+    its outputs (they are the learner's); it refuses, naming it and writing nothing, where
+    a learner ran an older version of the lesson, edited a cell, or a file of that name
+    is not attnlab's; from the command line one line, exit 2."""
+    import hashlib
     import json
 
     from attnlab.lessons.__main__ import main as lessons_main
-    from attnlab.lessons.notebooks import write_notebooks
+    from attnlab.lessons.notebooks import _cells_hash, write_notebooks
 
     paths = write_notebooks(tmp_path)
     first = paths[0]
     nb = json.loads(first.read_text())
     nb["cells"][-1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ok"}]
+    nb["cells"][-1]["execution_count"] = 1
     first.write_text(json.dumps(nb))  # run in Jupyter: outputs only
+    run = first.read_bytes()
     assert write_notebooks(tmp_path) == paths
+    assert first.read_bytes() == run  # the same lesson: the outputs stay
+    # run on an older version of the lesson (its cells and mark those of another text)
+    nb["cells"][0]["source"] = "an older lesson\n"
+    nb["metadata"]["attnlab"]["cells_sha256"] = _cells_hash(nb["cells"])
+    first.write_text(json.dumps(nb))
+    with pytest.raises(ValueError, match="run on another version of the lesson"):
+        write_notebooks(tmp_path)
+    assert hashlib.sha256(first.read_bytes()).hexdigest() == hashlib.sha256(
+        json.dumps(nb).encode()).hexdigest()
+    nb["cells"][-1]["outputs"], nb["cells"][-1]["execution_count"] = [], None
+    nb["metadata"]["attnlab"]["cells_sha256"] = _cells_hash(nb["cells"])
+    first.write_text(json.dumps(nb))  # the older lesson, not run: attnlab's to rewrite
+    write_notebooks(tmp_path)
     nb = json.loads(first.read_text())
+    assert nb["cells"][0]["source"] != "an older lesson\n"
     nb["cells"][-1]["source"] = "# my answer\n" + "".join(nb["cells"][-1]["source"])
     first.write_text(json.dumps(nb))  # edited
     (paths[1]).write_text("my own notes")  # a file of the name, not a notebook

@@ -73,17 +73,21 @@ def _cells_hash(cells) -> str:
     return hashlib.sha256(json.dumps(sources, ensure_ascii=False).encode()).hexdigest()
 
 
-def _unedited(path: Path) -> bool:
-    """Whether the notebook at ``path`` is one attnlab wrote, its cells as written (its
-    mark matches its cells), so that writing the lesson again loses nothing of the user's."""
+def _as_written(path: Path) -> tuple[str, bool] | None:
+    """``(mark, run)`` of the notebook at ``path`` where attnlab wrote it and its cells
+    are as written (its mark matches its cells), ``run`` whether it holds a run's outputs
+    (the learner's); None where it is not attnlab's or was edited."""
     from ..io.reading import MiB, read_json
 
     try:
         nb = read_json(path, 16 * MiB, "notebook")
         mark = nb.get("metadata", {}).get("attnlab", {}).get("cells_sha256")
-        return isinstance(mark, str) and mark == _cells_hash(nb.get("cells", []))
+        if not isinstance(mark, str) or mark != _cells_hash(nb.get("cells", [])):
+            return None
+        return mark, any(c.get("outputs") or c.get("execution_count") is not None
+                         for c in nb["cells"] if c.get("cell_type") == "code")
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return False
+        return None
 
 
 def notebook_text(le: Lesson, lang: str) -> str:
@@ -95,11 +99,13 @@ def notebook_text(le: Lesson, lang: str) -> str:
 def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     """Write every lesson in every language into ``folder/<lang>/NN-slug.ipynb``.
 
-    Only the notebooks are (re)written, and an existing one only where attnlab wrote it
-    and its cells are as written (:func:`_unedited`; run, with outputs, it still is): a
-    notebook a learner edited is theirs, and the whole call is refused, naming it, before
-    anything is written. A notebook file of another name already in ``folder/<lang>/`` (a
-    renamed lesson) is reported by the test, not deleted here. Returns the paths written.
+    Only the notebooks are (re)written, and an existing one only where attnlab wrote it,
+    its cells are as written and it holds no outputs (:func:`_as_written`). A run
+    notebook whose cells are already the lesson's is left as it is, with its outputs; one
+    a learner edited or ran on another version of the lesson is theirs, and the whole
+    call is refused, naming it, before anything is written. A notebook file of another
+    name already in ``folder/<lang>/`` (a renamed lesson) is reported by the test, not
+    deleted here. Returns the lessons' paths (written, or kept as they were).
     """
     from ..io import atomic_write_text
     from ..io.locks import output_lock
@@ -110,16 +116,26 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     plan = [(Path(folder) / lang / f"{le.name}.ipynb", le, lang)
             for lang in LANGS for le in all_lessons()]
     with output_lock(folder, "--write-notebooks"):
-        theirs = [p for p, _, _ in plan if (p.exists() or p.is_symlink()) and
-                  (p.is_symlink() or not p.is_file() or not _unedited(p))]
+        theirs, kept = [], set()
+        for path, le, lang in plan:
+            if not (path.exists() or path.is_symlink()):
+                continue
+            found = None if path.is_symlink() or not path.is_file() else _as_written(path)
+            run = found is not None and found[1]
+            if run and found[0] == notebook(le, lang).metadata["attnlab"]["cells_sha256"]:
+                kept.add(path)  # run on this very lesson: its outputs stay
+            elif found is None or run:
+                theirs.append(path)
         if theirs:
             raise ValueError(
                 f"--write-notebooks {str(folder)!r}: {str(theirs[0])!r}"
                 f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}: not written "
-                "by attnlab, or edited since (the cells differ from what it wrote); left as "
-                "they are: move them away or choose another folder")
+                "by attnlab, edited since (the cells differ from what it wrote), or run on "
+                "another version of the lesson (its outputs are yours); left as they are: "
+                "move them away or choose another folder")
         make_dir(folder)
         for path, le, lang in plan:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, notebook_text(le, lang))
+            if path not in kept:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(path, notebook_text(le, lang))
     return [path for path, _, _ in plan]
