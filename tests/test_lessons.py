@@ -287,3 +287,30 @@ def test_a_bad_lesson_or_sentence_is_told_in_the_learners_language(tmp_path, arg
         proc = run_cli(["learn", *argv, "--lang", lang], cwd=tmp_path)
         assert_one_line_error(proc)
         assert words in proc.stderr, proc.stderr
+
+
+def test_the_chinese_lessons_comment_their_code_in_chinese():
+    # One code cell, two languages: the same program (its syntax tree), its comments in
+    # the learner's language (a comment that is only symbols is the same in both).
+    import ast
+    import io
+    import re
+    import tokenize
+
+    from attnlab.lessons.cells import Code
+    from attnlab.lessons.registry import all_lessons
+
+    cells = [c for le in all_lessons() for c in le.cells if isinstance(c, Code)]
+    assert sum(bool(c.zh) for c in cells) >= 30
+    for cell in cells:
+        zh = cell.text("zh")
+        assert ast.dump(ast.parse(zh)) == ast.dump(ast.parse(cell.source))
+        for tok in tokenize.generate_tokens(io.StringIO(zh).readline):
+            prose = re.sub(r'"[^"]*"', "", tok.string)  # (quoted examples stay as they are)
+            if tok.type == tokenize.COMMENT and re.search(r"[A-Za-z]{3,} +[A-Za-z]{3,}", prose) \
+                    and not re.search(r"[\u4e00-\u9fff]", tok.string):
+                raise AssertionError(f"an English comment in a Chinese cell: {tok.string}")
+    with pytest.raises(ValueError, match="untranslated 'my note'"):
+        Code("x = 1  # my note")
+    with pytest.raises(ValueError, match="not in the code 'gone'"):
+        Code("x = 1", {"gone": "没了"})

@@ -1,4 +1,5 @@
-"""A lesson as data: markdown cells in two languages and code cells shared by both.
+"""A lesson as data: markdown cells in two languages and code cells shared by both
+(their comments in each language).
 
 One source gives both outputs: :mod:`.runner` prints and runs a lesson in the
 terminal, :mod:`.notebooks` writes it as a Jupyter notebook per language.
@@ -25,7 +26,47 @@ class Markdown:
 
 @dataclass(frozen=True)
 class Code:
+    """A code cell: ``source`` with English comments, ``zh`` each comment's Chinese
+    (``{english: chinese}``, the text after ``# ``). Every comment has one, and every
+    entry is a comment of the cell, so the two never drift apart."""
+
     source: str
+    zh: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        comments = _comments(self.source)
+        missing = [c for c in comments if c not in self.zh]
+        unused = [c for c in self.zh if c not in comments]
+        if missing or unused:
+            raise ValueError(f"a code cell's comments and their zh texts differ: "
+                             f"{'untranslated ' + repr(missing[0]) if missing else ''}"
+                             f"{'; ' if missing and unused else ''}"
+                             f"{'not in the code ' + repr(unused[0]) if unused else ''}")
+
+    def text(self, lang: str) -> str:
+        """The cell's code with its comments in ``lang``."""
+        if lang == "en":
+            return self.source
+        import io
+        import tokenize
+
+        lines = self.source.splitlines(keepends=True)
+        for tok in reversed(list(tokenize.generate_tokens(io.StringIO(self.source).readline))):
+            if tok.type == tokenize.COMMENT:  # right to left: earlier columns stay put
+                (row, col), (_, end) = tok.start, tok.end
+                line = lines[row - 1]
+                lines[row - 1] = line[:col] + "# " + self.zh[tok.string[1:].strip()] + line[end:]
+        return "".join(lines)
+
+
+def _comments(source: str) -> list[str]:
+    """The texts of ``source``'s comments (after ``#``, stripped), in order."""
+    import io
+    import tokenize
+
+    return [tok.string[1:].strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT]
 
 
 def md(en: str, zh: str) -> Markdown:
@@ -33,9 +74,10 @@ def md(en: str, zh: str) -> Markdown:
     return Markdown({"en": en.strip("\n"), "zh": zh.strip("\n")})
 
 
-def code(source: str) -> Code:
-    """A code cell, the same in both languages; leading/trailing blank lines are dropped."""
-    return Code(source.strip("\n"))
+def code(source: str, zh: dict[str, str] | None = None) -> Code:
+    """A code cell, the same in both languages but its comments (``zh``: each English
+    comment's Chinese); leading/trailing blank lines are dropped."""
+    return Code(source.strip("\n"), dict(zh or {}))
 
 
 @dataclass(frozen=True)

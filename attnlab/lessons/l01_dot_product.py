@@ -29,7 +29,9 @@ tokens = kit.words(SENTENCE)
 x = kit.embed(tokens)  # (number of words, 3): one row per word
 for word, row in zip(tokens, x):
     print(f"{word:>6}", row)
-"""),
+""", zh={
+    '(number of words, 3): one row per word': '(词数, 3)：每个词一行',
+}),
     md(en="""
 The dot product by hand, with a plain loop, and then all pairs at once: the matrix
 product `x @ x.T` holds the dot product of word i with word j in row i, column j.
@@ -46,7 +48,10 @@ print(f"{tokens[0]} · {tokens[-1]} = {by_hand:.4f}   (numpy a @ b = {a @ b:.4f}
 
 dots = x @ x.T  # (n, n): every pair at once
 print(np.round(dots, 3))
-"""),
+""", zh={
+    'multiply feature by feature, add up': '逐个特征相乘，再相加',
+    '(n, n): every pair at once': '(n, n)：一次算出所有词对',
+}),
     md(en="""
 The dot product also grows with the length of the vectors. **Cosine similarity** keeps
 only the direction: divide by both lengths, `cos(a, b) = a · b / (|a| |b|)`. It lies
@@ -65,7 +70,9 @@ print(kit.T(f"most similar pair: {tokens[i]!r} and {tokens[j]!r}, cos = {cos[i, 
             f"最相似的一对：{tokens[i]!r} 和 {tokens[j]!r}，cos = {cos[i, j]:.3f}"))
 kit.show(kit.matrix(cos, tokens, tokens, title=kit.T("cosine similarity", "余弦相似度"),
                     label="cos"), "cosine")
-"""),
+""", zh={
+    'every row scaled to length 1': '每一行缩放到长度 1',
+}),
     md(en="""
 **From similarity to attention.** Attention turns each row of dot products into weights
 with a softmax: `softmax(s)ᵢ = exp(sᵢ) / Σⱼ exp(sⱼ)`, all positive, summing to 1.
@@ -86,5 +93,8 @@ xt = torch.tensor(x)[None]  # (1, n, 3): one "head"
 _, lib_weights = attnlab.attention(xt, xt, xt, scale=1.0, return_weights=True)
 kit.check(kit.T("softmax of the dot products = attnlab.attention weights",
                 "点积的 softmax = attnlab.attention 的权重"), weights, lib_weights[0], atol=1e-9)
-"""),
+""", zh={
+    'softmax of each row': '对每一行做 softmax',
+    '(1, n, 3): one "head"': '(1, n, 3)：一个“头”',
+}),
 ])

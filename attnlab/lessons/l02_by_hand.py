@@ -56,7 +56,12 @@ context = [[sum(w * vj[c] for w, vj in zip(row, v)) for c in range(len(v[0]))]
 for name, m in (("scores", scores), ("scaled", scaled), ("weights", weights),
                 ("context", context)):
     print(f"{name:>8}:", [[round(x, 4) for x in row] for row in m])
-"""),
+""", zh={
+    '1. q · k': '1. q · k',
+    '2. / sqrt(d)': '2. 除以 sqrt(d)',
+    '3. softmax': '3. softmax',
+    '4. sum of w * v': '4. 对 w * v 求和',
+}),
     md(en="""
 Each row of the weights says where one query looks: query 1 prefers key 1 (its
 direction), query 2 prefers key 2. The picture shows the same two rows.

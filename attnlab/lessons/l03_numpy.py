@@ -36,7 +36,14 @@ def numpy_attention(x, W_q, W_k, W_v, causal=False):
 
 rng = np.random.default_rng(0)
 W_q, W_k, W_v = (rng.normal(size=(3, 4)) for _ in range(3))  # 3 features in, 4 out
-"""),
+""", zh={
+    "subtract each row's max: same result, no overflow": '每行减去它的最大值：结果不变，也不会溢出',
+    '(T, d) each': '各为 (T, d)',
+    '(T, T), scaled by the size of one key': '(T, T)，按一个键的维度缩放',
+    'word i may not look at words j > i': '第 i 个词不能看 j > i 的词',
+    'each row sums to 1': '每一行之和为 1',
+    '3 features in, 4 out': '输入 3 个特征，输出 4 个',
+}),
     md(en="""
 First the five tokens of the tutorials, *I like the blue sky*. Row i of the weights is
 where word i looks.

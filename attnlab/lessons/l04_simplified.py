@@ -29,7 +29,11 @@ print(kit.T("query:", "查询："), tokens[1])
 print(kit.T("weights:", "权重："), [round(float(w), 3) for w in weights],
       kit.T("sum =", "总和 ="), round(float(weights.sum()), 6))
 print(kit.T("context vector:", "上下文向量："), context)
-"""),
+""", zh={
+    '(T, 3)': '(T, 3)',
+    'the second word asks': '由第二个词来提问',
+    'its dot product with every word': '它与每个词的点积',
+}),
     md(en="""
 All words at once is three matrix operations: `x @ x.T`, a softmax over each row
 (`dim=-1`: over the keys, so that each *query's* weights sum to 1), and `weights @ x`.
@@ -51,7 +55,9 @@ print(kit.T("row 2 equals the loop above:", "第 2 行和上面的循环结果�
       torch.allclose(all_context[1], context))
 kit.show(kit.heatmap(all_weights, tokens, title=kit.T("simplified self-attention",
                                                      "简化自注意力")), "weights")
-"""),
+""", zh={
+    'dim=-1: each row (one query) sums to 1': 'dim=-1：每一行（一个查询）之和为 1',
+}),
     md(en="""
 The check: our three lines equal the module's output and `attnlab.attention(x, x, x,
 scale=1.0)` (no scaling), the weights included.

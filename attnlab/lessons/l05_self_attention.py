@@ -31,7 +31,9 @@ torch.manual_seed(789)
 v2 = attnlab.SelfAttentionV2(d_in=3, d_out=2)
 print("v1:", v1(x))
 print("v2:", v2(x))
-"""),
+""", zh={
+    '(T, d_in=3)': '(T, d_in=3)',
+}),
     md(en="""
 The two differ only in their starting weights. `nn.Linear` stores its matrix
 transposed (`x @ W.T`), so copying v2's weights into v1, transposed, makes them equal.
@@ -50,7 +52,9 @@ steps = v2.steps(x)  # every intermediate tensor, by name
 for name in ("queries", "keys", "scores", "weights"):
     print(f"{name:>8}:", steps[name].shape)
 kit.show(kit.heatmap(steps["weights"], tokens, title="SelfAttentionV2"), "weights")
-"""),
+""", zh={
+    'every intermediate tensor, by name': '每个中间张量，按名字取',
+}),
     md(en="""
 The check: the module's output equals the NumPy oracle `attnlab.reference.attention`
 on the module's own queries, keys and values, with the scale `1/√d_out`.

@@ -44,7 +44,12 @@ print(kit.T("converted equals attnlab's:", "转换后与 attnlab 的一致："),
 padding = torch.tensor([[1] * (T - 1) + [0]])  # a tokenizer's mask: the last token is padding
 print(kit.T("padding mask as attnlab reads it:", "attnlab 读到的填充掩码："),
       attnlab.masks.from_attention_mask(padding).int().flatten().tolist())
-"""),
+""", zh={
+    'True = may attend': 'True = 可以关注',
+    "the book's mask: 1 = masked (the future)": '书中的掩码：1 = 被遮住（未来的词）',
+    '4-D (batch, heads, q, k): a 2-D mask would be read as (batch, seq) padding': '四维 (batch, heads, q, k)：二维掩码会被当作 (batch, seq) 的填充掩码',
+    "a tokenizer's mask: the last token is padding": '分词器给的掩码：最后一个词元是填充',
+}),
     md(en="""
 What goes wrong when the book's mask is passed as if it were attnlab's: every word
 then sees only the *future*, and the last word sees nothing at all (attnlab gives such
@@ -62,7 +67,9 @@ q, k, v = s["queries"][None], s["keys"][None], s["values"][None]  # (1 head, T, 
 _, wrong = attnlab.attention(q, k, v, mask=book.bool(), return_weights=True)
 print(kit.T("weights with the mask inverted:", "掩码含义弄反后的权重："))
 print(wrong[0].detach().numpy().round(2))
-"""),
+""", zh={
+    '(1 head, T, 2)': '(1 个头, T, 2)',
+}),
     md(en="""
 `attnlab.CausalAttention(d_in, d_out, context_length, dropout)` is the book's class:
 `SelfAttentionV2` plus the causal rule (and dropout, lesson 11). The picture shows the
@@ -93,5 +100,7 @@ kit.check(kit.T("CausalAttention = attention(mask=causal)", "CausalAttention = �
 kit.check(kit.T("the book's mask, converted", "转换后的书中掩码"), out, with_book)
 kit.check(kit.T("CausalAttention = attnlab.reference(causal=True)",
                 "CausalAttention = attnlab.reference(causal=True)"), out, oracle)
-"""),
+""", zh={
+    '(1, T, T) for (heads, T, T)': '(1, T, T) 对应 (heads, T, T)',
+}),
 ])

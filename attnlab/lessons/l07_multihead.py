@@ -38,7 +38,10 @@ print(f"num_heads = {H}, head_dim = {D}, d_out = {mha.d_out}")
 with torch.no_grad():
     out, weights = mha(x, return_weights=True)  # weights: (batch, heads, T, T)
 print(out.shape, weights.shape)
-"""),
+""", zh={
+    '(batch=1, T, d_in=64): one random 64-d vector per word': '(batch=1, T, d_in=64)：每个词一个随机的 64 维向量',
+    'weights: (batch, heads, T, T)': '权重：(batch, heads, T, T)',
+}),
     md(en="""
 The same thing spelled out: project, split into heads (`view` then `transpose`, so the
 head axis comes before the sequence), attend per head, merge, `out_proj`.
@@ -70,7 +73,14 @@ print(kit.T("last row, head 0, 1/sqrt(head_dim):", "最后一行，头 0，除�
 print(kit.T("last row, head 0, 1/sqrt(d_out):   ", "最后一行，头 0，除以 √d_out：   "),
       w_wrong[0, 0, -1].numpy().round(3))
 print(kit.T("outputs differ by", "两种输出相差"), float((right - wrong).abs().max()))
-"""),
+""", zh={
+    '(B, T, H * D) -> (B, H, T, D)': '(B, T, H * D) -> (B, H, T, D)',
+    '(B, H, T, T)': '(B, H, T, T)',
+    'heads back side by side': '把各个头重新并排拼回去',
+    'the size of one head': '一个头的维度',
+    "the tutorials' sqrt(d_model)": '教程里常见的 sqrt(d_model)',
+    "the last word's weights in head 0: flatter with the wrong scale": '最后一个词在 0 号头上的权重：缩放错了就更平',
+}),
     md(en="""
 Every head has its own picture: one row of heatmaps, one per head.
 """, zh="""
@@ -80,7 +90,9 @@ Every head has its own picture: one row of heatmaps, one per head.
 from attnlab.viz import heatmap_grid
 
 kit.show(heatmap_grid(tokens, [weights[0]]), "heads")  # one layer, eight heads
-"""),
+""", zh={
+    'one layer, eight heads': '一层，八个头',
+}),
     md(en="""
 The check: the spelled-out heads with `1/√head_dim` equal `MultiHeadAttention` and the
 NumPy oracle head by head; the `√d_out` version does not.

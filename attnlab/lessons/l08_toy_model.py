@@ -24,6 +24,16 @@ def new_model(causal=True):
     model.attn.causal = causal
     return model
 '''
+# TRAIN's comments in Chinese (lessons 9 and 10 run the same cell).
+TRAIN_ZH = {
+    "A model this small trains faster on one thread: splitting its tiny matrices between":
+        "这么小的模型在单线程上训练更快：把它的小矩阵分给多个线程，",
+    "threads costs more than it saves (and on a busy machine, far more).":
+        "花的比省的多（机器忙的时候更是如此）。",
+    '"abababab acacac xyzxyz ..."': '"abababab acacac xyzxyz ..."',
+    "one token per character": "每个字符一个词元",
+    "the same starting weights every time": "每次都用同样的初始权重",
+}
 
 LESSON = Lesson(8, "toy-language-model", {"en": "A one-head language model",
                                           "zh": "只有一个注意力头的语言模型"}, cells=[
@@ -46,7 +56,7 @@ few seconds on a CPU.
 `a` 后面接什么，取决于 `a` *前面*是哪个字母，只看当前这个词是判断不出来的：注意力头必须回头看前一个词。
 在 CPU 上训练 300 步只要几秒钟。
 """),
-    code(TRAIN),
+    code(TRAIN, TRAIN_ZH),
     code("""
 model = new_model()
 summary = train(model, ids, cfg, progress=False, log=None)
@@ -58,7 +68,9 @@ print(kit.T(f"loss after {summary['steps']} steps: train {summary['final_loss']:
 for prompt in ("abab", "acac", "xyz"):
     out = model.generate(torch.tensor([tokenizer.encode(prompt)]), 16, temperature=0)
     print(f"{prompt!r} -> {tokenizer.decode(out[0].tolist())!r}")
-"""),
+""", zh={
+    'the loss of a uniform guess over the characters': '在所有字符上均匀乱猜的损失',
+}),
     md(en="""
 What did the head learn? `output_attentions=True` returns its weights. In the picture,
 row i is where the model looks while predicting the token after position i: mostly
@@ -76,7 +88,9 @@ with torch.no_grad():
     _, (weights,) = model(sample_ids, output_attentions=True)  # (1, 1 head, T, T)
 kit.show(kit.heatmap(weights[0, 0], list(sample), title=kit.T("the trained head",
                                                              "训练好的注意力头")), "head")
-"""),
+""", zh={
+    '(1, 1 head, T, T)': '(1, 1 个头, T, T)',
+}),
     md(en="""
 The check: rebuild the head's queries, keys and values from its own weights
 (`W_query`, `W_key`, `W_value` applied to the embeddings) and hand them to the NumPy
@@ -100,5 +114,7 @@ kit.check(kit.T("the model's weights = attnlab.reference", "模型的权重 = at
           weights, oracle_w, atol=1e-5)
 kit.check(kit.T("the head's output = attnlab.reference", "注意力头的输出 = attnlab.reference"),
           head_out, oracle_out, atol=1e-5)
-"""),
+""", zh={
+    'token + position embedding, (1, T, 32)': '词元嵌入 + 位置嵌入，(1, T, 32)',
+}),
 ])

@@ -1,7 +1,7 @@
 """Lesson 9: take the causal mask away and watch the model cheat."""
 
 from .cells import Lesson, code, md
-from .l08_toy_model import TRAIN
+from .l08_toy_model import TRAIN, TRAIN_ZH
 
 LESSON = Lesson(9, "mask-cheat", {"en": "Take the mask away and watch it cheat",
                                   "zh": "去掉掩码，看模型怎样作弊"}, cells=[
@@ -22,7 +22,7 @@ text, once with the causal mask and once without (`model.attn.causal = False`).
 
 下面用同样的初始权重、同样的文本把同一个模型训练两次，一次带因果掩码，一次不带（`model.attn.causal = False`）。
 """),
-    code(TRAIN),
+    code(TRAIN, TRAIN_ZH),
     code("""
 results = {}
 for causal in (True, False):

@@ -1,7 +1,7 @@
 """Lesson 10: knock out the queries, keys or values and measure what breaks."""
 
 from .cells import Lesson, code, md
-from .l08_toy_model import TRAIN
+from .l08_toy_model import TRAIN, TRAIN_ZH
 
 LESSON = Lesson(10, "knock-out-qkv", {"en": "Knocking out Q, K or V",
                                       "zh": "敲掉 Q、K 或 V"}, cells=[
@@ -28,7 +28,7 @@ itself still runs unchanged.
 
 这些钩子修改的是 `attnlab.attention` 实际收到的 q、k、v，注意力本身照常运行。
 """),
-    code(TRAIN),
+    code(TRAIN, TRAIN_ZH),
     code("""
 from attnlab import experiments
 

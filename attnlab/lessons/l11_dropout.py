@@ -36,7 +36,9 @@ print(kit.T("train mode, two calls equal:", "训练模式下两次调用相同�
 ca.eval()
 print(kit.T("eval mode, two calls equal: ", "评估模式下两次调用相同："),
       torch.allclose(ca(x), ca(x)))
-"""),
+""", zh={
+    'six tokens, three features': '六个词元，三个特征',
+}),
     md(en="""
 Does the place matter? `attnlab.experiments.dropout_placement` trains lesson 8's
 model three times from the same seed: without dropout, with dropout on the weights,
@@ -59,7 +61,9 @@ kit.show(kit.bars(list(placement), [e["eval_loss"] for e in placement.values()],
                   title=kit.T("held-out loss by dropout placement",
                               "不同 dropout 位置的留出集损失"),
                   ylabel=kit.T("loss", "损失")), "placement")
-"""),
+""", zh={
+    'three tiny models: faster on one thread (lesson 8)': '三个小模型：单线程更快（见第 8 课）',
+}),
     md(en="""
 The check: in eval mode `CausalAttention(dropout=0.5)` equals the NumPy oracle with
 `causal=True` and no dropout, and in train mode it does not.

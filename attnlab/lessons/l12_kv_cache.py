@@ -43,7 +43,11 @@ decoded = torch.cat(steps, dim=1)
 print(kit.T("tokens in the cache:", "缓存里的词数："), cache.seq_len)
 print(kit.T("projections with the cache:", "用缓存时的投影次数："), T,
       kit.T("| without:", "| 不用缓存："), T * (T + 1) // 2)
-"""),
+""", zh={
+    'all T tokens at once': '一次处理全部 T 个词元',
+    '= attnlab.KVCache(1, T, 4, 4)': '= attnlab.KVCache(1, T, 4, 4)',
+    'one token at a time, as generation does': '一次一个词元，和生成时一样',
+}),
     md(en="""
 Each decoding step gave one row of weights (the new token looking back). Stacked,
 the rows form the same triangle as the full computation.

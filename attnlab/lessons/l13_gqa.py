@@ -37,7 +37,10 @@ reads = np.array([[1.0 if h // group == g else 0.0 for g in range(2)] for h in r
 kit.show(kit.matrix(reads, [f"q{h}" for h in range(8)], ["kv0", "kv1"],
                     title=kit.T("which K/V head each query head reads",
                                 "每个查询头读哪个键值头")), "groups")
-"""),
+""", zh={
+    '8 query heads': '8 个查询头',
+    '2 key/value heads (GQA)': '2 个键/值头（GQA）',
+}),
     md(en="""
 What it saves: the cache of a 7B-sized model (32 layers, head size 128) holding
 4,096 tokens in 16-bit numbers, with 32, 8 or 1 key/value heads. The module takes
@@ -59,7 +62,9 @@ kit.show(kit.bars(list(sizes), list(sizes.values()),
 
 m = attnlab.MultiHeadAttention(d_in=64, d_out=64, num_heads=8, num_kv_heads=2)
 print("W_query", tuple(m.W_query.weight.shape), "W_key", tuple(m.W_key.weight.shape))
-"""),
+""", zh={
+    'K and V': 'K 和 V',
+}),
     md(en="""
 The check: GQA and MQA equal the NumPy oracle, which repeats each key/value head for
 its group.
@@ -74,5 +79,7 @@ kit.check(kit.T("GQA = attnlab.reference", "GQA = attnlab.reference"), gqa,
 kit.check(kit.T("MQA = attnlab.reference", "MQA = attnlab.reference"), mqa,
           attnlab.reference.attention(as_np[0], as_np[1][:, :1], as_np[2][:, :1], causal=True),
           atol=1e-5)
-"""),
+""", zh={
+    'one key/value head': '一个键/值头',
+}),
 ])

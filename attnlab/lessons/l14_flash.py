@@ -46,7 +46,13 @@ q, k, v = (torch.randn(T, D) for _ in range(3))
 ours = online_softmax_attention(q, k, v)
 print(kit.T(f"largest tile: {T} x 64 numbers; the full score matrix: {T} x {T}",
             f"最大的一块：{T} x 64 个数；完整分数矩阵：{T} x {T}"))
-"""),
+""", zh={
+    "running max of each query's scores": '每个查询的分数到目前为止的最大值',
+    'running sum of exp(score - m)': 'exp(score - m) 的累加和',
+    'running sum of exp(score - m) * value': 'exp(score - m) * value 的累加和',
+    '(T, block): one tile of scores': '(T, block)：一块分数',
+    'what was summed under the old max': '按旧的最大值累加的部分',
+}),
     md(en="""
 attnlab's `backend="tiled"` is the same algorithm in PyTorch, over query and key
 blocks, with causal and window masks that skip whole blocks, and its own backward
@@ -92,7 +98,10 @@ for name, ms in medians.items():
 kit.show(kit.bars(list(medians), list(medians.values()),
                   title=kit.T("causal attention, T = 1024, 8 heads (median)",
                               "因果注意力，T = 1024，8 个头（中位数）"), ylabel="ms"), "timings")
-"""),
+""", zh={
+    'no compiler, or switched off: say so and go on without it': '没有编译器或已关闭：说明一句，然后不用它继续',
+    'interleaved: every backend sees the same machine load': '交替运行：每个后端面对同样的机器负载',
+}),
     md(en="""
 The check: the 15-line online softmax equals the NumPy oracle and attnlab's tiled
 path on the same q, k and v (and, where it is built, the flash kernel equals the

@@ -50,7 +50,7 @@ def notebook(le: Lesson, lang: str):
              nbformat.v4.new_code_cell(setup_source(le, lang))]
     for cell in le.cells:
         if isinstance(cell, Code):
-            cells.append(nbformat.v4.new_code_cell(cell.source))
+            cells.append(nbformat.v4.new_code_cell(cell.text(lang)))
         else:
             cells.append(nbformat.v4.new_markdown_cell(_markdown(cell.text[lang], lang)))
     for i, cell in enumerate(cells):

@@ -42,8 +42,8 @@ def _run_cells(le: Lesson, lang: str, setup: str, log: Callable[[str], None]) ->
             continue
         if i == last:
             before_last = len(kit.checks_run())
-        _show_code(cell.source, log)
-        exec(compile(cell.source, f"<lesson {le.number} cell {i}>", "exec"),  # noqa: S102
+        _show_code(cell.text(lang), log)
+        exec(compile(cell.text(lang), f"<lesson {le.number} cell {i}>", "exec"),  # noqa: S102
              namespace)
         log("")
     return before_last
