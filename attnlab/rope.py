@@ -52,6 +52,12 @@ def check_scaling(name: str, scaling: object) -> dict | None:
     if kind not in SCALINGS:
         raise ValueError(f"{name}={scaling!r} is not supported (expected None or a rope_type "
                          f"of {sorted(SCALINGS)} with its keys)")
+    unknown = sorted(set(scaling) - {"rope_type", *SCALINGS[kind]})
+    if unknown:
+        hint = " (RoPE's base is rope_base, not a key of the scaling)" \
+            if "rope_theta" in unknown else ""
+        raise ValueError(f"{name}: {unknown[0]!r} is not a key of rope_type {kind!r} "
+                         f"(expected {list(SCALINGS[kind])}){hint}")
     out = {"rope_type": kind}
     if kind == "factors":
         factors = scaling.get("factors")

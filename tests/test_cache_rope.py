@@ -77,10 +77,28 @@ def test_scaled_frequencies_are_transformers(head_dim, factor, low, span, contex
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
       "original_max_position_embeddings": 8192}, "must exceed low_freq_factor"),
     ("llama3", "not supported"),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}, "'rope_theta' is not a key"),
+    ({"rope_type": "linear", "factor": 2.0, "typo": 1}, "'typo' is not a key"),
 ])
 def test_bad_scalings_are_named(scaling, match):
     with pytest.raises(ValueError, match=match):
         RotaryEmbedding(16, 10000.0, scaling)
+
+
+def test_a_configs_scaling_is_read_as_transformers_reads_it():
+    from attnlab.layouts.common import rope_scaling
+
+    saved = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert rope_scaling(saved) is None
+    # an edit that extends the context: transformers reads rope_scaling first
+    assert rope_scaling({**saved, "rope_scaling": {"type": "linear", "factor": 4.0}}) == {
+        "rope_type": "linear", "factor": 4.0}
+    # llama3 without its original context: the model's own, as transformers takes it
+    assert rope_scaling({"max_position_embeddings": 2048, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}})["original_max_position_embeddings"] == 2048
+    with pytest.raises(ValueError, match="rope_type='factors' is not supported"):
+        rope_scaling({"rope_parameters": {"rope_type": "factors", "factors": [2.0] * 4}})
 
 
 def test_cos_sin_are_transformers_tables():

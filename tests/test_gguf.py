@@ -283,6 +283,35 @@ def test_a_llama_31_file_scales_rope_by_its_rope_freqs(tmp_path):
         assert float((ours(ids) - hf(ids).logits).abs().max()) < 1e-4
 
 
+def test_a_files_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
+    # a linear factor without its type, or under the older key, is linear (llama.cpp's
+    # default); rope_freqs of the wrong length, beside a linear factor or in a qwen2 file
+    # is refused naming the file
+    torch.manual_seed(0)
+    hf = T.LlamaForCausalLM(T.LlamaConfig(**{**_SMALL, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})).eval()
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    for i, key in enumerate(("llama.rope.scaling.factor", "llama.rope.scale_linear")):
+        path = tmp_path / f"linear{i}.gguf"
+        write_gguf(path, hf, tokenizer=META, extra=[("add_float32", key, 4.0)])
+        ours = GPT.from_gguf(path, dtype=torch.float32)
+        assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}, key
+        with torch.no_grad():
+            assert float((ours(ids) - hf(ids).logits).abs().max()) < 1e-4, key
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+    hf = T.LlamaForCausalLM(T.LlamaConfig(**{**_SMALL, "rope_parameters": scaling})).eval()
+    path = tmp_path / "both.gguf"
+    write_gguf(path, hf, tokenizer=META, extra=[("add_float32", "llama.rope.scaling.factor",
+                                                 2.0)])
+    _refused(path, "rope_freqs.weight beside a linear scaling factor")
+    qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**{**_SMALL, "rope_parameters": scaling})).eval()
+    path = tmp_path / "qwen.gguf"
+    write_gguf(path, qwen, arch="qwen2", tokenizer=META)
+    _refused(path, "rope_freqs.weight is not read for this architecture")
+
+
 def test_unsupported_architecture_type_and_options_are_named(tmp_path):
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)).eval()

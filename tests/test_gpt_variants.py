@@ -72,6 +72,8 @@ def model_with(seed=0, **options) -> GPT:
     (dict(positions="learned", rope_scaling={"rope_type": "linear", "factor": 2.0}),
      "rope_scaling needs positions='rope'"),
     (dict(qk_norm="yes"), "GPTConfig.qk_norm"),
+    (dict(rope_scaling={"rope_type": "factors", "factors": [1.0] * 2}),
+     "GPTConfig.rope_scaling has 2 factors, expected one per frequency: head_dim / 2 = 3"),
 ])
 def test_bad_options_are_refused_naming_the_field(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):

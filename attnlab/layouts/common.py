@@ -171,13 +171,18 @@ def rope_scaling(cfg: Mapping[str, Any]) -> dict | None:
     if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
         bad = "rope_parameters" if not isinstance(params, Mapping) else "rope_scaling"
         raise ValueError(f"config {bad}={cfg[bad]!r} is not valid (expected an object)")
-    merged = {**scaling, **params}
+    # transformers reads rope_scaling first where a config has one (an older config, or
+    # one edited to extend its context beside the rope_parameters it was saved with).
+    merged = dict(scaling or params)
     kind = merged.get("rope_type") or merged.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in SCALINGS:
+    if kind not in ("linear", "llama3"):
         raise ValueError(f"config rope_type={kind!r} is not supported (expected 'default', "
                          "'linear' or 'llama3')")
+    if kind == "llama3" and merged.get("original_max_position_embeddings") is None:
+        # (transformers takes the model's own context then)
+        merged["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
     return check_scaling("config rope_parameters",
                          {"rope_type": kind, **{k: merged.get(k) for k in SCALINGS[kind]}})
 

@@ -149,8 +149,9 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if meta.get(f"{arch}.rope.scaling.type") == "linear" and factor not in (None, 1.0):
+    # llama.cpp reads a factor without a type as linear, and the older key too.
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if meta.get(f"{arch}.rope.scaling.type", "linear") == "linear" and factor not in (None, 1.0):
         cfg["rope_parameters"] = {"rope_type": "linear", "factor": factor}
     heads = cfg.get("num_attention_heads")
     hidden = cfg.get("hidden_size")
@@ -167,6 +168,25 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
         if head_dim != hidden // heads:
             cfg["head_dim"] = head_dim
     return cfg
+
+
+def _rope_factors(file: GGUFFile, hf: dict[str, Any]) -> list[float]:
+    """``rope_freqs.weight``'s factors, or a ValueError naming the file and what is wrong."""
+    name, shape = "rope_freqs.weight", file.shape("rope_freqs.weight")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    half = (hf.get("head_dim") or (hidden // heads if heads and hidden else 0)) // 2
+    why = None
+    if hf["model_type"] != "llama":
+        why = "is not read for this architecture (llama's only, as llama.cpp)"
+    elif file.type_name(name) != "F32" or len(shape) != 1:
+        why = "is not a 1-D F32 tensor"
+    elif shape[0] != half:
+        why = f"has {shape[0]} factors, expected one per RoPE frequency ({half})"
+    elif "rope_parameters" in hf:
+        why = "beside a linear scaling factor is not supported"
+    if why is not None:
+        raise ValueError(f"{file.name}: {name} {why}")
+    return file.tensor(name).tolist()
 
 
 def _refuse_what_attnlab_does_not_do(meta: Mapping[str, Any], arch: str,
@@ -322,17 +342,13 @@ def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
     """
     file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     hf = gguf_config(file.metadata, file.tensors, file.name)
-    if "rope_freqs.weight" in file.tensors:  # a divisor per RoPE frequency (Llama 3.1's)
-        freqs = "rope_freqs.weight"
-        if file.type_name(freqs) != "F32" or len(file.shape(freqs)) != 1:
-            raise ValueError(f"{file.name}: rope_freqs.weight is not a 1-D F32 tensor")
-        hf["rope_parameters"] = {"rope_type": "factors",
-                                 "factors": file.tensor(freqs).tolist()}
     arch = file.metadata["general.architecture"]
     try:
         config = ARCHITECTURES[arch][1](hf)
     except ValueError as exc:
         raise ValueError(f"{file.name}: {exc}") from None
+    if "rope_freqs.weight" in file.tensors:  # a divisor per RoPE frequency (Llama 3.1's)
+        config["rope_scaling"] = {"rope_type": "factors", "factors": _rope_factors(file, hf)}
     check_tensor_names(file.tensors, config, file.name)
     permuted = ARCHITECTURES[arch][2]  # (an odd head_dim: refused by llama_config)
     file.check_types(file.tensors)
