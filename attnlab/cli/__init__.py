@@ -324,7 +324,9 @@ def _replace_what_cannot_be_printed() -> None:
     text printed is for reading, and files attnlab writes are UTF-8 whatever the console."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
+        # (surrogateescape: the C locale without UTF-8 mode, which cannot encode text either)
+        if reconfigure is not None and getattr(stream, "errors", "strict") in (
+                "strict", "surrogateescape"):
             reconfigure(errors="replace")
 
 

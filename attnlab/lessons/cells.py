@@ -50,7 +50,7 @@ class Code:
         import io
         import tokenize
 
-        lines = self.source.splitlines(keepends=True)
+        lines = io.StringIO(self.source).readlines()  # (tokenize's rows, not splitlines')
         for tok in reversed(list(tokenize.generate_tokens(io.StringIO(self.source).readline))):
             if tok.type == tokenize.COMMENT:  # right to left: earlier columns stay put
                 (row, col), (_, end) = tok.start, tok.end

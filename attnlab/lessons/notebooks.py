@@ -105,7 +105,7 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     a learner edited or ran on another version of the lesson is theirs, and the whole
     call is refused, naming it, before anything is written. A notebook file of another
     name already in ``folder/<lang>/`` (a renamed lesson) is reported by the test, not
-    deleted here. Returns the lessons' paths (written, or kept as they were).
+    deleted here. Returns the paths written (not those kept).
     """
     from ..io import atomic_write_text
     from ..io.locks import output_lock
@@ -125,17 +125,18 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
             if run and found[0] == notebook(le, lang).metadata["attnlab"]["cells_sha256"]:
                 kept.add(path)  # run on this very lesson: its outputs stay
             elif found is None or run:
-                theirs.append(path)
+                theirs.append((path, "run on another version of its lesson (the outputs are "
+                               "yours)" if run else "not written by attnlab, or edited since "
+                               "(the cells differ from what it wrote)"))
         if theirs:
+            (first, why), more = theirs[0], len(theirs) - 1
             raise ValueError(
-                f"--write-notebooks {str(folder)!r}: {str(theirs[0])!r}"
-                f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}: not written "
-                "by attnlab, edited since (the cells differ from what it wrote), or run on "
-                "another version of the lesson (its outputs are yours); left as they are: "
-                "move them away or choose another folder")
+                f"--write-notebooks {str(folder)!r}: {str(first)!r}"
+                f"{f' (and {more} more)' if more else ''}: {why}; left as they are: move "
+                "them away or choose another folder")
         make_dir(folder)
         for path, le, lang in plan:
             if path not in kept:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(path, notebook_text(le, lang))
-    return [path for path, _, _ in plan]
+    return [path for path, _, _ in plan if path not in kept]
