@@ -43,9 +43,10 @@ SCALINGS = {"linear": ("factor",),
 TABLE_MAX = 1 << 15
 
 
-def check_scaling(name: str, scaling: object) -> dict | None:
+def check_scaling(name: str, scaling: object, head_dim: int | None = None) -> dict | None:
     """``scaling`` (None, or a mapping with a ``rope_type`` of :data:`SCALINGS` and its
-    keys, positive numbers) as a plain dict; a ValueError naming ``name`` otherwise."""
+    keys, positive numbers; ``factors``: ``head_dim / 2`` of them where ``head_dim`` is
+    given) as a plain dict; a ValueError naming ``name`` otherwise."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
@@ -66,6 +67,9 @@ def check_scaling(name: str, scaling: object) -> dict | None:
                 for f in factors):
             raise ValueError(f"{name}: factors={factors!r} is not valid (expected a list of "
                              "positive numbers, one per frequency)")
+        if head_dim is not None and len(factors) != head_dim // 2:
+            raise ValueError(f"{name} has {len(factors)} factors, expected one per "
+                             f"frequency: head_dim / 2 = {head_dim // 2}")
         return {"rope_type": kind, "factors": [float(f) for f in factors]}
     for key in SCALINGS[kind]:
         value = scaling.get(key)
@@ -140,11 +144,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"base must be a number > 1, got {base!r}")
         self.head_dim = head_dim
         self.base = float(base)
-        self.scaling = check_scaling("scaling", scaling)
-        if self.scaling is not None and self.scaling["rope_type"] == "factors" and \
-                len(self.scaling["factors"]) != head_dim // 2:
-            raise ValueError(f"scaling has {len(self.scaling['factors'])} factors, expected "
-                             f"one per frequency: head_dim / 2 = {head_dim // 2}")
+        self.scaling = check_scaling("scaling", scaling, head_dim)
         # (max_len, head_dim) float32 tables of cos and signed sin, filled on first use.
         # On the CPU even when the model is built on the meta device (loading weights
         # without a random initialisation): _ensure moves them where the input is.

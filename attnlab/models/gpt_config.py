@@ -137,14 +137,11 @@ class GPTConfig(Config):
         probability("GPTConfig.dropout", self.dropout)
         finite_float("GPTConfig.norm_eps", self.norm_eps, positive=True)
         finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
-        self.rope_scaling = check_scaling("GPTConfig.rope_scaling", self.rope_scaling)
+        self.rope_scaling = check_scaling("GPTConfig.rope_scaling", self.rope_scaling,
+                                          self.head_dim)
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError(f"GPTConfig.rope_scaling needs positions='rope', got "
                              f"positions={self.positions!r}")
-        factors = (self.rope_scaling or {}).get("factors")
-        if factors is not None and len(factors) != self.head_dim // 2:
-            raise ValueError(f"GPTConfig.rope_scaling has {len(factors)} factors, expected "
-                             f"one per frequency: head_dim / 2 = {self.head_dim // 2}")
         count = self.num_parameters()
         fits_in_memory(f"a GPT of {count:,} parameters", 4 * count)
 
