@@ -147,7 +147,7 @@ def test_the_wrong_option_for_a_folder_says_which_one(gpt2_dir, tmp_path, capsys
     (tmp_path / "neox").mkdir()
     (tmp_path / "neox" / "config.json").write_text('{"model_type": "gpt_neox"}')
     assert "model_type 'gpt_neox' is not supported (expected one of ['bloom', 'gemma2', " \
-           "'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'] (decoders)" in _err(
+           "'gemma3_text', 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'] (decoders)" in _err(
         capsys, "show", "x", "--model", str(tmp_path / "neox"))
 
 

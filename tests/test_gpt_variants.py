@@ -72,6 +72,9 @@ def model_with(seed=0, **options) -> GPT:
     (dict(positions="learned", rope_scaling={"rope_type": "linear", "factor": 2.0}),
      "rope_scaling needs positions='rope'"),
     (dict(qk_norm="yes"), "GPTConfig.qk_norm"),
+    (dict(window_rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "window_rope_scaling needs window_rope_base"),
+    (dict(positions="learned", window_rope_base=1e4), "window_rope_base needs positions='rope'"),
     (dict(rope_scaling={"rope_type": "factors", "factors": [1.0] * 2}),
      "GPTConfig.rope_scaling has 2 factors, expected one per frequency: head_dim / 2 = 3"),
 ])
@@ -224,3 +227,24 @@ def test_wide_heads_and_their_norms_are_checked_and_counted():
     # heads 8 times wider than d_model hold 8 times the activations
     wide, narrow = (GPTConfig(**{**SMALL, "positions": "rope", "head_dim": h}) for h in (48, 6))
     assert activation_bytes(wide, 8, 16) > 4 * activation_bytes(narrow, 8, 16)
+
+
+def test_windowed_layers_turn_with_their_own_rope_and_decode_in_the_kernel(tmp_path):
+    # Gemma 3: the sliding layers' RoPE (base 1e4) is not the global layers' (1e6)
+    model = model_with(window=3, window_layers=[0, 2], rope_base=1e6, window_rope_base=1e4,
+                       window_rope_scaling={"rope_type": "linear", "factor": 2.0})
+    rotaries = [b.attn.rotary for b in model.blocks]
+    assert [r.base for r in rotaries] == [1e4, 1e6, 1e4] and rotaries[0] is rotaries[2]
+    assert rotaries[0].scaling == {"rope_type": "linear", "factor": 2.0}
+    assert rotaries[1].scaling is None
+    ids = torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids)
+        taken = [_layer(b, Block) is not None for b in model.blocks]
+    assert taken == [True] * 3
+    with counting_fused_steps("layers") as fused:
+        got = _cached_logits(model, ids, 4)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert fused[0] == (8 * 3 if _native.available() else 0)
+    attnlab.save_checkpoint(model, tmp_path / "ckpt")
+    assert attnlab.load_checkpoint(tmp_path / "ckpt").config == model.config

@@ -109,7 +109,8 @@ def test_unsupported_model_types_are_refused_naming_the_supported_ones(tmp_path)
                                          num_attention_heads=4, intermediate_size=64)
                          ).save_pretrained(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"'gpt_neox' is not supported by GPT \(expected one of "
-                                         r"\['bloom', 'gemma2', 'gpt2', 'llama', 'mistral', "
+                                         r"\['bloom', 'gemma2', 'gemma3_text', 'gpt2', 'llama', "
+                                         r"'mistral', "
                                          r"'qwen2', 'qwen3'\]\)"):
         GPT.from_hf(tmp_path / "neox")
     with pytest.raises(ValueError, match=r"not supported by Encoder .*'bert', 'distilbert', "

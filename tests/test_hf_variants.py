@@ -12,6 +12,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
@@ -88,8 +90,21 @@ def qwen3(**kw):
     return _sharpen(T.Qwen3ForCausalLM(cfg), norms=0.5, qk=4.0)
 
 
+def gemma3(**kw):
+    torch.manual_seed(0)
+    cfg = T.Gemma3TextConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=7,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 * 16 != 48
+        max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=24,
+        final_logit_softcapping=2.0, rope_parameters={  # the global layers scaled
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        attn_implementation="eager", **IDS), **kw})
+    return _sharpen(T.Gemma3ForCausalLM(cfg), norms=0.5, qk=4.0)
+
+
 MODELS = {"gemma2": gemma2, "bloom": bloom, "qwen2-window-on-some-layers": qwen2,
-          "qwen3": qwen3}
+          "qwen3": qwen3, "gemma3": gemma3}
 
 
 def _diff(a, b) -> float:
@@ -163,6 +178,17 @@ def test_the_options_map_and_each_one_matters(loaded):
     elif name == "bloom":
         assert cfg.positions == "alibi" and cfg.embed_norm and cfg.num_heads == 6
         undo = ["_alibi_slopes"]
+    elif name == "gemma3":  # five local layers to one global, each with its RoPE
+        assert cfg.qk_norm and cfg.head_dim == 16 and cfg.attn_softcap is None
+        assert cfg.window == 4 and cfg.window_layers == (0, 1, 2, 3, 4, 6)
+        assert (cfg.window_rope_base, cfg.window_rope_scaling) == (1e4, None)
+        assert (cfg.rope_base, cfg.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+        assert cfg.logit_softcap == 2.0 and cfg.norm == "rmsnorm_plus_one" and cfg.post_norms
+        one_rope = GPT(dataclasses.replace(cfg, window_rope_base=None))
+        one_rope.load_state_dict(ours.state_dict())
+        with torch.no_grad():  # the local layers' own RoPE counts
+            assert _diff(one_rope(ids), base) > 1e-3
+        undo = ["q_norm", "k_norm", "window", "logit_softcap"]
     elif name == "qwen3":
         assert cfg.qk_norm and cfg.head_dim == 16 and not cfg.qkv_bias and not cfg.out_bias
         assert cfg.window == 4 and cfg.window_layers == (2,)
@@ -251,3 +277,28 @@ def test_gemma2_with_another_activation_or_bidirectional_attention_is_refused():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True is not supported"):
         GPT.from_hf(gemma2(use_bidirectional_attention=True))
 
+
+
+def test_a_gemma3_config_in_the_older_fields_maps_as_transformers_reads_it():
+    # config.json files on the Hub still carry rope_theta, rope_local_base_freq,
+    # rope_scaling and sliding_window_pattern instead of rope_parameters and layer_types
+    from attnlab.layouts.hf_gemma2 import gemma3_config
+
+    older = dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=48,
+                 intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=16, sliding_window=512,
+                 sliding_window_pattern=4, rope_theta=1e6, rope_local_base_freq=1e4,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0},
+                 attn_logit_softcapping=None, final_logit_softcapping=None)
+    got = gemma3_config(older)
+    want = T.Gemma3TextConfig(**{k: v for k, v in older.items() if k != "model_type"})
+    assert tuple(got["window_layers"]) == tuple(
+        i for i, kind in enumerate(want.layer_types) if kind == "sliding_attention") == (
+        0, 1, 2, 4, 5, 6)
+    assert (got["rope_base"], got["rope_scaling"]) == (
+        want.rope_parameters["full_attention"]["rope_theta"], {"rope_type": "linear",
+                                                                "factor": 8.0})
+    assert got["window_rope_base"] == want.rope_parameters["sliding_attention"]["rope_theta"]
+    assert got["qk_norm"] and got["logit_softcap"] is None and got["attn_softcap"] is None
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        gemma3_config({**older, "use_bidirectional_attention": True})

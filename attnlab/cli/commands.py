@@ -170,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{given} holds {'an' if kind[0] in 'AEIOU' else 'a'} {kind}, which "
                          "does not "
                          "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
-                         "Mistral, Qwen2, Qwen3, Gemma 2 or BLOOM folder, or a GGUF file)")
+                         "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 or BLOOM folder, or a GGUF "
+                         "file)")
     gen = torch.Generator().manual_seed(args.seed)
     sys.stdout.write(shown)
     sys.stdout.flush()

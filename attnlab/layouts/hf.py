@@ -1,5 +1,5 @@
-"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2, Qwen3 (-> GPT; Gemma 2
-and BLOOM in :mod:`.hf_gemma2` and :mod:`.hf_bloom`) and BERT, RoBERTa, DistilBERT
+"""Hugging Face layouts -> attnlab layouts: GPT-2, Llama, Mistral, Qwen2, Qwen3 (-> GPT;
+Gemma 2 and 3 and BLOOM in :mod:`.hf_gemma2` and :mod:`.hf_bloom`) and BERT, RoBERTa, DistilBERT
 (-> Encoder, in :mod:`.hf_encoders`).
 
 Plain data in, plain data out: each converter maps a transformers config dict
@@ -41,7 +41,7 @@ from .common import (
 )
 from .hf_bloom import bloom_config, bloom_state
 from .hf_encoders import ENCODER_LAYOUTS, bert_config, bert_state, convert_encoder
-from .hf_gemma2 import gemma2_config, gemma2_state
+from .hf_gemma2 import gemma2_config, gemma2_state, gemma3_config, gemma3_state
 from .hf_llama import (
     QWEN3_NAMES,
     llama_config,
@@ -223,6 +223,7 @@ _GPT = {"gpt2": ("GPT-2", gpt2_config, lambda st, c, hf: gpt2_state(st, c, hf)),
         "qwen2": ("Qwen2", qwen2_config, lambda st, c, hf: llama_state(st, c)),
         "qwen3": ("Qwen3", qwen3_config, lambda st, c, hf: llama_state(st, c, QWEN3_NAMES)),
         "gemma2": ("Gemma 2", gemma2_config, lambda st, c, hf: gemma2_state(st, c)),
+        "gemma3_text": ("Gemma 3", gemma3_config, lambda st, c, hf: gemma3_state(st, c)),
         "bloom": ("BLOOM", bloom_config, lambda st, c, hf: bloom_state(st, c))}
 GPT_LAYOUTS = {kind: name for kind, (name, _, _) in _GPT.items()}
 

@@ -6,6 +6,9 @@ Gemma 2 is Llama's layout with: heads wider than ``hidden_size / num_attention_h
 four norms a layer (each branch normed before and after), RMSNorm with ``1 + weight``,
 a GeGLU MLP, embeddings times ``sqrt(hidden_size)`` and softcapped output logits
 (``final_logit_softcapping``). Each maps onto a ``GPTConfig`` option of the same meaning.
+
+Gemma 3's text decoder (``Gemma3ForCausalLM``) adds a norm over each head's queries and
+keys, five sliding layers to one global, and RoPE of its own on the sliding layers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .common import (
 )
 from .hf_llama import LLAMA_NAMES, llama_state, window_layers
 
-__all__ = ["gemma2_config", "gemma2_state", "GEMMA2_NAMES"]
+__all__ = ["gemma2_config", "gemma2_state", "GEMMA2_NAMES", "gemma3_config", "gemma3_state"]
 
 # Gemma 2's names of a layer's norms -> attnlab's (Block's norm1, post_attn_norm, norm2,
 # post_mlp_norm); its projections are named as Llama's.
@@ -84,3 +87,46 @@ def gemma2_config(cfg: Mapping[str, Any]) -> Config:
 def gemma2_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
     """attnlab's state dict of a Gemma 2 state dict, every shape checked first."""
     return llama_state(state, cfg, GEMMA2_NAMES)
+
+
+GEMMA3_NAMES = {**GEMMA2_NAMES, "self_attn.q_norm": "attn.q_norm",
+                "self_attn.k_norm": "attn.k_norm"}
+
+
+def gemma3_config(cfg: Mapping[str, Any]) -> Config:
+    """``GPTConfig`` values of a Gemma 3 text config dict (``gemma3_text``): Gemma 2's with
+    ``q_norm``/``k_norm`` (``qk_norm``), no softcapped scores (the logits' only where the
+    config sets it), the sliding layers of ``layer_types`` (or every layer but each
+    ``sliding_window_pattern``-th, 6), and their RoPE
+    (``rope_parameters["sliding_attention"]``, or the older ``rope_local_base_freq``) as
+    ``window_rope_base`` / ``window_rope_scaling``; the global layers'
+    (``rope_parameters["full_attention"]``, or ``rope_theta`` and ``rope_scaling``) as
+    ``rope_base`` / ``rope_scaling``, as transformers reads them."""
+    layers = _size(cfg, "num_hidden_layers")
+    pattern = _size(cfg, "sliding_window_pattern", 6)
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and ({"full_attention", "sliding_attention"} & set(params)):
+        full = {"rope_parameters": {"rope_theta": 1e6, **(params.get("full_attention") or {})}}
+        local = {"rope_parameters": {"rope_theta": 1e4,
+                                     **(params.get("sliding_attention") or {})}}
+    else:  # the older fields
+        full = {"rope_theta": cfg.get("rope_theta", 1e6), "rope_scaling": cfg.get("rope_scaling")}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    out = gemma2_config({
+        **{k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")},
+        **full, "max_position_embeddings": cfg.get("max_position_embeddings", 131072),
+        "sliding_window": cfg.get("sliding_window", 4096),
+        # (transformers' Gemma 3 keeps the field but never caps its scores)
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+        "layer_types": cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(layers)]})
+    out.update(qk_norm=True, window_rope_base=rope_theta(local),
+               window_rope_scaling=rope_scaling(local))
+    return out
+
+
+def gemma3_state(state: Tensors, cfg: Config) -> dict[str, torch.Tensor]:
+    """attnlab's state dict of a Gemma 3 text state dict, every shape checked first."""
+    return llama_state(state, cfg, GEMMA3_NAMES)

@@ -1,10 +1,11 @@
-"""GPT: a decoder-only transformer wide enough to host GPT-2, Llama, Gemma 2 and BLOOM
-layouts.
+"""GPT: a decoder-only transformer wide enough to host GPT-2, Llama, Qwen, Gemma 2 and 3
+and BLOOM layouts.
 
 Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))`` (Gemma 2 also norms each
 branch's output); learned, rotary or ALiBi positions; LayerNorm, RMSNorm or Gemma's
 RMSNorm; GELU, SwiGLU or GeGLU MLP; MHA, GQA or MQA; softcapped scores and logits, sink
-logits, a sliding window on chosen layers; tied or untied output layer. Every attention
+logits, a sliding window on chosen layers (with a RoPE of their own); norms over each
+head's queries and keys; tied or untied output layer. Every attention
 goes through ``MultiHeadAttention`` and so through ``attnlab.attention``.
 """
 
@@ -48,7 +49,8 @@ class Block(nn.Module):
             cfg.d_model, cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
             resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-            rope=cfg.positions == "rope", rope_base=cfg.rope_base, rope_scaling=cfg.rope_scaling,
+            rope=cfg.positions == "rope", rope_base=cfg.layer_rope(layer)[0],
+            rope_scaling=cfg.layer_rope(layer)[1],
             window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
             scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
             sinks=cfg.sinks, context_parallel=context_parallel,
@@ -103,11 +105,14 @@ class GPT(GenerationMixin, nn.Module):
                            if config.embed_norm else None)
         self.blocks = nn.ModuleList(Block(config, i, context_parallel)
                                     for i in range(config.num_layers))
-        # One rotary table for all layers (one head_dim, one base): it grows with the
-        # positions decoded, 2 * positions * head_dim floats once instead of once a layer.
-        for block in self.blocks[1:]:
+        # One rotary table for all layers of one RoPE (one head_dim, base and scaling): it
+        # grows with the positions decoded, 2 * positions * head_dim floats once, not once
+        # a layer (Gemma 3: one for its local layers, one for its global ones).
+        shared: dict[str, nn.Module] = {}
+        for block in self.blocks:
             if block.attn.rotary is not None:
-                block.attn.rotary = self.blocks[0].attn.rotary
+                block.attn.rotary = shared.setdefault(repr(block.attn.rotary),
+                                                      block.attn.rotary)
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -314,8 +319,8 @@ class GPT(GenerationMixin, nn.Module):
                 quantize: str | None = None) -> GPT:
         """A GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``,
         ``LlamaForCausalLM`` (SmolLM, TinyLlama), ``MistralForCausalLM``,
-        ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM`` or
-        ``BloomForCausalLM``, or of a local
+        ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
+        ``Gemma3ForCausalLM`` or ``BloomForCausalLM``, or of a local
         folder written by their ``save_pretrained`` (safetensors only; nothing is
         downloaded).
 

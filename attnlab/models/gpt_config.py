@@ -60,7 +60,9 @@ class GPTConfig(Config):
       before RoPE (Qwen3's ``q_norm`` / ``k_norm``);
     - ``rope_scaling``: RoPE's frequencies stretched for longer contexts,
       ``{"rope_type": "linear" | "llama3", ...}`` with transformers' keys (Llama 3.1-3.3's
-      ``llama3``; :mod:`attnlab.rope`);
+      ``llama3``; :mod:`attnlab.rope`); ``window_rope_base`` with ``window_rope_scaling``:
+      the RoPE of the layers with a window, where it is their own (Gemma 3's local layers
+      turn slower than its global ones);
     - ``scale_embeddings``: token embeddings times ``sqrt(d_model)`` (Gemma);
       ``embed_norm``: a norm of the embeddings before the first block (BLOOM's
       ``word_embeddings_layernorm``).
@@ -99,6 +101,8 @@ class GPTConfig(Config):
     embed_norm: bool = False
     qk_norm: bool = False
     rope_scaling: dict | None = None
+    window_rope_base: float | None = None
+    window_rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -139,9 +143,16 @@ class GPTConfig(Config):
         finite_float("GPTConfig.rope_base", self.rope_base, positive=True)
         self.rope_scaling = check_scaling("GPTConfig.rope_scaling", self.rope_scaling,
                                           self.head_dim)
-        if self.rope_scaling is not None and self.positions != "rope":
-            raise ValueError(f"GPTConfig.rope_scaling needs positions='rope', got "
-                             f"positions={self.positions!r}")
+        self.window_rope_scaling = check_scaling("GPTConfig.window_rope_scaling",
+                                                 self.window_rope_scaling, self.head_dim)
+        if self.window_rope_base is not None:
+            finite_float("GPTConfig.window_rope_base", self.window_rope_base, positive=True)
+        elif self.window_rope_scaling is not None:
+            raise ValueError("GPTConfig.window_rope_scaling needs window_rope_base")
+        for name in ("rope_scaling", "window_rope_base"):
+            if getattr(self, name) is not None and self.positions != "rope":
+                raise ValueError(f"GPTConfig.{name} needs positions='rope', got "
+                                 f"positions={self.positions!r}")
         count = self.num_parameters()
         fits_in_memory(f"a GPT of {count:,} parameters", 4 * count)
 
@@ -157,6 +168,13 @@ class GPTConfig(Config):
                                      else 0) + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return emb + self.num_layers * per_layer + 2 * d + head
+
+    def layer_rope(self, layer: int) -> tuple[float, dict | None]:
+        """RoPE's base and scaling on layer ``layer``: the window's own where it has a
+        window and ``window_rope_base`` is given, else ``rope_base`` and ``rope_scaling``."""
+        if self.window_rope_base is not None and self.layer_window(layer) is not None:
+            return self.window_rope_base, self.window_rope_scaling
+        return self.rope_base, self.rope_scaling
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (None: it attends to every earlier token)."""
