@@ -77,7 +77,7 @@ def check_scaling(name: str, scaling: object, head_dim: int | None = None) -> di
                 or value == float("inf"):
             raise ValueError(f"{name}: {key}={value!r} is not valid (expected a positive "
                              f"number for rope_type {kind!r})")
-        out[key] = value
+        out[key] = float(value)  # (one table for 2 and 2.0: GPT shares rotaries by value)
     if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ValueError(f"{name}: high_freq_factor={out['high_freq_factor']} must exceed "
                          f"low_freq_factor={out['low_freq_factor']}")

@@ -302,3 +302,38 @@ def test_a_gemma3_config_in_the_older_fields_maps_as_transformers_reads_it():
     assert got["qk_norm"] and got["logit_softcap"] is None and got["attn_softcap"] is None
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         gemma3_config({**older, "use_bidirectional_attention": True})
+
+
+def test_gemma3s_rope_fields_are_read_as_transformers_reads_them(tmp_path):
+    # beside rope_parameters per layer kind: a rope_scaling scales the global layers, the
+    # older base fields give the bases the kinds leave out, and a llama3 scaling takes the
+    # model's own context; a null sliding_window with sliding layers is refused
+    import json
+
+    hf = gemma3()
+    folder = tmp_path / "g3"
+    hf.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    ids = torch.randint(4, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    edits = [
+        {"rope_scaling": {"rope_type": "linear", "factor": 3.0}},
+        {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                             "sliding_attention": {"rope_type": "default"}},
+         "rope_theta": 777.0, "rope_local_base_freq": 55.0},
+        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "llama3", "factor": 8.0,
+                                                   "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0,
+                                                   "rope_theta": 100.0}}},
+    ]
+    for edit in edits:
+        (folder / "config.json").write_text(json.dumps({**config, **edit}))
+        peer = T.Gemma3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        with torch.no_grad():
+            assert _diff(GPT.from_hf(folder)(ids), peer(ids).logits) < 1e-4, edit
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    with pytest.raises(ValueError, match="sliding_window=None with sliding layers"):
+        GPT.from_hf(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
+    with pytest.raises(ValueError, match="image-and-text model"):
+        GPT.from_hf(folder)

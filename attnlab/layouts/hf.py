@@ -53,8 +53,8 @@ from .hf_llama import (
 
 __all__ = ["gpt_layout", "encoder_layout", "read_folder", "GPT_LAYOUTS", "ENCODER_LAYOUTS",
            "gpt2_config", "gpt2_state", "llama_config", "llama_state", "mistral_config",
-           "qwen2_config", "qwen3_config", "gemma2_config", "gemma2_state", "bloom_config",
-           "bloom_state", "bert_config", "bert_state"]
+           "qwen2_config", "qwen3_config", "gemma2_config", "gemma2_state", "gemma3_config",
+           "gemma3_state", "bloom_config", "bloom_state", "bert_config", "bert_state"]
 
 
 # ------------------------------------------------------------------------- GPT-2
@@ -231,6 +231,9 @@ GPT_LAYOUTS = {kind: name for kind, (name, _, _) in _GPT.items()}
 def _unsupported(kind: Any, cls: str) -> ValueError:
     other = ("Encoder" if kind in ENCODER_LAYOUTS else "GPT" if kind in GPT_LAYOUTS else None)
     hint = f"; {kind!r} is a layout of {other}: use {other}.from_hf" if other else ""
+    if kind == "gemma3":
+        hint = ("; 'gemma3' is Gemma 3's image-and-text model: attnlab reads the text "
+                "decoder's folders (Gemma3ForCausalLM, model_type 'gemma3_text')")
     return ValueError(f"model.config.model_type={kind!r} is not supported by {cls} (expected "
                       f"one of {sorted(GPT_LAYOUTS if cls == 'GPT' else ENCODER_LAYOUTS)})"
                       f"{hint}")
@@ -239,7 +242,8 @@ def _unsupported(kind: Any, cls: str) -> ValueError:
 def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     """GPTConfig values and the attnlab state dict of a transformers causal LM of one of
     the :data:`GPT_LAYOUTS` (``GPT2LMHeadModel``, ``LlamaForCausalLM`` and its relatives
-    SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Gemma2ForCausalLM``,
+    SmolLM/TinyLlama, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``,
     ``BloomForCausalLM``), live or as a folder written by ``save_pretrained``.
 
     Nothing is copied: the tensors are the source's own (a folder's memory-mapped) or

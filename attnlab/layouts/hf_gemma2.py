@@ -105,23 +105,31 @@ def gemma3_config(cfg: Mapping[str, Any]) -> Config:
     layers = _size(cfg, "num_hidden_layers")
     pattern = _size(cfg, "sliding_window_pattern", 6)
     params = cfg.get("rope_parameters") or {}
-    if isinstance(params, Mapping) and ({"full_attention", "sliding_attention"} & set(params)):
-        full = {"rope_parameters": {"rope_theta": 1e6, **(params.get("full_attention") or {})}}
-        local = {"rope_parameters": {"rope_theta": 1e4,
-                                     **(params.get("sliding_attention") or {})}}
-    else:  # the older fields
-        full = {"rope_theta": cfg.get("rope_theta", 1e6), "rope_scaling": cfg.get("rope_scaling")}
-        local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    if not isinstance(params, Mapping) or not {"full_attention", "sliding_attention"} & set(
+            params):
+        params = {}  # the older fields: rope_theta, rope_scaling, rope_local_base_freq
+    # As transformers' Gemma3TextConfig: each kind's own parameters, its base else the
+    # older field's else the default, a rope_scaling on the global layers.
+    context = cfg.get("max_position_embeddings", 131072)
+    full = {"max_position_embeddings": context, "rope_parameters": {
+        "rope_theta": cfg.get("rope_theta", 1e6), **(params.get("full_attention") or {}),
+        **(cfg.get("rope_scaling") or {})}}
+    local = {"max_position_embeddings": context, "rope_parameters": {
+        "rope_theta": cfg.get("rope_local_base_freq", 1e4),
+        **(params.get("sliding_attention") or {})}}
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                       "full_attention" for i in range(layers)]
+    if "sliding_attention" in types and cfg.get("sliding_window", 4096) is None:
+        raise ValueError("config sliding_window=None with sliding layers is not valid (its "
+                         "layer_types slide; transformers cannot run it either)")
     out = gemma2_config({
         **{k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")},
-        **full, "max_position_embeddings": cfg.get("max_position_embeddings", 131072),
+        **full,
         "sliding_window": cfg.get("sliding_window", 4096),
         # (transformers' Gemma 3 keeps the field but never caps its scores)
         "attn_logit_softcapping": None,
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-        "layer_types": cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(layers)]})
+        "layer_types": types})
     out.update(qk_norm=True, window_rope_base=rope_theta(local),
                window_rope_scaling=rope_scaling(local))
     return out
