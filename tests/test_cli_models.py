@@ -244,3 +244,10 @@ def test_a_prompt_stops_at_the_folders_end_of_text_token(gpt2_dir, tmp_path, cap
                  "0", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip("\n") == tokenizer.decode(ids + greedy[:1]) and len(out) < len(longer)
+    # every id of the list stops it, as in transformers (Gemma 3 lists end of text and of
+    # turn): the second here
+    never = next(i for i in range(2, 100) if i not in greedy)  # (and not the tokenizer's)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [never, stop]}))
+    assert main(["generate", "--model", str(folder), "--prompt", "the cat", "--temperature",
+                 "0", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(ids + greedy[:1])

@@ -74,6 +74,16 @@ def test_sampling_options():
     stopped = model.generate(ids, 12, temperature=0, eos_id=eos)
     assert stopped.shape[1] == first + 1 and int(stopped[0, -1]) == eos
     assert torch.equal(stopped[0], greedy[0, :first + 1])
+    # several end-of-text ids (transformers' eos_token_id list, Gemma 3's [1, 106]): the
+    # first produced stops the sequence; a batch's finished rows repeat the first id
+    later = int(greedy[0, 8])
+    both = model.generate(ids, 12, temperature=0, eos_id=[later, eos])
+    assert torch.equal(both[0], greedy[0, :min(first, 3 + greedy[0, 3:].tolist().index(
+        later)) + 1])
+    with pytest.raises(TypeError, match="eos_id must be an int token id, a list"):
+        model.generate(ids, 2, eos_id=[eos, 2.5])
+    with pytest.raises(ValueError, match=r"eos_id must be a token id in \[0, 40\)"):
+        model.generate(ids, 2, eos_id=[eos, 40])
 
 
 def test_output_attentions_rows_sum_to_one_and_are_causal():

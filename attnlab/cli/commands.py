@@ -162,8 +162,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
     ids, shown, eos_id = _prompt_ids(args, tokenizer)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if eos_id is not None and (vocab is None or not 0 <= eos_id < vocab):
-        eos_id = None  # (a config's id past a small model's vocabulary: never produced)
+    # (a config's id past a small model's vocabulary is never produced: left out)
+    stops = [i for i in (eos_id or ()) if vocab is not None and 0 <= i < vocab]
+    eos_id = stops or None
     if not hasattr(model, "generate"):
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         kind = type(model).__name__
@@ -189,8 +190,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, int | None]:
-    """``(ids, text to print first, id that ends the reply)`` of ``--prompt`` or ``--chat``:
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, tuple[int, ...]]:
+    """``(ids, text to print first, ids that end the reply)`` of ``--prompt`` or ``--chat``:
     a chat message goes through the model's chat template (whose text holds the special
     tokens, so none are added), and the reply ends at the model's end-of-turn token; a
     prompt's text ends at the model's end-of-text token where it names one, as
@@ -199,19 +200,20 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, in
     try:
         if args.chat is None:
             ids, shown = tokenizer.encode(args.prompt), args.prompt
-            eos_id = getattr(tokenizer, "eos_id", None)
+            eos_id = getattr(tokenizer, "stop_ids", ()) or (getattr(tokenizer, "eos_id", None),)
         else:
             if not hasattr(tokenizer, "apply_chat"):
                 raise ValueError("this model has no chat template (a GGUF file's is used, "
                                  "or a Hugging Face folder's chat_template.jinja or "
                                  "tokenizer_config.json; e.g. --model smollm2); use --prompt")
             ids = tokenizer.encode(tokenizer.apply_chat(args.chat), add_special_tokens=False)
-            shown, eos_id = "", tokenizer.eos_id
+            shown = ""
+            eos_id = getattr(tokenizer, "stop_ids", ()) or (tokenizer.eos_id,)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
     if not ids:
         raise ValueError(f"{name} is empty")
-    return ids, shown, eos_id
+    return ids, shown, tuple(i for i in eos_id if i is not None)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -66,8 +66,11 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
     tokenizer = _chat_tokenizer(path) or HFTokenizer(path / "tokenizer.json")
-    if tokenizer.eos_id is None:
-        tokenizer.eos_id = _eos_id(path)
+    # What transformers' generate stops at, beside the tokenizer's own end of text.
+    tokenizer.stop_ids = tuple(i for i in dict.fromkeys((tokenizer.eos_id, *_eos_ids(path)))
+                               if i is not None)
+    if tokenizer.eos_id is None and tokenizer.stop_ids:
+        tokenizer.eos_id = tokenizer.stop_ids[0]
     if tokenizer.vocab_size > config["vocab_size"]:
         raise ValueError(f"--model {str(folder)!r}: tokenizer.json has {tokenizer.vocab_size} "
                          f"tokens but the model's vocab_size is {config['vocab_size']}")
@@ -75,18 +78,19 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     return model, tokenizer
 
 
-def _eos_id(folder: Path) -> int | None:
-    """The end-of-text id transformers' ``generate`` stops at: ``generation_config.json``'s
-    ``eos_token_id``, else ``config.json``'s (the first of a list); None where neither
-    names an int."""
+def _eos_ids(folder: Path) -> tuple[int, ...]:
+    """The end-of-text ids transformers' ``generate`` stops at: ``generation_config.json``'s
+    ``eos_token_id`` (an id or a list: Gemma 3's end of text and of turn), else
+    ``config.json``'s; none where neither names one."""
     for name in ("generation_config.json", CONFIG_FILE):
         if not os.path.lexists(folder / name):
             continue
         eos = read_json(folder / name, CONFIG_LIMIT, "config").get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        if isinstance(eos, int) and not isinstance(eos, bool):
-            return eos
-    return None
+        ids = tuple(i for i in (eos if isinstance(eos, list) else [eos])
+                    if isinstance(i, int) and not isinstance(i, bool))
+        if ids:
+            return ids
+    return ()
 
 
 def _chat_tokenizer(folder: Path):

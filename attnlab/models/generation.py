@@ -93,19 +93,22 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def check_eos_id(eos_id: object, vocab_size: int) -> int | None:
-    """None, or ``eos_id`` as a token id in ``[0, vocab_size)``: an id the model can
-    never produce (``-1``, ``vocab_size``) would silently never stop a sequence, and
-    ``2.5`` or ``True`` is a typo, not a token."""
+def check_eos_id(eos_id: object, vocab_size: int) -> tuple[int, ...] | None:
+    """None, or ``eos_id`` (a token id, or a list of them: transformers' ``eos_token_id``
+    may name several, Gemma 3 its end of text and of turn) as a tuple of ids in ``[0,
+    vocab_size)``: an id the model can never produce (``-1``, ``vocab_size``) would
+    silently never stop a sequence, and ``2.5`` or ``True`` is a typo, not a token."""
     if eos_id is None:
         return None
-    if not is_int(eos_id):
-        raise TypeError(f"eos_id must be an int token id or None, got "
-                        f"{type(eos_id).__name__} {eos_id!r}")
-    if not 0 <= eos_id < vocab_size:
-        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) (the model's "
-                         f"vocab_size is {vocab_size}), got {eos_id}")
-    return int(eos_id)
+    ids = list(eos_id) if isinstance(eos_id, list | tuple) and eos_id else [eos_id]
+    for i in ids:
+        if not is_int(i):
+            raise TypeError(f"eos_id must be an int token id, a list of them, or None, got "
+                            f"{type(eos_id).__name__} {eos_id!r}")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) (the model's "
+                             f"vocab_size is {vocab_size}), got {i}")
+    return tuple(int(i) for i in ids)
 
 
 def check_precision(dtype: object, quantize: object) -> None:
@@ -153,7 +156,7 @@ class GenerationMixin:
         top_k: int | None = None,
         top_p: float | None = None,
         use_cache: bool = True,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         tokenizer=None,
         decoder=None,
@@ -161,7 +164,8 @@ class GenerationMixin:
     ) -> Iterator[torch.Tensor] | Iterator[str]:
         """Yield the next token of every sequence ``(batch,)``, one step at a time.
 
-        Finished sequences (that produced ``eos_id``) keep yielding ``eos_id``;
+        Finished sequences (that produced ``eos_id``, or one of its ids) keep yielding it
+        (the first of them);
         the stream ends when all are finished or after ``max_new_tokens``.
 
         With ``tokenizer`` (one prompt only) it yields text instead: the new text
@@ -191,8 +195,9 @@ class GenerationMixin:
     def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
                     generator, decoder, cache_dtype=None) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
-        eos_id = check_eos_id(eos_id, self.config.vocab_size)
+        eos_ids = check_eos_id(eos_id, self.config.vocab_size)
         device = next(self.parameters()).device
+        stops = None if eos_ids is None else torch.tensor(eos_ids, device=device)
         ids, mask = _as_batch(ids, self.pad_id)
         ids = ids.to(device)
         batch, prompt_len = ids.shape
@@ -228,11 +233,11 @@ class GenerationMixin:
                 logits = self(window, attention_mask=win_mask, logits_to_keep=1,
                               positions=_positions(win_mask, 0, window.shape[1], device, batch))
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
-            if eos_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-                done |= nxt == eos_id
+            if stops is not None:  # a finished row yields the first end-of-text id
+                nxt = torch.where(done, torch.full_like(nxt, eos_ids[0]), nxt)
+                done |= torch.isin(nxt, stops)
             yield nxt
-            if eos_id is not None and bool(done.all()):
+            if stops is not None and bool(done.all()):
                 return
             if not use_cache:  # the cache holds the past; only the window re-reads it
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
@@ -250,7 +255,7 @@ class GenerationMixin:
         top_k: int | None = None,
         top_p: float | None = None,
         use_cache: bool = True,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         on_token: Callable[[torch.Tensor], None] | None = None,
         cache_dtype: torch.dtype | None = None,
@@ -267,7 +272,7 @@ class GenerationMixin:
                 reaches p (nucleus sampling).
             use_cache: keep keys/values in a KV cache (default) instead of re-running
                 the whole sequence every step; both give the same tokens.
-            eos_id: stop a sequence when it produces this token.
+            eos_id: stop a sequence when it produces this token (or any of a list).
             generator: a ``torch.Generator`` for reproducible sampling.
             on_token: called with each step's ``(batch,)`` new tokens (streaming).
             cache_dtype: the KV caches' dtype (default: the model's);
@@ -276,7 +281,7 @@ class GenerationMixin:
 
         Returns:
             ``(batch, prompt_len + new)`` ids: the (left-padded) prompts and what was
-            generated. Sequences that stopped early are filled with ``eos_id``.
+            generated. Sequences that stopped early are filled with ``eos_id`` (its first).
         """
         prompt, _ = _as_batch(ids, self.pad_id)
         batch, length = prompt.shape

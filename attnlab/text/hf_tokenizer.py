@@ -37,9 +37,11 @@ class HFTokenizer(Tokenizer):
     """
 
     type_name: ClassVar[str] = "hf"
-    # The model's end-of-text token, where the folder the tokenizer came with names one
-    # (what ``attnlab generate`` stops at, as transformers' generate does); None here.
+    # The model's end-of-text token, where the folder the tokenizer came with names one,
+    # and every id transformers' generate stops at (what ``attnlab generate`` stops at);
+    # none here.
     eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()
 
     def __init__(self, source: PathLike | Any) -> None:
         from tokenizers import Tokenizer as _HFTok
