@@ -222,10 +222,8 @@ def _targets(obj: object, name: str) -> list[sweep.Target]:
             return [sweep.FunctionQKV(obj, name)]
         if n >= 1:
             return [sweep.FunctionX(obj, name)]
-        raise TypeError(f"{name} takes no positional argument; expected a function (x), "
-                        "(x, mask) or (q, k, v[, mask]), or an nn.Module")
-    raise TypeError(f"{name} is a {type(obj).__name__}; expected a function (x), (x, mask) "
-                    "or (q, k, v[, mask]), an nn.Module class or an nn.Module")
+        raise messages.InputError("no_positional", name=name)
+    raise messages.InputError("not_callable", name=name, kind=type(obj).__name__)
 
 
 def check(obj: Callable | nn.Module | type, *, lang: str | None = None,
@@ -235,10 +233,15 @@ def check(obj: Callable | nn.Module | type, *, lang: str | None = None,
 
     ``lang``: ``"en"`` or ``"zh"`` (default: from the locale).
     """
-    lang = messages.default_lang() if lang is None else lang
-    if lang not in messages.LANGS:
-        raise ValueError(f"lang must be one of {', '.join(messages.LANGS)}, got {lang!r}")
+    lang = _language(lang)
     name = name or getattr(obj, "__name__", None) or type(obj).__name__
+    try:
+        return _check(obj, lang, name)
+    except messages.InputError as exc:  # said in the report's language
+        raise exc.said_in(lang) from None
+
+
+def _check(obj, lang: str, name: str) -> Report:
     report = Report(name, lang=lang)
     seen: set[str] = set()
     whats = []
@@ -254,9 +257,20 @@ def check(obj: Callable | nn.Module | type, *, lang: str | None = None,
     return report
 
 
+def _language(lang: str | None) -> str:
+    lang = messages.default_lang() if lang is None else lang
+    if lang not in messages.LANGS:
+        raise ValueError(f"lang must be one of {', '.join(messages.LANGS)}, got {lang!r}")
+    return lang
+
+
 def check_spec(spec: str, *, lang: str | None = None) -> Report:
     """``FILE:NAME`` -> :func:`check` of that object (what ``attnlab check`` runs)."""
-    obj, name = load(spec)
+    lang = _language(lang)
+    try:
+        obj, name = load(spec)
+    except messages.InputError as exc:  # said in the report's language
+        raise exc.said_in(lang) from None
     return check(obj, lang=lang, name=name)
 
 

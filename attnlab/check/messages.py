@@ -102,6 +102,22 @@ EN: dict[str, str] = {
     "ok": "OK: {name} agrees with the oracle on {n} cases ({what})",
     "bug": "bug",
     "note": "note",
+    # What was given cannot be checked (attnlab check's one-line errors).
+    "spec_form": "expected FILE:NAME (e.g. my_attention.py:SelfAttention), got {spec!r}",
+    "not_a_file": "FILE {path!r} is not a file (in FILE:NAME {spec!r})",
+    "not_python": "FILE {path!r} is not a Python file",
+    "import_failed": "importing {path} failed: {error}",
+    "not_defined": "{path} defines no {name!r}; it defines: {found}",
+    "nothing": "nothing",
+    "cannot_build": ("cannot build {cls}: no value known for its parameter {param!r}; pass an "
+                     "instance instead: attnlab.check({cls}(...))"),
+    "build_raised": "{cls}({call}) raised {error}",
+    "rotary": ("{cls} uses rotary embeddings, which attnlab check does not model yet; check it "
+               "with rope off"),
+    "no_positional": ("{name} takes no positional argument; expected a function (x), (x, mask) "
+                      "or (q, k, v[, mask]), or an nn.Module"),
+    "not_callable": ("{name} is a {kind}; expected a function (x), (x, mask) or (q, k, v[, "
+                     "mask]), an nn.Module class or an nn.Module"),
 }
 
 ZH: dict[str, str] = {
@@ -192,6 +208,20 @@ ZH: dict[str, str] = {
     "ok": "通过：{name} 在 {n} 个情形（{what}）上与参考实现一致",
     "bug": "错误",
     "note": "注",
+    "spec_form": "应为 FILE:NAME（例如 my_attention.py:SelfAttention），得到 {spec!r}",
+    "not_a_file": "FILE {path!r} 不是一个文件（FILE:NAME 为 {spec!r}）",
+    "not_python": "FILE {path!r} 不是 Python 文件",
+    "import_failed": "导入 {path} 失败：{error}",
+    "not_defined": "{path} 里没有定义 {name!r}；它定义了：{found}",
+    "nothing": "（无）",
+    "cannot_build": ("无法构造 {cls}：不知道它的参数 {param!r} 该取什么值；请改为传入一个实例："
+                     "attnlab.check({cls}(...))"),
+    "build_raised": "{cls}({call}) 抛出了 {error}",
+    "rotary": "{cls} 用了旋转位置编码（RoPE），attnlab check 还不能检查它；请关掉 rope 再检查",
+    "no_positional": ("{name} 不接受位置参数；应为函数 (x)、(x, mask) 或 (q, k, v[, mask])，"
+                      "或者一个 nn.Module"),
+    "not_callable": ("{name} 是 {kind}；应为函数 (x)、(x, mask) 或 (q, k, v[, mask])、"
+                     "nn.Module 类或 nn.Module 实例"),
 }
 
 TEXTS = {"en": EN, "zh": ZH}
@@ -208,3 +238,20 @@ def default_lang() -> str:
 
 def text(code: str, lang: str, **params: object) -> str:
     return TEXTS[lang][code].format(**params)
+
+
+class InputError(ValueError, TypeError):
+    """What was given cannot be checked: a message of :data:`TEXTS` by ``code`` in
+    ``lang``; :func:`attnlab.check.check` says it again in the report's language
+    (:meth:`said_in`). A ValueError, and a TypeError where a wrong kind of object came."""
+
+    def __init__(self, code: str, lang: str = "en", **params: object) -> None:
+        if params.get("found") == "":
+            params["found"] = text("nothing", lang)
+        super().__init__(text(code, lang, **params))
+        self.code, self.params = code, params
+
+    def said_in(self, lang: str) -> InputError:
+        params = {k: ("" if k == "found" and v == text("nothing", "en") else v)
+                  for k, v in self.params.items()}
+        return InputError(self.code, lang, **params)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .messages import InputError
 from .oracle import Block, Weights
 
 # Sizes a class is built with: every width different, so that each wrong scale
@@ -67,28 +68,30 @@ def load(spec: str) -> tuple[Any, str]:
     """
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
-        raise ValueError(f"expected FILE:NAME (e.g. my_attention.py:SelfAttention), got {spec!r}")
+        raise InputError("spec_form", spec=spec)
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"FILE {path!r} is not a file (in FILE:NAME {spec!r})")
+        raise InputError("not_a_file", path=path, spec=spec)
     module_name = f"_attnlab_check_{file.stem.replace('-', '_')}"
     loader = importlib.util.spec_from_file_location(module_name, file)
     if loader is None or loader.loader is None:
-        raise ValueError(f"FILE {path!r} is not a Python file")
+        raise InputError("not_python", path=path)
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module  # dataclasses and pickling look their module up
     sys.path.insert(0, str(file.resolve().parent))
     try:
         loader.loader.exec_module(module)
     except Exception as exc:  # the learner's file: any error, said in one line
-        raise ValueError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+        raise InputError("import_failed", path=path,
+                         error=f"{type(exc).__name__}: {exc}") from None
     finally:
         sys.path.remove(str(file.resolve().parent))
     if not hasattr(module, name):
         found = sorted(n for n, v in vars(module).items() if not n.startswith("_")
                        and (inspect.isclass(v) or inspect.isfunction(v))
                        and getattr(v, "__module__", None) == module_name)
-        raise ValueError(f"{path} defines no {name!r}; it defines: {', '.join(found) or 'nothing'}")
+        raise InputError("not_defined", path=path, name=name,
+                         found=", ".join(found))
     return getattr(module, name), name
 
 
@@ -121,9 +124,7 @@ def build(cls: type) -> list[tuple[nn.Module, str]]:
     missing = [n for n, p in params.items() if n not in kwargs and p.default is p.empty
                and n not in _CTOR["causal"]]
     if missing:
-        raise ValueError(f"cannot build {cls.__name__}: no value known for its parameter "
-                         f"{missing[0]!r}; pass an instance instead: "
-                         f"attnlab.check({cls.__name__}(...))")
+        raise InputError("cannot_build", cls=cls.__name__, param=missing[0])
     causal = _first(_CTOR["causal"], params)
     variants = [{causal: False}, {causal: True}] if causal else [{}]
     built = []
@@ -132,7 +133,8 @@ def build(cls: type) -> list[tuple[nn.Module, str]]:
             module = cls(**kwargs, **extra)
         except Exception as exc:  # the learner's constructor: one line, any error
             call = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, **extra}.items())
-            raise ValueError(f"{cls.__name__}({call}) raised {type(exc).__name__}: {exc}") from None
+            raise InputError("build_raised", cls=cls.__name__, call=call,
+                             error=f"{type(exc).__name__}: {exc}") from None
         built.append((module, ", ".join(f"{k}={v}" for k, v in {**kwargs, **extra}.items())))
     return built
 
@@ -204,8 +206,7 @@ def read_weights(module: nn.Module, d_in: int) -> Weights | None:
     book's MultiHeadAttentionWrapper), or None for a module without weights."""
     if getattr(module, "rotary", None) is not None or getattr(module, "rope", None) not in (
             None, False):
-        raise ValueError(f"{type(module).__name__} uses rotary embeddings, which attnlab check "
-                         "does not model yet; check it with rope off")
+        raise InputError("rotary", cls=type(module).__name__)
     block = _own_block(module, d_in)
     blocks = [block] if block else []
     if not blocks:

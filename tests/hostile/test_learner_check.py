@@ -251,3 +251,21 @@ def test_a_chinese_report_says_what_it_checked_in_chinese():
     assert report.ok and "维的 (q, k, v)" in str(report) and "of rank" not in str(report)
     assert "(q, k, v) of rank" in str(attnlab.check(lambda q, k, v: attnlab.attention(q, k, v),
                                                    lang="en"))
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("missing.py:attention", "FILE 'missing.py' 不是一个文件"),
+    ("my_attention.py:Nope", "里没有定义 'Nope'；它定义了：NeedsSize, attention"),
+    ("my_attention.py", "应为 FILE:NAME"),
+    ("broken.py:attention", "导入 broken.py 失败：NameError"),
+    ("my_attention.py:CONSTANT", "CONSTANT 是 int；应为函数"),
+    ("my_attention.py:NeedsSize", "无法构造 NeedsSize：不知道它的参数 'size' 该取什么值"),
+])
+def test_cli_bad_input_is_said_in_chinese_under_lang_zh(tmp_path, cli, one_line_error, spec,
+                                                         needle):
+    (tmp_path / "my_attention.py").write_text(
+        "import torch\n\nCONSTANT = 3\n\ndef attention(q, k, v):\n    return v\n\n"
+        "class NeedsSize(torch.nn.Module):\n    def __init__(self, size):\n"
+        "        super().__init__()\n")
+    (tmp_path / "broken.py").write_text("undefined_name\n")
+    one_line_error(cli(["check", spec, "--lang", "zh"], cwd=tmp_path), needle)
