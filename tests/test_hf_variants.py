@@ -52,15 +52,22 @@ def _sharpen(hf, *, norms=0.0, biases=0.0, qk=1.0, seed=0):
     return hf.eval()
 
 
-def gemma2(**kw):
+# The decoders' shared shape: 48 wide, 2 kv heads, a window of 4 on some layers, 64
+# positions; each model's own fields beside it.
+SMALL = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_key_value_heads=2,
+             max_position_embeddings=64, sliding_window=4, attn_implementation="eager", **IDS)
+
+
+def _made(config, model, fields: dict, kw: dict, **sharpen):
     torch.manual_seed(0)
-    cfg = T.Gemma2Config(**{**dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 * 16 != 48
-        max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
-        attn_implementation="eager", **IDS), **kw})
-    return _sharpen(T.Gemma2ForCausalLM(cfg), norms=0.5, qk=12.0)
+    return _sharpen(model(config(**{**SMALL, **fields, **kw})), **sharpen)
+
+
+def gemma2(**kw):
+    return _made(T.Gemma2Config, T.Gemma2ForCausalLM, dict(
+        num_hidden_layers=3, num_attention_heads=4, head_dim=16,  # 4 * 16 != 48
+        query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+        kw, norms=0.5, qk=12.0)
 
 
 def bloom(**kw):
@@ -71,36 +78,24 @@ def bloom(**kw):
 
 
 def qwen2(**kw):
-    torch.manual_seed(0)
-    cfg = T.Qwen2Config(**{**dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-        use_sliding_window=True, sliding_window=4, max_window_layers=1,
-        attn_implementation="eager", **IDS), **kw})
-    return _sharpen(T.Qwen2ForCausalLM(cfg), biases=0.5, qk=4.0)
+    return _made(T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+        num_hidden_layers=3, num_attention_heads=6, use_sliding_window=True,
+        max_window_layers=1), kw, biases=0.5, qk=4.0)
 
 
 def qwen3(**kw):
-    torch.manual_seed(0)
-    cfg = T.Qwen3Config(**{**dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 * 16 != 48
-        max_position_embeddings=64, use_sliding_window=True, sliding_window=4,
-        max_window_layers=2, attn_implementation="eager", **IDS), **kw})
-    return _sharpen(T.Qwen3ForCausalLM(cfg), norms=0.5, qk=4.0)
+    return _made(T.Qwen3Config, T.Qwen3ForCausalLM, dict(
+        num_hidden_layers=3, num_attention_heads=4, head_dim=16,  # 4 * 16 != 48
+        use_sliding_window=True, max_window_layers=2), kw, norms=0.5, qk=4.0)
 
 
 def gemma3(**kw):
-    torch.manual_seed(0)
-    cfg = T.Gemma3TextConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=7,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 * 16 != 48
-        max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=24,
-        final_logit_softcapping=2.0, rope_parameters={  # the global layers scaled
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
-        attn_implementation="eager", **IDS), **kw})
-    return _sharpen(T.Gemma3ForCausalLM(cfg), norms=0.5, qk=4.0)
+    return _made(T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(
+        num_hidden_layers=7, num_attention_heads=4, head_dim=16,  # 4 * 16 != 48
+        query_pre_attn_scalar=24, final_logit_softcapping=2.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},  # global:
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+        kw, norms=0.5, qk=4.0)
 
 
 MODELS = {"gemma2": gemma2, "bloom": bloom, "qwen2-window-on-some-layers": qwen2,
