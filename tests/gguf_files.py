@@ -27,6 +27,10 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma's, where they are not Llama's (its norm before the MLP is "pre")
+_GEMMA_NAMES = {**_NAMES, "pre_feedforward_layernorm": "ffn_norm",
+                "post_attention_layernorm": "post_attention_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def llama3_rope_factors(scaling: dict, head_dim: int) -> np.ndarray:
@@ -56,7 +60,7 @@ def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, gemma: bool = False) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -65,7 +69,7 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA_NAMES if gemma else _NAMES)[module]}.{kind}"
 
 
 def _tensor(w: np.ndarray, kind: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
@@ -124,10 +128,13 @@ def sentencepiece_metadata() -> dict:
 def write_gguf(path, hf_model, *, arch: str = "llama", name: str = "tiny", kind: str = "F32",
                tokenizer: dict | None = None, extra: tuple = (),
                feed_forward_length: int | None = None, skip: tuple = ()) -> None:
-    """Write ``hf_model`` (a Llama/Mistral/Qwen2/Qwen3 transformers model) to ``path`` as GGUF;
-    ``extra``: more keys, as ``(GGUFWriter method, key, value)``; ``feed_forward_length``:
-    a width that does not fit the tensors; ``skip``: tensors (llama.cpp names) left out."""
+    """Write ``hf_model`` (a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 transformers model)
+    to ``path`` as GGUF, as llama.cpp's convert_hf_to_gguf.py writes it (Gemma: its norms
+    stored as 1 + weight, its window and softcaps in keys of their own); ``extra``: more
+    keys, as ``(GGUFWriter method, key, value)``; ``feed_forward_length``: a width that
+    does not fit the tensors; ``skip``: tensors (llama.cpp names) left out."""
     cfg = hf_model.config
+    gemma = arch.startswith("gemma")
     tokenizer = tokenizer or byte_level_metadata()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -139,10 +146,19 @@ def write_gguf(path, hf_model, *, arch: str = "llama", name: str = "tiny", kind:
     w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp writes it
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or gemma:  # as llama.cpp does
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (Gemma 3: global)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer["model"])
@@ -171,14 +187,16 @@ def write_gguf(path, hf_model, *, arch: str = "llama", name: str = "tiny", kind:
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         a = t.detach().to(torch.float32).numpy()
+        if gemma and hf_name.endswith("norm.weight"):
+            a = a + 1  # (llama.cpp runs them as plain RMSNorms)
         if permute and ".q_proj." in hf_name:
             a = llamacpp_permute(a, cfg.num_attention_heads)
         elif permute and ".k_proj." in hf_name:
             a = llamacpp_permute(a, cfg.num_key_value_heads)
-        if gguf_name(hf_name) in skip:
+        if gguf_name(hf_name, gemma) in skip:
             continue
         data, qtype = _tensor(a, kind)
-        w.add_tensor(gguf_name(hf_name), data, raw_dtype=qtype)
+        w.add_tensor(gguf_name(hf_name, gemma), data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -41,9 +41,14 @@ def _sharpened(hf):
                 p.normal_(0, 0.5)
             elif "q_norm" in name or "k_norm" in name:  # (Qwen3's) ones: make them count
                 p.normal_(1, 0.5)
+            elif "norm" in name and "Gemma" in type(hf).__name__:  # (1 + weight) zeros
+                p.normal_(0, 0.5)
     return hf.eval()
 
 
+_GEMMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=256, max_position_embeddings=64, sliding_window=4,
+              attn_implementation="eager")
 MODELS = {
     "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)),
     "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**_SMALL, sliding_window=None)),
@@ -53,14 +58,19 @@ MODELS = {
         **_SMALL, sliding_window=None, head_dim=32)),
     # (head_dim 128, Qwen3's own: transformers' GGUF reader takes no other for qwen3)
     "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**_SMALL, head_dim=128)),
+    # Gemma's heads of 256 (its own; transformers' GGUF reader scales queries by 256,
+    # llama.cpp by the head size), a window of 4, Gemma 3's five local layers to one
+    "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**_GEMMA, num_hidden_layers=3)),
+    "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**_GEMMA, num_hidden_layers=7)),
 }
 # llama.cpp writes Mistral as llama
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mistral-wide-heads": "llama",
-        "qwen3": "qwen3"}
+        "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3"}
 CASES = [("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"),
          ("llama", "Q4_1"), ("llama", "Q5_0"), ("mistral", "F32"), ("qwen2", "F32"),
          ("qwen2", "Q8_0"), ("mistral-wide-heads", "F32"), ("mistral-wide-heads", "Q8_0"),
-         ("qwen3", "F32"), ("qwen3", "Q8_0")]
+         ("qwen3", "F32"), ("qwen3", "Q8_0"), ("gemma2", "F32"), ("gemma2", "Q8_0"),
+         ("gemma3", "F32"), ("gemma3", "Q8_0")]
 
 
 @pytest.fixture(scope="module")

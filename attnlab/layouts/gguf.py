@@ -2,10 +2,12 @@
 
 A GGUF file's metadata is its config under llama.cpp's key names, and its tensors carry
 llama.cpp's names. Both are mapped here, as plain data, to what transformers' config and
-state dict would hold; from there :func:`~.hf.llama_config` (and Qwen2's) and
-:func:`~.hf.llama_state` do the rest, with their checks: a GGUF model is read exactly
-as the same model saved by transformers. Architectures: ``llama`` (Llama 2 and 3,
-SmolLM, TinyLlama, and Mistral, which llama.cpp writes as ``llama``) and ``qwen2``.
+state dict would hold (the metadata in :mod:`.gguf_meta`); from there
+:func:`~.hf.llama_config` (and its relatives) and :func:`~.hf.llama_state` do the rest,
+with their checks: a GGUF model is read exactly as the same model saved by transformers.
+Architectures: ``llama`` (Llama 2 and 3, SmolLM, TinyLlama, and Mistral, which llama.cpp
+writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` (whose norms
+llama.cpp stores as ``1 + weight`` and runs as plain RMSNorms, as attnlab then does).
 
 One difference is undone: llama.cpp's converter permutes the rows of a Llama query and
 key projection, per head, from the half-split rotary layout (transformers', attnlab's)
@@ -23,38 +25,11 @@ from ..io.files import PathLike
 from ..io.gguf import GGUFFile
 from . import int8
 from .common import Config, ShapeMismatch
-from .hf_llama import (
-    LLAMA_NAMES,
-    QWEN3_NAMES,
-    llama_config,
-    llama_state,
-    qwen2_config,
-    qwen3_config,
-)
+from .gguf_meta import ARCHITECTURES, gguf_config, rope_factors
+from .hf_llama import QWEN3_NAMES, llama_state
 
 __all__ = ["gguf_layout", "gguf_config", "GGUFState", "unpermute_rows", "required_tensors",
            "ARCHITECTURES", "PRECISIONS", "file_precision"]
-
-# general.architecture -> (transformers' model_type, config converter, whether llama.cpp
-# permuted the q/k rows). llama.cpp writes Mistral (7B, Nemo...) as "llama", with no
-# sliding window in its metadata (llama.cpp attends over the whole context), so a
-# Mistral file is read as the Llama it is run as.
-ARCHITECTURES = {"llama": ("llama", llama_config, True),
-                 "qwen2": ("qwen2", qwen2_config, False),
-                 "qwen3": ("qwen3", qwen3_config, False)}
-
-# "<arch>.<key>" -> transformers' config key
-CONFIG_KEYS = {
-    "context_length": "max_position_embeddings",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "rope.freq_base": "rope_theta",
-    "vocab_size": "vocab_size",
-}
 
 # llama.cpp's tensor names -> transformers'
 TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -67,11 +42,18 @@ LAYER_TENSOR_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's
 }
 QK_NORMS = ("attn_q_norm", "attn_k_norm")
+POST_NORMS = ("post_attention_norm", "post_ffw_norm")  # Gemma's, after each branch
+# Gemma's names where they are not Llama's (its norm before the MLP is "pre").
+GEMMA_LAYER_NAMES = {**LAYER_TENSOR_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, gemma: bool = False) -> str | None:
     """transformers' name of llama.cpp's tensor ``name`` (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), None for a name this map lacks."""
+    ``model.layers.3.self_attn.q_proj.weight``; ``gemma``: Gemma's names), None for a name
+    this map lacks."""
+    layer_names = GEMMA_LAYER_NAMES if gemma else LAYER_TENSOR_NAMES
     base, dot, kind = name.rpartition(".")
     if not dot or kind not in ("weight", "bias"):
         return None
@@ -79,8 +61,8 @@ def hf_name(name: str) -> str | None:
         return f"{TENSOR_NAMES[base]}.{kind}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() \
-            and parts[2] in LAYER_TENSOR_NAMES:
-        return f"model.layers.{int(parts[1])}.{LAYER_TENSOR_NAMES[parts[2]]}.{kind}"
+            and parts[2] in layer_names:
+        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}.{kind}"
     return None
 
 
@@ -114,93 +96,6 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _scalar(meta: Mapping[str, Any], key: str, where: str) -> Any:
-    value = meta.get(key)
-    if isinstance(value, list):
-        if not value or any(v != value[0] for v in value):
-            raise ValueError(f"{where}: metadata {key}={value[:8]!r} differs from layer to "
-                             "layer; not supported")
-        value = value[0]
-    return value
-
-
-def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
-                where: str = "the GGUF file") -> dict[str, Any]:
-    """The transformers config dict that GGUF metadata ``meta`` describes (``model_type``
-    llama, qwen2 or qwen3), for :func:`~.hf.llama_config` and its relatives. What
-    attnlab does not do (RoPE scaling, mixtures of experts, partial rotary) is refused
-    here, naming the key."""
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{where}: architecture {arch!r} is not supported (expected one of "
-                         f"{sorted(ARCHITECTURES)}: Llama, SmolLM, TinyLlama, Mistral, Qwen2, "
-                         "Qwen3)")
-    cfg: dict[str, Any] = {"model_type": ARCHITECTURES[arch][0]}
-    for key, hf_key in CONFIG_KEYS.items():
-        value = _scalar(meta, f"{arch}.{key}", where)
-        if value is not None:
-            cfg[hf_key] = value
-    if "vocab_size" not in cfg and isinstance(meta.get("tokenizer.ggml.tokens"), list):
-        cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
-    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    if cfg["model_type"] != "qwen2":  # (Qwen2's q/k/v biases are its layout's own)
-        # llama.cpp reads a Llama layer's biases where the file has them (transformers:
-        # attention_bias for q, k, v and the output, mlp_bias for the MLP).
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
-    _refuse_what_attnlab_does_not_do(meta, arch, tensor_names, where)
-    # llama.cpp reads a factor without a type as linear, and the older key too.
-    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
-    if meta.get(f"{arch}.rope.scaling.type", "linear") == "linear" and factor not in (None, 1.0):
-        cfg["rope_parameters"] = {"rope_type": "linear", "factor": factor}
-    heads = cfg.get("num_attention_heads")
-    hidden = cfg.get("hidden_size")
-    if heads and hidden:
-        # Heads of their own width (attention.key_length, as llama.cpp writes Mistral
-        # NeMo's 128 over 5120 / 32); values and the rotation span the same width.
-        head_dim = _scalar(meta, f"{arch}.attention.key_length", where) or hidden // heads
-        for key in ("rope.dimension_count", "attention.value_length"):
-            value = _scalar(meta, f"{arch}.{key}", where)
-            if value is not None and value != head_dim:
-                raise ValueError(f"{where}: metadata {arch}.{key}={value} is not the "
-                                 f"heads' width {head_dim}; not supported (attnlab rotates "
-                                 "and attends over whole heads)")
-        if head_dim != hidden // heads:
-            cfg["head_dim"] = head_dim
-    return cfg
-
-
-def _rope_factors(file: GGUFFile, hf: dict[str, Any]) -> list[float]:
-    """``rope_freqs.weight``'s factors, or a ValueError naming the file and what is wrong."""
-    name, shape = "rope_freqs.weight", file.shape("rope_freqs.weight")
-    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
-    half = (hf.get("head_dim") or (hidden // heads if heads and hidden else 0)) // 2
-    why = None
-    if hf["model_type"] != "llama":
-        why = "is not read for this architecture (llama's only, as llama.cpp)"
-    elif file.type_name(name) != "F32" or len(shape) != 1:
-        why = "is not a 1-D F32 tensor"
-    elif shape[0] != half:
-        why = f"has {shape[0]} factors, expected one per RoPE frequency ({half})"
-    elif "rope_parameters" in hf:
-        why = "beside a linear scaling factor is not supported"
-    if why is not None:
-        raise ValueError(f"{file.name}: {name} {why}")
-    return file.tensor(name).tolist()
-
-
-def _refuse_what_attnlab_does_not_do(meta: Mapping[str, Any], arch: str,
-                                     tensor_names, where: str) -> None:
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if scaling not in (None, "none", "linear") and factor != 1.0:
-        raise ValueError(f"{where}: {arch}.rope.scaling.type={scaling!r} is not supported "
-                         "(attnlab scales RoPE linearly or by rope_freqs.weight)")
-    if (_scalar(meta, f"{arch}.expert_count", where) or 0) > 0:
-        raise ValueError(f"{where}: a mixture of experts ({arch}.expert_count="
-                         f"{meta[f'{arch}.expert_count']}) is not supported")
-
-
 def required_tensors(cfg: Config) -> list[str]:
     """llama.cpp's names of the tensors a GPT of ``cfg`` (``GPTConfig`` values) reads."""
     names = ["token_embd.weight", "output_norm.weight"]
@@ -211,8 +106,9 @@ def required_tensors(cfg: Config) -> list[str]:
               "attn_output": cfg["out_bias"], "ffn_gate": cfg["mlp_bias"],
               "ffn_up": cfg["mlp_bias"], "ffn_down": cfg["mlp_bias"]}
     for i in range(cfg["num_layers"]):
-        for short in LAYER_TENSOR_NAMES:
-            if short in QK_NORMS and not cfg.get("qk_norm"):
+        for short in (*LAYER_TENSOR_NAMES, *POST_NORMS):
+            if short in QK_NORMS and not cfg.get("qk_norm") or \
+                    short in POST_NORMS and not cfg.get("post_norms"):
                 continue
             names.append(f"blk.{i}.{short}.weight")
             if biased.get(short):
@@ -270,12 +166,12 @@ class GGUFState(Mapping):
     config before anything is allocated. ``permuted``: undo llama.cpp's q/k row order.
     """
 
-    def __init__(self, file: GGUFFile, *, permuted: bool = False,
-                 heads: int = 1, kv_heads: int = 1, precision: str = "float32") -> None:
+    def __init__(self, file: GGUFFile, *, permuted: bool = False, heads: int = 1,
+                 kv_heads: int = 1, precision: str = "float32", gemma: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self._file = file
-        self._names = {hf_name(n): n for n in file.tensors}
+        self._names = {hf_name(n, gemma): n for n in file.tensors}
         self._names.pop(None, None)
         self._heads = {"q_proj": heads, "k_proj": kv_heads} if permuted else {}
         self.precision = precision
@@ -348,19 +244,21 @@ def gguf_layout(source: PathLike | GGUFFile, precision: str | None = "float32"
     except ValueError as exc:
         raise ValueError(f"{file.name}: {exc}") from None
     if "rope_freqs.weight" in file.tensors:  # a divisor per RoPE frequency (Llama 3.1's)
-        config["rope_scaling"] = {"rope_type": "factors", "factors": _rope_factors(file, hf)}
+        config["rope_scaling"] = {"rope_type": "factors", "factors": rope_factors(file, hf)}
+    gemma = arch.startswith("gemma")
+    if gemma:  # its norms stored as 1 + weight: plain RMSNorms, as llama.cpp runs them
+        config["norm"] = "rmsnorm"
     check_tensor_names(file.tensors, config, file.name)
-    permuted = ARCHITECTURES[arch][2]  # (an odd head_dim: refused by llama_config)
+    _, _, permuted, names = ARCHITECTURES[arch]  # (an odd head_dim: refused by the config)
     file.check_types(file.tensors)
     state = GGUFState(file, permuted=permuted, heads=config["num_heads"],
-                      kv_heads=config["num_kv_heads"],
+                      kv_heads=config["num_kv_heads"], gemma=gemma,
                       precision=file_precision(file) if precision is None else precision)
     weights = {}
     if state.precision == "int8":
         weights = {llama_name(key): (lambda k: lambda: state.int8(k))(key)
                    for key in state if state.held_int8(key)}
     try:
-        names = QWEN3_NAMES if config.get("qk_norm") else LLAMA_NAMES
         return config, llama_state(state, config, names), file.name, weights
     except ShapeMismatch as exc:
         raise ShapeMismatch(f"{file.name} does not fit the GPT: {exc}") from None

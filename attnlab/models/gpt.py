@@ -363,10 +363,11 @@ class GPT(GenerationMixin, nn.Module):
     def from_gguf(cls, path, *, dtype: torch.dtype | None = None,
                   quantize: str | None = None) -> GPT:
         """A GPT with the weights of a GGUF file (llama.cpp's format): the ``llama``
-        (Llama 2 and 3, SmolLM, TinyLlama, Mistral), ``qwen2`` and ``qwen3`` architectures, tensors
-        of the types :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1,
-        K-quants...). ``path`` may also be an open :class:`attnlab.io.gguf.GGUFFile`. The
-        architecture, the tensor types and every shape are checked before anything is
+        (Llama 2 and 3, SmolLM, TinyLlama, Mistral), ``qwen2``, ``qwen3``, ``gemma2`` and
+        ``gemma3`` architectures, tensors of the types
+        :data:`attnlab.io.gguf.SUPPORTED_TYPES` (F32, F16, BF16, Q8_0, Q4_1, K-quants...).
+        ``path`` may also be an open :class:`attnlab.io.gguf.GGUFFile`. The architecture,
+        the tensor types and every shape are checked before anything is
         allocated; a damaged or unsupported file is one ValueError naming it. The
         tokenizer is :meth:`attnlab.text.GGUFTokenizer.from_gguf`.
 
