@@ -322,6 +322,33 @@ def test_a_files_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
     _refused(path, "rope_freqs.weight is not read for this architecture")
 
 
+def test_gemma_files_without_their_window_are_read_as_llama_cpp_reads_them(tmp_path,
+                                                                          monkeypatch):
+    # llama.cpp: a Gemma 2 file without attention.sliding_window slides over 4096 (the
+    # first conversions wrote none); a Gemma 3 file without one has no sliding layer (the
+    # converter leaves it out when every layer is global); a Gemma 2 output.weight is
+    # refused (llama.cpp ties Gemma 2's output layer)
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, value: None)
+    torch.manual_seed(0)
+    hf = _sharpened(MODELS["gemma2"]())
+    ours = GPT.from_gguf(_write(tmp_path, hf, "gemma2", "F32"), dtype=torch.float32)
+    assert ours.config.window == 4096 and ours.config.window_layers == (0, 2)
+    glob = _sharpened(T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **_GEMMA, num_hidden_layers=7, layer_types=["full_attention"] * 7)))
+    ours = GPT.from_gguf(_write(tmp_path, glob, "gemma3", "F32"), dtype=torch.float32)
+    assert ours.config.window is None
+    ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours(ids) - glob(ids).logits).abs().max()) < 1e-4
+    untied = _sharpened(T.Gemma2ForCausalLM(T.Gemma2Config(**_GEMMA, num_hidden_layers=3,
+                                                           tie_word_embeddings=False)))
+    path = tmp_path / "untied.gguf"
+    write_gguf(path, untied, arch="gemma2", tokenizer=META)
+    _refused(path, "output.weight has no place in a gemma2 file")
+
+
 def test_unsupported_architecture_type_and_options_are_named(tmp_path):
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM(T.LlamaConfig(**_SMALL)).eval()

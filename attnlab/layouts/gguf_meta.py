@@ -99,16 +99,29 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
 
 
 def _gemma(meta: Mapping[str, Any], arch: str, cfg: dict[str, Any], where: str) -> None:
-    """What Gemma 2 and 3 keep in keys of their own or in llama.cpp's code: the sliding
-    window, Gemma 2's softcaps (llama.cpp's defaults, transformers' too, where absent),
-    and the query scale, 1/sqrt(head_dim) but 1/sqrt(hidden / heads) for the 27B models,
-    as llama.cpp sets it (its file has no query_pre_attn_scalar)."""
+    """What Gemma 2 and 3 keep in keys of their own or in llama.cpp's code, as llama.cpp
+    reads them: the sliding window (Gemma 2: 4096 where absent; Gemma 3 without one has
+    no sliding layer), Gemma 2's softcaps (50 and 30 where absent), Gemma 3's local RoPE
+    base (``rope.freq_base_swa``, else 10000) and global one (10000 where absent), and the
+    query scale, 1/sqrt(head_dim) but 1/sqrt(hidden / heads) for the 27B models (a file
+    has no query_pre_attn_scalar). A Gemma 2 output layer of its own is refused: llama.cpp
+    ties it to the embedding."""
     for key, hf_key in (("attention.sliding_window", "sliding_window"),
                         ("attn_logit_softcapping", "attn_logit_softcapping"),
-                        ("final_logit_softcapping", "final_logit_softcapping")):
+                        ("final_logit_softcapping", "final_logit_softcapping"),
+                        ("rope.freq_base_swa", "rope_local_base_freq")):
         value = _scalar(meta, f"{arch}.{key}", where)
         if value is not None:
             cfg[hf_key] = value
+    if arch == "gemma2":
+        cfg.setdefault("sliding_window", 4096)
+        if not cfg["tie_word_embeddings"]:
+            raise ValueError(f"{where}: output.weight has no place in a gemma2 file "
+                             "(llama.cpp ties Gemma 2's output layer to token_embd)")
+    else:
+        cfg.setdefault("rope_theta", 10000.0)
+        if "sliding_window" not in cfg:
+            cfg["layer_types"] = ["full_attention"] * cfg.get("num_hidden_layers", 0)
     big = cfg.get("num_hidden_layers") == {"gemma2": 46, "gemma3": 62}[arch]  # the 27Bs
     cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"] if big
                                     else cfg["head_dim"])
