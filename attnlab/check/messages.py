@@ -246,12 +246,10 @@ class InputError(ValueError, TypeError):
     (:meth:`said_in`). A ValueError, and a TypeError where a wrong kind of object came."""
 
     def __init__(self, code: str, lang: str = "en", **params: object) -> None:
-        if params.get("found") == "":
-            params["found"] = text("nothing", lang)
-        super().__init__(text(code, lang, **params))
         self.code, self.params = code, params
+        shown = {**params, **({"found": text("nothing", lang)} if params.get("found") == ""
+                              else {})}  # (a file that defines no name: said in lang)
+        super().__init__(text(code, lang, **shown))
 
     def said_in(self, lang: str) -> InputError:
-        params = {k: ("" if k == "found" and v == text("nothing", "en") else v)
-                  for k, v in self.params.items()}
-        return InputError(self.code, lang, **params)
+        return InputError(self.code, lang, **self.params)

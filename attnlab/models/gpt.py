@@ -45,12 +45,12 @@ class Block(nn.Module):
                  context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        rope_base, rope_scaling = cfg.layer_rope(layer)
         self.attn = MultiHeadAttention(
             cfg.d_model, cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             context_length=cfg.context_length, causal=True, dropout=cfg.dropout,
             resid_dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-            rope=cfg.positions == "rope", rope_base=cfg.layer_rope(layer)[0],
-            rope_scaling=cfg.layer_rope(layer)[1],
+            rope=cfg.positions == "rope", rope_base=rope_base, rope_scaling=rope_scaling,
             window=cfg.layer_window(layer), backend=cfg.backend, head_dim=cfg.head_dim,
             scale=cfg.attn_scale, softcap=cfg.attn_softcap, alibi=cfg.positions == "alibi",
             sinks=cfg.sinks, context_parallel=context_parallel,
