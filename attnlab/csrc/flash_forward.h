@@ -4,7 +4,9 @@
 // softmax on each row's allowed columns only (every row's keys are one interval, so only
 // the boundary tiles have columns to skip), the weighted values in a second product; it
 // keeps the log-sum-exp for the backward. Storage S (float, double, bf16, fp16), maths in
-// A = Acc<S>: a bf16 tile is converted into float scratch as it is read.
+// A = Acc<S>: a bf16 tile is converted into float scratch as it is read. A run of rows
+// whose keys number at most SHORT_KEYS (a packed sentence, a short sequence) takes
+// forward_short instead, where the softmax of any score rule has no extra terms.
 #pragma once
 
 #include "flash_common.h"
@@ -116,6 +118,165 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
   if constexpr (!std::is_same_v<S, A>) from_acc(o, dst, nr * P.Dv);
 }
 
+// The most keys forward_short takes: two vectors of 16 scores a row.
+constexpr int64_t SHORT_KEYS = 32;
+
+#if defined(ATTNLAB_X86)
+// x[0..16) transposed in place: x[i] lane j becomes x[j] lane i.
+ATTNLAB_AVX512 __attribute__((always_inline)) inline void transpose16(__m512 x[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + 2 + h]);
+      x[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      x[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int h = 0; h < 4; ++h) {
+      t[i + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0x88);
+      t[i + 4 + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0xdd);
+    }
+  }
+  for (int h = 0; h < 8; ++h) {
+    x[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
+    x[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xdd);
+  }
+}
+
+// Rows [0, nr) of a query run whose keys all lie among n <= SHORT_KEYS keys (short packed
+// documents: the MiniLM encoder's sentences of about 13 tokens), row r seeing keys
+// [a[r], e[r]). On the tiles such a run went mostly to set-up around products a dozen
+// columns wide, and each row's softmax was a chain of dependent steps (about 1 us a
+// sentence and head, a tenth of the FMA peak). Here 16 rows are the lanes of a vector: a
+// key's scores for them are one vector, the softmax's max and sum are lane-wise, and the
+// output rows are sums of value rows. The queries are transposed in registers (16 x 16
+// blocks): through memory, the vector loads of what scalar stores had just written
+// waited for them to retire, and gathers took a fifth of the time.
+// scratch: (D + SHORT_KEYS) * 16 floats. Empty rows and NaN come out as forward_block's.
+ATTNLAB_AVX512 static void forward_short(const float* q, int64_t q_ld, int64_t nr,
+                                         const float* k, int64_t k_ld, const float* v,
+                                         int64_t v_ld, int64_t n, int64_t D, int64_t Dv,
+                                         float scale, const int64_t* a, const int64_t* e,
+                                         float* scratch, float* out, float* lse) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  float* qt = scratch;         // (D, 16): the rows' queries, by column
+  float* st = qt + D * 16;     // (n, 16): scores, then weights, by key
+  for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, nr - r0);
+    i16v from{}, to{};  // lanes past the rows see nothing
+    for (int64_t r = 0; r < rows; ++r) {
+      from[r] = static_cast<int32_t>(a[r0 + r]);
+      to[r] = static_cast<int32_t>(e[r0 + r]);
+    }
+    const float* qr = q + r0 * q_ld;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {  // qt[d] = column d of the rows
+      const __mmask16 cols = D - d0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d0)) - 1u);
+      __m512 x[16];
+      for (int r = 0; r < 16; ++r)
+        x[r] = r < rows ? _mm512_maskz_loadu_ps(cols, qr + r * q_ld + d0) : _mm512_setzero_ps();
+      transpose16(x);
+      for (int64_t d = d0; d < std::min<int64_t>(D, d0 + 16); ++d)
+        _mm512_storeu_ps(qt + d * 16, x[d - d0]);
+    }
+    f16v m = f16v{} + NEG;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * k_ld;
+      f16v s{}, t{};  // even and odd d: two chains of FMAs
+      int64_t d = 0;
+      for (; d + 2 <= D; d += 2) {
+        s += kj[d] * load16(qt + d * 16);
+        t += kj[d + 1] * load16(qt + (d + 1) * 16);
+      }
+      if (d < D) s += kj[d] * load16(qt + d * 16);
+      const i16v col = i16v{} + static_cast<int32_t>(j);
+      s = col >= from && col < to ? (s + t) * scale : NEG;
+      store16(st + j * 16, s);
+      m = s > m ? s : m;  // (skips NaN)
+    }
+    // A row with nothing allowed (m = -inf) takes weights exp(-inf - 0) = 0, so l = 0; one
+    // whose allowed scores are all NaN gets NaN weights, so l = NaN.
+    const f16v shift = m == NEG ? f16v{} : m;
+    f16v l{};
+    for (int64_t j = 0; j < n; ++j) {
+      const f16v p = exp16(load16(st + j * 16) - shift);
+      store16(st + j * 16, p);
+      l += p;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + (r0 + r) * Dv;
+      if (l[r] == 0.0f) {  // nothing to attend: zeros, lse +inf
+        std::fill(o, o + Dv, 0.0f);
+        lse[r0 + r] = std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const float inv = 1.0f / l[r];
+      const float* p = st + r;  // row r's weight of key j: p[16 * j]
+      int64_t c = 0;
+      for (; c + 16 <= Dv; c += 16) {
+        f16v acc{}, odd{};
+        int64_t j = a[r0 + r];
+        for (; j + 2 <= e[r0 + r]; j += 2) {
+          acc += p[16 * j] * load16(v + j * v_ld + c);
+          odd += p[16 * (j + 1)] * load16(v + (j + 1) * v_ld + c);
+        }
+        if (j < e[r0 + r]) acc += p[16 * j] * load16(v + j * v_ld + c);
+        store16(o + c, (acc + odd) * inv);
+      }
+      for (; c < Dv; ++c) {
+        float acc = 0.0f;
+        for (int64_t j = a[r0 + r]; j < e[r0 + r]; ++j) acc += p[16 * j] * v[j * v_ld + c];
+        o[c] = acc * inv;
+      }
+      lse[r0 + r] = m[r] + std::log(l[r]);  // (NaN stays NaN)
+    }
+  }
+}
+#endif
+
+// Whether forward_short takes the problem's short runs: the tile kernel's CPUs (AVX-512),
+// float32 and a plain softmax (no mask tensor, score terms, block mask, dropout or sinks:
+// those go through the tiles).
+template <typename S>
+bool short_runs(const Problem& P, bool tiles) {
+#if defined(ATTNLAB_X86)
+  return tiles && std::is_same_v<S, float> && P.mask == nullptr && !P.scores.any() &&
+         !P.blocks.present() && P.dropout_p == 0 && P.sinks == nullptr;
+#else
+  (void)P, (void)tiles;
+  return false;
+#endif
+}
+
+// forward_block for a run [qs, qe) of (b, h) whose keys [lo, hi) number 1..SHORT_KEYS, by
+// forward_short (short_runs holds).
+template <typename S, typename A = Acc<S>>
+void short_block(const Problem& P, const S* q, const Rows& qr, const S* k, const Rows& kr,
+                 const S* v, const Rows& vr, S* out, A* lse, int64_t b, int64_t h, int64_t qs,
+                 int64_t qe, int64_t lo, int64_t hi, ForwardScratch<A>& w) {
+#if defined(ATTNLAB_X86)
+  if constexpr (std::is_same_v<S, float>) {
+    const int64_t nr = qe - qs, hk = h / P.G, n = hi - lo;
+    for (int64_t r = 0; r < nr; ++r) {
+      int64_t a, e;
+      P.rule.bounds(b, qs + r, a, e);
+      w.lo[r] = std::clamp<int64_t>(a - lo, 0, n);
+      w.hi[r] = std::clamp<int64_t>(e - lo, w.lo[r], n);
+    }
+    const int64_t need = (P.D + SHORT_KEYS) * 16;
+    if (static_cast<int64_t>(w.kt.size()) < need) w.kt.resize(need);
+    forward_short(q + qr.at(b, h, qs), qr.sl, nr, k + kr.at(b, hk, lo), kr.sl,
+                  v + vr.at(b, hk, lo), vr.sl, n, P.D, P.Dv, static_cast<float>(P.scale),
+                  w.lo.data(), w.hi.data(), w.kt.data(),
+                  out + ((b * P.Hq + h) * P.Lq + qs) * P.Dv, lse + (b * P.Hq + h) * P.Lq + qs);
+  }
+#endif
+}
+
 // Every (b, h, query block) in one parallel region, a head at a time, longest first, pulled
 // from a counter.
 template <typename S>
@@ -134,7 +295,7 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   const S *qp = q.data_ptr<S>(), *kp = k.data_ptr<S>(), *vp = v.data_ptr<S>();
   S* op = out.data_ptr<S>();
   A* lp = lse.data_ptr<A>();
-  const bool tiles = use_tile_kernel<A>();
+  const bool tiles = use_tile_kernel<A>(), shorts = short_runs<S>(P, tiles);
   const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
   std::vector<std::unique_ptr<ForwardScratch<A>>> scratch(workers);
   run_items(longest_first(cost, nqb), workers, [&](int64_t worker, int64_t item) {
@@ -142,6 +303,13 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
     const int64_t bh = item / nqb, b = bh / P.Hq, qe = std::min((item % nqb + 1) * P.bq, P.Lq);
     for (int64_t qs = (item % nqb) * P.bq, run; qs < qe; qs = run) {  // a document at a time
       run = P.rule.document_run_end(b, qs, qe);
+      int64_t lo = 0, hi = 0;
+      if (shorts) P.rule.block(b, qs, run, lo, hi);
+      if (shorts && hi > lo && hi - lo <= SHORT_KEYS) {
+        short_block<S>(P, qp, qr, kp, kr, vp, vr, op, lp, b, bh % P.Hq, qs, run, lo, hi,
+                       *scratch[worker]);
+        continue;
+      }
       forward_block<S>(P, qp, qr, kp, kr, vp, vr, op, lp, b, bh % P.Hq, qs, run, tiles,
                        *scratch[worker]);
     }
