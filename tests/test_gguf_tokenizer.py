@@ -121,6 +121,34 @@ def byte_level_metadata_as_keys(**changes) -> dict:
     return {**keys, **changes}
 
 
+def _with_tokens(*extra: str, **changes) -> dict:
+    """The tests' byte-level metadata with ``extra`` control tokens appended."""
+    meta = byte_level_metadata_as_keys(**changes)
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[3] * len(extra)]
+    return meta
+
+
+def test_generation_ends_where_llama_cpp_ends_it():
+    """EOS, the file's end-of-turn and end-of-message ids, and the tokens llama.cpp ends a
+    generation at by their spelling (Gemma's <end_of_turn>: its files name <eos> as EOS)."""
+    base = byte_level_metadata_as_keys()
+    n, eos = len(base["tokenizer.ggml.tokens"]), base["tokenizer.ggml.eos_token_id"]
+    text = base["tokenizer.ggml.tokens"].index("<|endoftext|>")  # (0: a spelled one too)
+    gemma = GGUFTokenizer.from_metadata(_with_tokens("<start_of_turn>", "<end_of_turn>"))
+    assert gemma.stop_ids == (eos, text, n + 1)
+    named = GGUFTokenizer.from_metadata(_with_tokens(
+        "<|eom_id|>", "<|python_tag|>", **{"tokenizer.ggml.eot_token_id": n + 1,
+                                          "tokenizer.ggml.eom_token_id": 10 ** 6}))
+    assert named.stop_ids == (eos, n + 1, text, n)  # an id past the vocabulary: ignored
+    # gpt-oss ends a reply at <|return|> or <|call|>; its <|end|> closes a message inside it
+    harmony = GGUFTokenizer.from_metadata(_with_tokens("<|end|>", "<|return|>", "<|call|>"))
+    assert harmony.stop_ids == (eos, text, n + 1, n + 2)
+    phi = GGUFTokenizer.from_metadata(_with_tokens("<|end|>"))
+    assert phi.stop_ids == (eos, text, n)
+    assert GGUFTokenizer.from_metadata(base).stop_ids == (eos, text)
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"tokenizer.ggml.model": "t5"}, "tokenizer.ggml.model='t5' is not supported"),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),

@@ -12,10 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnlab
-from attnlab.functional import attention_with_lse
 from attnlab import _native
 from attnlab import reference as ref
+from attnlab.functional import attention_with_lse
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native kernel: {_native.unavailable_reason()}")

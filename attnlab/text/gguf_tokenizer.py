@@ -35,6 +35,28 @@ PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LL
                         "smaug-bpe": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
 
 
+# Tokens that end a generation by their spelling, as llama.cpp reads a file (llama-vocab.cpp,
+# special_eog_ids): a chat model's end of turn where the file names only its end of text
+# as EOS (Gemma's <end_of_turn>, an older Llama 3 file's <|eot_id|>), gpt-oss's <|return|>.
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
+                     "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                     "<|end_of_text|>", "<end_of_utterance>")
+
+
+def _stop_ids(meta: Mapping[str, Any], eos: int | None, where: str) -> tuple[int, ...]:
+    """The ids llama.cpp ends a generation at: EOS, the file's end-of-turn and
+    end-of-message ids (ids past the vocabulary ignored, as llama.cpp does), and every
+    token spelled as one of :data:`END_OF_GENERATION`."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    named = [eos, *(_field(meta, f"tokenizer.ggml.{k}_token_id", int, where)
+                    for k in ("eot", "eom"))]
+    spelled = {t: i for i, t in enumerate(tokens) if t in END_OF_GENERATION}
+    if "<|return|>" in spelled and "<|call|>" in spelled:
+        spelled.pop("<|end|>", None)  # gpt-oss: <|end|> ends a message, not the reply
+    ids = [i for i in named if i is not None and 0 <= i < len(tokens)]
+    return tuple(dict.fromkeys([*ids, *sorted(spelled.values())]))
+
+
 @functools.cache
 def _byte_spelling() -> dict[int, str]:
     """GPT-2's byte -> printable character map, in which byte-level vocabularies are spelled:
@@ -162,7 +184,9 @@ class GGUFTokenizer(HFTokenizer):
     """The tokenizer of a GGUF file: an :class:`HFTokenizer` (``encode``, ``decode``,
     ``vocab_size``, ``save``/``load``) that also keeps the file's chat template
     (:attr:`chat_template`, :meth:`apply_chat`) and special ids (:attr:`bos_id`,
-    :attr:`eos_id`). ``GGUFTokenizer.from_gguf(path)`` reads it from a file."""
+    :attr:`eos_id`), and :attr:`stop_ids`, the ids llama.cpp ends a generation at
+    (``attnlab generate`` stops there). ``GGUFTokenizer.from_gguf(path)`` reads it from a
+    file."""
 
     type_name: ClassVar[str] = "gguf"
 
@@ -214,8 +238,10 @@ class GGUFTokenizer(HFTokenizer):
                 single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}",
                 special_tokens=[(names[name], i) for name, i in specials])
         template = _field(meta, "tokenizer.chat_template", str, where)
-        return cls(tok, chat_template=template, bos_id=ids["bos"], eos_id=ids["eos"],
+        made = cls(tok, chat_template=template, bos_id=ids["bos"], eos_id=ids["eos"],
                    pad_id=ids["padding"])
+        made.stop_ids = _stop_ids(meta, ids["eos"], where)
+        return made
 
     def apply_chat(self, chat: str | Sequence[Mapping[str, str]], *,
                    add_generation_prompt: bool = True) -> str:
