@@ -105,6 +105,9 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
     def int8_linear(x, data, scales, out_features, bias, residual):
         return x.new_empty(*x.shape[:-1], out_features)
 
+    def int8_rows(data, scales, ids, out_features, in_features):
+        return data.new_empty(ids.numel(), in_features, dtype=torch.float32)
+
     return {"flash_forward": flash_forward, "flash_backward": flash_backward,
             "rms_norm": rms_norm, "silu_mul": silu_mul, "gelu_mul": gelu_mul, "linear": linear,
-            "decode_step": decode_step, "int8_linear": int8_linear}
+            "decode_step": decode_step, "int8_linear": int8_linear, "int8_rows": int8_rows}

@@ -80,6 +80,10 @@ def test_row_op_fakes_give_the_real_outputs():
         _fake_equals_real(ops.rms_norm.default, args)
     torch.library.opcheck(ops.silu_mul.default, (torch.randn(2, 3, 8),))
     _fake_equals_real(ops.silu_mul.default, (torch.randn(2, 3, 8),))
+    from attnlab.layouts import int8
+    table = (*int8.quantize(torch.randn(20, 40)), torch.tensor([[3, 19]]), 20, 40)
+    torch.library.opcheck(ops.int8_rows.default, table)
+    _fake_equals_real(ops.int8_rows.default, table)
 
 
 def test_linear_fake_takes_and_declines_as_the_op_does():

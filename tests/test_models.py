@@ -232,3 +232,19 @@ def test_decoding_output_layer_copy_follows_the_weights(tie):
         updated = model(ids)
     torch.testing.assert_close(updated, model(ids), rtol=0, atol=1e-5)
     assert not torch.allclose(updated, copied)
+
+
+def test_greedy_picks_the_first_maximum_and_ranks_nan_lowest():
+    """As torch's argmax: the first of equal maxima; NaN logits (overflowing weights) never
+    win, and a row of nothing but NaN falls back to token 0."""
+    from attnlab.models.generation import sample_next
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, 500]] = 9.0  # a tie: 7 first
+    logits[1, 3] = float("nan")
+    logits[1, 42] = 8.0
+    logits[2] = float("nan")
+    picked = sample_next(logits, 0, None, None, None)
+    assert picked.dtype == torch.int64 and picked.tolist()[:3] == [7, 42, 0]
+    assert picked[3] == logits[3].argmax()
+    assert torch.equal(sample_next(logits[3:], 0, None, None, None), logits[3:].argmax(-1))

@@ -6,6 +6,8 @@ int8_product.h) against float64 oracles, on both paths: the dot-product instruct
 from __future__ import annotations
 
 import contextlib
+import os
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -205,6 +207,27 @@ def test_bands_round_trip_and_dequantise_within_half_a_step(out, n, seed):
     # (2**-11 relative, over up to 127 steps).
     step = w.abs().view(out, -1).amax(1, keepdim=True) / 127
     assert bool(((back - w).abs() <= step * (0.5 + 127 * 2**-11) + 1e-6).all())
+
+
+@needs_native
+@settings(max_examples=15, deadline=None)
+@given(out=st.integers(1, 40), n=st.integers(1, 100), seed=st.integers(0, 2**31))
+def test_int8_embedding_rows_are_the_dequantised_weights(out, n, seed):
+    """An int8 table's rows (tied embeddings, one native call) are dequantize's rows, bit
+    for bit, in the ids' shape; the ATen path gives the same; a bad id is named."""
+    from attnlab.modules.quantized import Int8Embedding, Int8Linear
+
+    g = torch.Generator().manual_seed(seed)
+    data, scales = layout.quantize(torch.randn(out, n, generator=g))
+    ids = torch.randint(0, out, (2, 3), generator=g)
+    want = layout.dequantize(data, scales, out, n)[ids]
+    assert torch.equal(ops.int8_rows(data, scales, ids, out, n), want.view(6, n))
+    table = Int8Embedding(Int8Linear.of(data, scales, None, n, out))
+    assert torch.equal(table(ids), want)
+    with mock.patch.dict(os.environ, {_native.ENV_SWITCH: "0"}):
+        assert _native.load() is None and torch.equal(table(ids), want)
+    with pytest.raises(RuntimeError, match=f"id {out} is not a row"):
+        ops.int8_rows(data, scales, torch.tensor([out]), out, n)
 
 
 @needs_native

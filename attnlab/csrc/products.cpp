@@ -126,6 +126,37 @@ void quantize_rows(const at::Tensor& w, at::Tensor& data, at::Tensor& scales, in
     quantize_band_rows(w.data_ptr<c10::BFloat16>(), w.size(0), w.size(1), row0, out, d, s);
 }
 
+// Rows `ids` of an int8 weight (an embedding table tied to its output layer), float32
+// (n, in): w = d * q, as layouts/int8.py's dequantize computes it.
+at::Tensor int8_rows(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& ids,
+                     int64_t out, int64_t in) {
+  const std::string why = int8_problem(data, scales, out, in);
+  TORCH_CHECK(why.empty(), "attnlab int8_rows: ", why);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.device().is_cpu(),
+              "attnlab int8_rows: ids must be int64 on the CPU");
+  const at::Tensor flat = ids.reshape(-1).contiguous();
+  const int64_t n = flat.numel(), blocks = (in + Q8_BLOCK - 1) / Q8_BLOCK;
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < out, "attnlab int8_rows: id ", id[r], " is not a row of ",
+                out);
+  at::Tensor rows = at::empty({n, in}, data.options().dtype(at::kFloat));
+  const uint8_t* q = data.data_ptr<uint8_t>();
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  float* y = rows.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t band = id[r] / Q8_BAND, o = id[r] % Q8_BAND;
+    const uint8_t* qb = q + band * blocks * Q8_BLOCK_BYTES;
+    for (int64_t i = 0; i < in; ++i) {
+      const int64_t j = i / Q8_BLOCK, t = i % Q8_BLOCK;
+      const float scale = float(c10::Half(d[(band * blocks + j) * Q8_BAND + o],
+                                          c10::Half::from_bits()));
+      y[r * in + i] = float(int(qb[j * Q8_BLOCK_BYTES + (t / 4) * 64 + o * 4 + t % 4]) - 128) * scale;
+    }
+  }
+  return rows;
+}
+
 // Whether the products may use the dot-product instructions where the CPU has them
 // (the tests run both paths); returns the setting before.
 bool set_dot_products(bool allowed) { return dot_products_allowed().exchange(allowed); }
@@ -140,6 +171,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
       "int8_linear(Tensor x, Tensor data, Tensor scales, int out_features, Tensor? bias, "
       "Tensor? residual) -> Tensor");
   m.def("quantize_rows(Tensor w, Tensor(a!) data, Tensor(b!) scales, int row0, int out) -> ()");
+  m.def("int8_rows(Tensor data, Tensor scales, Tensor ids, int out_features, int in_features) "
+        "-> Tensor");
   m.def("set_dot_products(bool allowed) -> bool", &attnlab::set_dot_products);
   m.def("dot_products_active() -> bool", &attnlab::dot_products_ready);
 }
@@ -147,4 +180,5 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("int8_linear", &attnlab::int8_linear);
   m.impl("quantize_rows", &attnlab::quantize_rows);
+  m.impl("int8_rows", &attnlab::int8_rows);
 }
