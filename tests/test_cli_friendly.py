@@ -4,6 +4,7 @@ never collides with its own lines and shows in a pipe, --resume saying where, ab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import re
@@ -205,3 +206,93 @@ def test_a_path_options_leading_tilde_is_the_home_folder(tmp_path, monkeypatch, 
                  "--text", "~/none.txt"]) == 2
     assert "home/none.txt" in capsys.readouterr().err
     assert not (tmp_path / "~").exists()
+
+
+def _usage_error(argv, capsys, monkeypatch, lang=None) -> str:
+    for name in ("LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(name, raising=False)
+    if lang is not None:
+        monkeypatch.setenv("LANG", lang)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # one line
+    return err
+
+
+@pytest.mark.parametrize("argv,chinese", [
+    (["learn", "abc", "--lang", "zh"], "attnlab learn: error: 参数 N：无效的整数值：'abc'"),
+    (["learn", "--lang=zh", "--text"], "参数 --text：需要一个值"),
+    (["check", "--lang", "zh"], "attnlab check: error: 缺少必需的参数：FILE:NAME"),
+    (["learn", "2", "--lang", "zh", "--bogus"], "attnlab: error: 无法识别的参数：--bogus"),
+])
+def test_a_learners_usage_errors_speak_chinese_where_the_lessons_do(argv, chinese, capsys,
+                                                                       monkeypatch):
+    """learn and check: argparse's own errors in Chinese with --lang zh or, without
+    --lang, a Chinese locale; in English with --lang en and for the other commands."""
+    assert chinese in _usage_error(argv, capsys, monkeypatch)
+    english = [a for a in argv if a not in ("--lang", "zh", "--lang=zh")]
+    assert chinese in _usage_error(english, capsys, monkeypatch, lang="zh_CN.UTF-8")
+    err = _usage_error([*english, "--lang", "en"], capsys, monkeypatch, lang="zh_CN.UTF-8")
+    assert "error: " in err and not re.search(r"[\u4e00-\u9fff]", err)
+    err = _usage_error(["demo", "--bogus"], capsys, monkeypatch, lang="zh_CN.UTF-8")
+    assert "unrecognized arguments: --bogus" in err
+
+
+def test_every_argparse_error_template_has_its_chinese():
+    """Each message this Python's argparse writes is matched whole (a template argparse
+    changes fails here, not silently in English)."""
+    from attnlab.cli.options import _Parser
+    from attnlab.cli.usage_zh import translate
+
+    def error_of(parser, argv) -> str:
+        messages = []
+        parser.error = messages.append
+        # (argparse goes on past an error that does not exit, and may then fail)
+        with contextlib.suppress(TypeError, AttributeError, IndexError):
+            parser.parse_args(argv)
+        return messages[0]
+
+    def make():
+        parser = _Parser(prog="x")
+        parser.add_argument("n", type=int)
+        parser.add_argument("--one")
+        parser.add_argument("--maybe", nargs="?")
+        parser.add_argument("--many", nargs="+")
+        parser.add_argument("--two", nargs=2)
+        parser.add_argument("--flag", action="store_true")
+        parser.add_argument("--kind", choices=["a", "b"])
+        parser.add_argument("--rate", type=float)
+        either = parser.add_mutually_exclusive_group()
+        either.add_argument("--left", action="store_true")
+        either.add_argument("--right", action="store_true")
+        parser.add_argument("--longer-a")
+        parser.add_argument("--longer-b")
+        return parser
+
+    cases = {
+        ("1", "--kind", "c"): "无效的选择",
+        ("x",): "无效的整数值",
+        ("1", "--rate", "r"): "无效的数字值",
+        (): "缺少必需的参数",
+        ("1", "--zz"): "无法识别的参数",
+        ("1", "--one"): "需要一个值",
+        ("1", "--many"): "至少需要一个值",
+        ("1", "--two", "a"): "需要 2 个值",
+        ("1", "--flag=yes"): "忽略了显式给出的值",
+        ("1", "--left", "--right"): "不能与参数",
+        ("1", "--longer"): "有歧义的选项",
+    }
+    for argv, chinese in cases.items():
+        if argv == ("1", "--zz"):
+            message = "unrecognized arguments: --zz"  # the top parser's own (parse_args)
+        else:
+            message = error_of(make(), list(argv))
+        assert chinese in translate(message), (argv, message, translate(message))
+    group = _Parser(prog="x")
+    required = group.add_mutually_exclusive_group(required=True)
+    required.add_argument("--a")
+    required.add_argument("--b")
+    assert "必须给出以下参数之一" in translate(error_of(group, []))
+    assert translate("steps must be positive, got 0") == "steps must be positive, got 0"

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_heads_parser(sub)
 
     learn = sub.add_parser("learn", help="lesson N of the learner's path (--lang zh|en); "
-                           "no N: the list")
+                           "no N: the list", learner=True)
     learn.add_argument("number", metavar="N", type=int, nargs="?",
                        help="the lesson, 1 to 14 (default: list the lessons)")
     learn.add_argument("--lang", choices=["en", "zh"], default=None,
@@ -206,11 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "name each bug", description="Run FILE's NAME (a function (x), "
                            "(x, mask) or (q, k, v[, mask]), or an nn.Module class) against the "
                            "oracle; one line per finding. Exit 0 when clean, 1 when a bug is "
-                           "found, 2 for bad input.")
+                           "found, 2 for bad input.", learner=True)
     check.add_argument("spec", metavar="FILE:NAME", help="e.g. my_attention.py:SelfAttention")
     check.add_argument("--lang", choices=["en", "zh"], default=None,
                        help="language of the findings (default: from the locale)")
     check.set_defaults(func=cmd_check)
+    parser.learner_commands = ("learn", "check")
     return parser
 
 

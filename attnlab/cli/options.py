@@ -6,6 +6,7 @@ one-line errors, every default shown in ``--help``.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..checks import bounded_int, finite_float, non_negative_int, positive_int
 
@@ -71,11 +72,27 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
+    """One-line errors; a learner's command's (``learner=True``: ``learn``, ``check``)
+    argparse errors in Chinese where its language is (:mod:`.usage_zh`), also those the
+    top parser reports for it (unrecognized arguments), when ``learner_commands`` names it."""
+
+    def __init__(self, *args, learner: bool = False, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.learner, self.learner_commands, self._args = learner, (), ()
+
+    def parse_known_args(self, args=None, namespace=None):
+        # what error() reads the command and --lang in (argparse's own default: sys.argv)
+        self._args = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        command = next((a for a in self._args if not a.startswith("-")), None)
+        if self.learner or command in self.learner_commands:
+            from .usage_zh import translate, wants_chinese
+
+            if wants_chinese(self._args):
+                message = translate(message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
