@@ -129,24 +129,38 @@ def _with_tokens(*extra: str, **changes) -> dict:
     return meta
 
 
-def test_generation_ends_where_llama_cpp_ends_it():
-    """EOS, the file's end-of-turn and end-of-message ids, and the tokens llama.cpp ends a
-    generation at by their spelling (Gemma's <end_of_turn>: its files name <eos> as EOS)."""
+def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
+    """EOS first, the file's end-of-turn and end-of-message ids, a code model's
+    fill-in-the-middle tokens and the tokens llama.cpp ends a generation at by their
+    spelling (Gemma's <end_of_turn>: its files name <eos> as EOS); kept with a saved
+    tokenizer."""
     base = byte_level_metadata_as_keys()
     n, eos = len(base["tokenizer.ggml.tokens"]), base["tokenizer.ggml.eos_token_id"]
     text = base["tokenizer.ggml.tokens"].index("<|endoftext|>")  # (0: a spelled one too)
+    assert GGUFTokenizer.from_metadata(base).stop_ids == (eos, text)
     gemma = GGUFTokenizer.from_metadata(_with_tokens("<start_of_turn>", "<end_of_turn>"))
     assert gemma.stop_ids == (eos, text, n + 1)
+    gemma.save(tmp_path / "tok.json")
+    back = load_tokenizer(tmp_path / "tok.json")
+    assert back.stop_ids == gemma.stop_ids and back == gemma
     named = GGUFTokenizer.from_metadata(_with_tokens(
         "<|eom_id|>", "<|python_tag|>", **{"tokenizer.ggml.eot_token_id": n + 1,
                                           "tokenizer.ggml.eom_token_id": 10 ** 6}))
     assert named.stop_ids == (eos, n + 1, text, n)  # an id past the vocabulary: ignored
-    # gpt-oss ends a reply at <|return|> or <|call|>; its <|end|> closes a message inside it
-    harmony = GGUFTokenizer.from_metadata(_with_tokens("<|end|>", "<|return|>", "<|call|>"))
+    # Qwen2.5-Coder: one of each fill-in-the-middle kind, the file's id before a spelling
+    qwen = GGUFTokenizer.from_metadata(_with_tokens(
+        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|fim_middle|>", "<PAD>",
+        **{"tokenizer.ggml.fim_pad_token_id": n + 4}))
+    assert qwen.stop_ids == (eos, n + 4, n + 1, n + 2, text)
+    # gpt-oss ends a reply at <|return|> or <|call|>; its <|end|> closes a message inside
+    # it, also when the file names it its end of turn
+    harmony = GGUFTokenizer.from_metadata(_with_tokens(
+        "<|end|>", "<|return|>", "<|call|>", **{"tokenizer.ggml.eot_token_id": n}))
     assert harmony.stop_ids == (eos, text, n + 1, n + 2)
-    phi = GGUFTokenizer.from_metadata(_with_tokens("<|end|>"))
-    assert phi.stop_ids == (eos, text, n)
-    assert GGUFTokenizer.from_metadata(base).stop_ids == (eos, text)
+    assert GGUFTokenizer.from_metadata(_with_tokens("<|end|>")).stop_ids == (eos, text, n)
+    # beside <|tool_response>, </s> is no end
+    tools = GGUFTokenizer.from_metadata(_with_tokens("</s>", "<|tool_response>"))
+    assert tools.stop_ids == (eos, text, n + 1)
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -248,3 +248,9 @@ def test_greedy_picks_the_first_maximum_and_ranks_nan_lowest():
     assert picked.dtype == torch.int64 and picked.tolist()[:3] == [7, 42, 0]
     assert picked[3] == logits[3].argmax()
     assert torch.equal(sample_next(logits[3:], 0, None, None, None), logits[3:].argmax(-1))
+    # bf16 logits (a model under autocast), a negated view, one row: as torch's argmax
+    assert sample_next(logits.bfloat16(), 0, None, None, None).tolist()[:3] == [7, 42, 0]
+    assert torch.equal(sample_next(-logits[3:], 0, None, None, None), (-logits[3:]).argmax(-1))
+    assert sample_next(logits[0], 0, None, None, None).item() == 7
+    toy = ToyAttnLM(ToyConfig(vocab_size=50, d_model=16, context_length=32)).to(torch.bfloat16)
+    assert toy.generate(torch.tensor([[1, 2, 3]]), 3, temperature=0).shape == (1, 6)

@@ -228,6 +228,9 @@ def test_int8_embedding_rows_are_the_dequantised_weights(out, n, seed):
         assert _native.load() is None and torch.equal(table(ids), want)
     with pytest.raises(RuntimeError, match=f"id {out} is not a row"):
         ops.int8_rows(data, scales, torch.tensor([out]), out, n)
+    assert torch.equal(table(ids.int()), want)
+    with pytest.raises(IndexError):  # float ids are refused, as nn.Embedding refuses them
+        table(ids.float())
 
 
 @needs_native

@@ -411,3 +411,21 @@ def test_saved_hf_tokenizer_with_a_corrupt_inner_file_names_the_file(tmp_path, i
         HFTokenizer.from_str(inner)
     with pytest.raises(TypeError, match="json_str: expected str"):
         HFTokenizer.from_str(None)
+
+
+def test_a_saved_tokenizer_keeps_where_generation_stops(bpe_file, tmp_path):
+    """stop_ids (a folder's generation_config.json ids) travel with a saved tokenizer, so
+    generate --ckpt stops where generate --model did; a file with bad ones is named."""
+    tok = HFTokenizer(bpe_file)
+    tok.stop_ids = (2, 0)
+    tok.save(tmp_path / "tok.json")
+    back = load_tokenizer(tmp_path / "tok.json")
+    assert back.stop_ids == (2, 0) and back == tok
+    plain = HFTokenizer(bpe_file)
+    plain.save(tmp_path / "plain.json")
+    assert "stop_ids" not in json.loads((tmp_path / "plain.json").read_text())
+    data = json.loads((tmp_path / "tok.json").read_text())
+    for bad in ([tok.vocab_size], [True], "2", [1.0]):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "stop_ids": bad}))
+        with pytest.raises(CheckpointError, match="stop_ids must be a list of token ids"):
+            load_tokenizer(tmp_path / "bad.json")

@@ -193,9 +193,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, tuple[int, ...]]:
     """``(ids, text to print first, ids that end the reply)`` of ``--prompt`` or ``--chat``:
     a chat message goes through the model's chat template (whose text holds the special
-    tokens, so none are added), and the reply ends at the model's end-of-turn token; a
-    prompt's text ends at the model's end-of-text token where it names one, as
-    transformers' generate stops at it (an attnlab checkpoint names none)."""
+    tokens, so none are added). Either ends at the tokenizer's stop ids where it has them
+    (a folder's generation_config.json list, a GGUF file's end-of-generation tokens as
+    llama.cpp reads them), else at its end-of-text token, as transformers' generate stops
+    (a checkpoint keeps the stop ids of the tokenizer saved with it)."""
     name = "--prompt" if args.chat is None else "--chat"
     try:
         if args.chat is None:

@@ -157,7 +157,10 @@ ATTNLAB_AVX512 __attribute__((always_inline)) inline void transpose16(__m512 x[1
 // output rows are sums of value rows. The queries are transposed in registers (16 x 16
 // blocks): through memory, the vector loads of what scalar stores had just written
 // waited for them to retire, and gathers took a fifth of the time.
-// scratch: (D + SHORT_KEYS) * 16 floats. Empty rows and NaN come out as forward_block's.
+// scratch: (D + SHORT_KEYS) * 16 floats. Empty rows come out as forward_block's, and so
+// does NaN in what a row reads; a NaN or infinity among the keys or values a row may not
+// see never reaches it here, where on the tiles it can (their products span the tile:
+// README, "Data a row may not read may or may not reach it").
 ATTNLAB_AVX512 static void forward_short(const float* q, int64_t q_ld, int64_t nr,
                                          const float* k, int64_t k_ld, const float* v,
                                          int64_t v_ld, int64_t n, int64_t D, int64_t Dv,

@@ -67,13 +67,19 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     if temperature == 0:  # the float32 logits decide it: no float64 copy of the vocab
         if logits.device.type != "cpu":  # no host sync on an accelerator
             return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
-        # NumPy's argmax (the first maximum, as torch's; NaN ranked highest, as torch
-        # ranks it): 2 us over SmolLM's 49152 logits where torch's max takes 30.
-        scores = logits.detach().numpy()
-        picked = scores.argmax(axis=-1)
-        if np.isnan(scores[np.arange(len(picked)), picked]).any():  # only then the copy
+        if logits.dtype == torch.float32 and logits.dim() == 2:
+            # NumPy's argmax (the first maximum, as torch's max gives it on the CPU; NaN
+            # ranked highest, as there): 2 us over SmolLM's 49152 logits, torch's max 30.
+            scores = logits.detach().resolve_neg().numpy()
+            picked = scores.argmax(axis=-1)
+            if not np.isnan(scores[np.arange(len(picked)), picked]).any():
+                return torch.from_numpy(picked)
+            # NaN won: only then the copy
             return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
-        return torch.from_numpy(picked)
+        best, picked = logits.max(dim=-1)  # (bf16 logits: a model under autocast)
+        if bool(best.isnan().any()):
+            picked = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+        return picked
     logits = torch.nan_to_num(logits.double(), nan=float("-inf"))
     # float64: logits / 1e-45 and a top_p of 1e-300 stay finite and non-zero there.
     logits = logits / temperature

@@ -35,26 +35,50 @@ PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LL
                         "smaug-bpe": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
 
 
-# Tokens that end a generation by their spelling, as llama.cpp reads a file (llama-vocab.cpp,
-# special_eog_ids): a chat model's end of turn where the file names only its end of text
-# as EOS (Gemma's <end_of_turn>, an older Llama 3 file's <|eot_id|>), gpt-oss's <|return|>.
+# The tokens llama.cpp ends a generation at (llama-vocab.cpp, special_eog_ids, as of
+# ggml-org/llama.cpp 00ad355): a chat model's end of turn where the file names only its end
+# of text as EOS (Gemma's <end_of_turn>, an older Llama 3 file's <|eot_id|>), gpt-oss's
+# <|return|>, and a code model's fill-in-the-middle padding, repository and file tokens.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
-                     "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-                     "<|end_of_text|>", "<end_of_utterance>")
+                     "<|flush|>", "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>",
+                     "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+                     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                     "<｜end▁of▁sentence｜>", "[e~[")
+# Fill-in-the-middle tokens, one of each kind: the file's own id (tokenizer.ggml.KIND_token_id)
+# or the first token spelled as one of these.
+FILL_IN_THE_MIDDLE = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                      "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                                  "<reponame>"),
+                      "fim_sep": ("<|file_sep|>",)}
 
 
 def _stop_ids(meta: Mapping[str, Any], eos: int | None, where: str) -> tuple[int, ...]:
-    """The ids llama.cpp ends a generation at: EOS, the file's end-of-turn and
-    end-of-message ids (ids past the vocabulary ignored, as llama.cpp does), and every
-    token spelled as one of :data:`END_OF_GENERATION`."""
+    """The ids llama.cpp ends a generation at: the fill-in-the-middle tokens, every token
+    spelled as one of :data:`END_OF_GENERATION`, EOS and the file's end-of-turn and
+    end-of-message ids (ids past the vocabulary ignored, as llama.cpp skips them); less
+    <|end|> where <|return|> and <|call|> (or <|calls|> and <|flush|>) are among them
+    (gpt-oss: <|end|> closes a message inside a reply), and less </s> beside
+    <|tool_response> (there </s> is not an end)."""
     tokens = meta["tokenizer.ggml.tokens"]
-    named = [eos, *(_field(meta, f"tokenizer.ggml.{k}_token_id", int, where)
-                    for k in ("eot", "eom"))]
-    spelled = {t: i for i, t in enumerate(tokens) if t in END_OF_GENERATION}
-    if "<|return|>" in spelled and "<|call|>" in spelled:
-        spelled.pop("<|end|>", None)  # gpt-oss: <|end|> ends a message, not the reply
-    ids = [i for i in named if i is not None and 0 <= i < len(tokens)]
-    return tuple(dict.fromkeys([*ids, *sorted(spelled.values())]))
+    n = len(tokens)
+
+    def named(kind: str) -> int | None:
+        i = _field(meta, f"tokenizer.ggml.{kind}_token_id", int, where)
+        return i if i is not None and 0 <= i < n else None
+
+    fim = [named(kind) if named(kind) is not None
+           else next((i for i, t in enumerate(tokens) if t in spellings), None)
+           for kind, spellings in FILL_IN_THE_MIDDLE.items()]
+    spelled = [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]
+    ids = [i for i in (eos if eos is not None and 0 <= eos < n else None, named("eot"),
+                       named("eom"), *fim, *spelled) if i is not None]  # EOS first
+    texts = {tokens[i] for i in ids}
+    calls = bool(texts & {"<|call|>", "<|calls|>"})
+    if "<|end|>" in texts and calls and texts & {"<|return|>", "<|flush|>"}:
+        ids = [i for i in ids if tokens[i] != "<|end|>"]
+    if "<|tool_response>" in texts:
+        ids = [i for i in ids if tokens[i] != "</s>"]
+    return tuple(dict.fromkeys(ids))
 
 
 @functools.cache
@@ -264,7 +288,7 @@ class GGUFTokenizer(HFTokenizer):
         plain = HFTokenizer.from_str(data["tokenizer"])
         return cls(plain.backend, chat_template=data.get("chat_template"),
                    bos_id=data.get("bos_id"), eos_id=data.get("eos_id"),
-                   pad_id=data.get("pad_id"))
+                   pad_id=data.get("pad_id"))._with_stop_ids(data)
 
     def __repr__(self) -> str:
         return (f"GGUFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "

@@ -205,11 +205,24 @@ class HFTokenizer(Tokenizer):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type_name, "version": _FORMAT_VERSION, "tokenizer": self._json}
+        data = {"type": self.type_name, "version": _FORMAT_VERSION, "tokenizer": self._json}
+        if self.stop_ids:  # kept with a checkpoint: generate --ckpt stops where it did
+            data["stop_ids"] = list(self.stop_ids)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HFTokenizer:
-        return cls.from_str(data["tokenizer"])
+        return cls.from_str(data["tokenizer"])._with_stop_ids(data)
+
+    def _with_stop_ids(self, data: Mapping[str, Any]):
+        """This tokenizer with ``data``'s ``stop_ids`` (ids of its vocabulary), if any."""
+        ids = data.get("stop_ids", [])
+        if not isinstance(ids, list) or not all(
+                type(i) is int and 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"stop_ids must be a list of token ids below {self.vocab_size}, "
+                             f"got {ids!r}")
+        self.stop_ids = tuple(ids)
+        return self
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id})"
