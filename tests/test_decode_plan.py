@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decode import counting_fused_steps, fused_layers_off
+from threads import threads as thread_count
 from torch.overrides import TorchFunctionMode
 
 from attnlab import _decode, _native, reference
@@ -195,14 +196,10 @@ def _check_step(batch, kv_heads, group, head_dim, pos, window, threads, rope, se
             q, k = (t * cos[pos] + t.roll(head_dim // 2, -1) * sin[pos] for t in (q, k))
         want_k[b, :, pos], want_v[b, :, pos] = k, v
         queries.append(q)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with thread_count(threads):
         out = _native.load().decode_step(qkv, cos, sin, k_cache, v_cache, pos,
                                          _decode._window(window, pos), heads, kv_heads,
                                          1.0 / math.sqrt(head_dim))
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6, equal_nan=True)
     assert torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
     for b in range(batch):  # the new query, end-aligned: causal and window as decoding

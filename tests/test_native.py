@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from threads import threads as thread_count
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnlab
@@ -176,7 +177,7 @@ def test_backward_is_bitwise_reproducible(threads):
     q, k, v = _qkv(1, 4, 333, 16, kv_heads=2, grad=True)
     grads = []
     for _ in range(2):
-        with _threads(threads):
+        with thread_count(threads):
             out = attnlab.attention(q, k, v, causal=True, window=100, backend="flash")
             grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     for a, b in zip(*grads):
@@ -314,16 +315,6 @@ def full_size_problems(draw):
     )
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @needs_native
 @settings(max_examples=25, deadline=None)
 @given(p=full_size_problems())
@@ -332,7 +323,7 @@ def _threads(n: int):
 @example(p=dict(batch=1, kv_heads=1, q_heads=1, q_len=65, k_len=65, head_dim=16, v_dim=None,
                 causal=False, window=37, mask="none", seed=0, threads=1))
 def test_full_size_tiles_match_the_reference_and_eager_gradients(p):
-    with _threads(p["threads"]):
+    with thread_count(p["threads"]):
         _full_size_tiles_match(p)
 
 

@@ -4,13 +4,12 @@ included. A mask of all True sends the same problem through the tiles."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import threads
 
 from attnlab import _native
 from attnlab import reference as ref
@@ -18,16 +17,6 @@ from attnlab.functional import attention_with_lse
 
 pytestmark = pytest.mark.skipif(not _native.available(),
                                 reason=f"native kernel: {_native.unavailable_reason()}")
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @st.composite
@@ -85,7 +74,7 @@ def test_short_runs_give_the_tiles_numbers_and_the_oracles(p):
         options["document_ids"] = torch.randint(0, 4, (p["batch"], p["k_len"]),
                                                 generator=g).sort(dim=1).values
     everywhere = torch.ones(p["q_len"], p["k_len"], dtype=torch.bool)
-    with _threads(p["threads"]):
+    with threads(p["threads"]):
         out, lse = attention_with_lse(q, k, v, backend="flash", **options)
         tiled, tiled_lse = attention_with_lse(q, k, v, mask=everywhere,
                                                       backend="flash", **options)
