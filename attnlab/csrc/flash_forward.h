@@ -6,7 +6,7 @@
 // keeps the log-sum-exp for the backward. Storage S (float, double, bf16, fp16), maths in
 // A = Acc<S>: a bf16 tile is converted into float scratch as it is read. A run of rows
 // whose keys number at most SHORT_KEYS (a packed sentence, a short sequence) takes
-// forward_short instead, where the softmax of any score rule has no extra terms.
+// forward_short instead, where its scores have no term beyond the rule (short_runs).
 #pragma once
 
 #include "flash_common.h"
@@ -178,7 +178,8 @@ ATTNLAB_AVX512 static void forward_short(const float* q, int64_t q_ld, int64_t n
     }
     const float* qr = q + r0 * q_ld;
     for (int64_t d0 = 0; d0 < D; d0 += 16) {  // qt[d] = column d of the rows
-      const __mmask16 cols = D - d0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d0)) - 1u);
+      const __mmask16 cols =
+          D - d0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d0)) - 1u);
       __m512 x[16];
       for (int r = 0; r < 16; ++r)
         x[r] = r < rows ? _mm512_maskz_loadu_ps(cols, qr + r * q_ld + d0) : _mm512_setzero_ps();

@@ -37,6 +37,12 @@ constexpr int64_t Q8_BLOCK = 32, Q8_BAND = 16, Q8_BLOCK_BYTES = Q8_BLOCK * Q8_BA
 // Rows of x that share each pass over a band's weights (q8_band_dot).
 constexpr int64_t Q8_ROWS = 4;
 
+// Where input i of output o of a band lies in the band's data (the layout above).
+inline int64_t q8_at(int64_t i, int64_t o) {
+  const int64_t j = i / Q8_BLOCK, t = i % Q8_BLOCK;
+  return j * Q8_BLOCK_BYTES + (t / 4) * 64 + o * 4 + t % 4;
+}
+
 // One row of x quantised per block of 32: qx (blocks * 32), dx (blocks), and
 // corr[j] = -128 * sum of block j's qx.
 struct QuantRow {

@@ -98,8 +98,7 @@ void quantize_band_rows(const S* w, int64_t rows, int64_t in, int64_t row0, int6
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         for (int64_t t = 0; t < Q8_BLOCK; ++t) {
           const float v = std::round(q[t] * id);  // NaN (a NaN or infinite weight): 0
-          band_data[j * Q8_BLOCK_BYTES + (t / 4) * 64 + o * 4 + t % 4] =
-              uint8_t((v == v ? int(v) : 0) + 128);
+          band_data[q8_at(j * Q8_BLOCK + t, o)] = uint8_t((v == v ? int(v) : 0) + 128);
         }
         scales[band * blocks * Q8_BAND + j * Q8_BAND + o] = c10::Half(d).x;
       }
@@ -148,10 +147,9 @@ at::Tensor int8_rows(const at::Tensor& data, const at::Tensor& scales, const at:
     const int64_t band = id[r] / Q8_BAND, o = id[r] % Q8_BAND;
     const uint8_t* qb = q + band * blocks * Q8_BLOCK_BYTES;
     for (int64_t i = 0; i < in; ++i) {
-      const int64_t j = i / Q8_BLOCK, t = i % Q8_BLOCK;
-      const float scale = float(c10::Half(d[(band * blocks + j) * Q8_BAND + o],
+      const float scale = float(c10::Half(d[(band * blocks + i / Q8_BLOCK) * Q8_BAND + o],
                                           c10::Half::from_bits()));
-      y[r * in + i] = float(int(qb[j * Q8_BLOCK_BYTES + (t / 4) * 64 + o * 4 + t % 4]) - 128) * scale;
+      y[r * in + i] = float(int(qb[q8_at(i, o)]) - 128) * scale;
     }
   }
   return rows;
