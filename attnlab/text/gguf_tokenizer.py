@@ -66,10 +66,15 @@ def _stop_ids(meta: Mapping[str, Any], eos: int | None, where: str) -> tuple[int
         i = _field(meta, f"tokenizer.ggml.{kind}_token_id", int, where)
         return i if i is not None and 0 <= i < n else None
 
-    fim = [named(kind) if named(kind) is not None
-           else next((i for i, t in enumerate(tokens) if t in spellings), None)
+    wanted = set(END_OF_GENERATION).union(*FILL_IN_THE_MIDDLE.values())
+    first: dict[str, int] = {}  # each wanted spelling's first id, in one pass
+    for i, t in enumerate(tokens):
+        if t in wanted:
+            first.setdefault(t, i)
+    fim = [i if (i := named(kind)) is not None
+           else min((first[t] for t in spellings if t in first), default=None)
            for kind, spellings in FILL_IN_THE_MIDDLE.items()]
-    spelled = [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]
+    spelled = sorted(first[t] for t in END_OF_GENERATION if t in first)
     ids = [i for i in (eos if eos is not None and 0 <= eos < n else None, named("eot"),
                        named("eom"), *fim, *spelled) if i is not None]  # EOS first
     texts = {tokens[i] for i in ids}
