@@ -421,11 +421,13 @@ def test_a_saved_tokenizer_keeps_where_generation_stops(bpe_file, tmp_path):
     tok.save(tmp_path / "tok.json")
     back = load_tokenizer(tmp_path / "tok.json")
     assert back.stop_ids == (2, 0) and back == tok
+    assert HFTokenizer(tmp_path / "tok.json").stop_ids == (2, 0)  # the constructor too
     plain = HFTokenizer(bpe_file)
     plain.save(tmp_path / "plain.json")
     assert "stop_ids" not in json.loads((tmp_path / "plain.json").read_text())
     data = json.loads((tmp_path / "tok.json").read_text())
     for bad in ([tok.vocab_size], [True], "2", [1.0]):
         (tmp_path / "bad.json").write_text(json.dumps({**data, "stop_ids": bad}))
-        with pytest.raises(CheckpointError, match="stop_ids must be a list of token ids"):
-            load_tokenizer(tmp_path / "bad.json")
+        for read in (load_tokenizer, HFTokenizer):
+            with pytest.raises(CheckpointError, match="stop_ids must be a list of token ids"):
+                read(tmp_path / "bad.json")

@@ -46,10 +46,11 @@ class HFTokenizer(Tokenizer):
     def __init__(self, source: PathLike | Any) -> None:
         from tokenizers import Tokenizer as _HFTok
 
+        saved = None  # a file written by save(): its stop_ids too
         if isinstance(source, _HFTok):
             raw = _HFTok.from_str(source.to_str())
         elif isinstance(source, str | os.PathLike):
-            raw = _read_file(Path(source))
+            raw, saved = _read_file(Path(source))
         else:
             raise TypeError(
                 "source: expected a path to tokenizer.json or a tokenizers.Tokenizer, "
@@ -62,6 +63,11 @@ class HFTokenizer(Tokenizer):
         raw.no_truncation()
         self._tok = raw
         self._truncating: dict[int, Any] = {}  # max_length -> copy with truncation on
+        if saved is not None:
+            try:
+                self._with_stop_ids(saved)
+            except ValueError as exc:
+                raise CheckpointError(f"{str(source)!r}: {exc}") from None
 
     @staticmethod
     def _find_pad_id(tok: Any, padding: dict[str, Any] | None) -> int:
@@ -235,9 +241,10 @@ def _reraise_interrupts(exc: BaseException) -> None:
         raise exc
 
 
-def _read_file(path: Path) -> Any:
+def _read_file(path: Path) -> tuple[Any, dict | None]:
     """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``, of a file written by
-    :meth:`HFTokenizer.save`, or of a folder holding a ``tokenizer.json``.
+    :meth:`HFTokenizer.save` (and then that file's fields), or of a folder holding a
+    ``tokenizer.json``.
 
     The file is read once; ``tokenizers`` parses the text read (``from_str``)
     rather than opening the file again. Every failure after the file is found
@@ -252,10 +259,11 @@ def _read_file(path: Path) -> Any:
     # A regular file within the limit (a FIFO or /dev/zero would hang or fill memory).
     text = read_text(path, TOKENIZER_LIMIT, "tokenizer file")
     data = parse_json(text, repr(str(path)))
+    saved = isinstance(data, dict) and data.get("type") == HFTokenizer.type_name
     try:
-        if isinstance(data, dict) and data.get("type") == HFTokenizer.type_name:
+        if saved:
             text = data["tokenizer"]  # a file written by HFTokenizer.save
-        return _HFTok.from_str(text)
+        return _HFTok.from_str(text), (data if saved else None)
     except BaseException as exc:  # pyo3's PanicException is not an Exception
         _reraise_interrupts(exc)
         raise CheckpointError(
