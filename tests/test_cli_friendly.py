@@ -240,6 +240,18 @@ def test_a_learners_usage_errors_speak_chinese_where_the_lessons_do(argv, chines
     assert "unrecognized arguments: --bogus" in err
 
 
+@pytest.mark.parametrize("argv,chinese", [
+    (["learn", "x", "--la", "zh"], True),  # an abbreviation, as argparse takes it
+    (["learn", "x", "--lang", "zh", "--lang", "en"], False),  # the last one wins
+    (["learn", "x", "--lang", "en", "--lang=zh"], True),
+    (["--lang=zh", "learn", "x"], True),  # before the command
+])
+def test_the_language_of_a_usage_error_is_the_one_argparse_reads(argv, chinese, capsys,
+                                                                  monkeypatch):
+    err = _usage_error(argv, capsys, monkeypatch)
+    assert bool(re.search(r"[\u4e00-\u9fff]", err)) == chinese, err
+
+
 def test_every_argparse_error_template_has_its_chinese():
     """Each message this Python's argparse writes is matched whole (a template argparse
     changes fails here, not silently in English)."""

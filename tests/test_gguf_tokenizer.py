@@ -22,7 +22,7 @@ from gguf_files import (  # noqa: E402
 
 from attnlab.cli import main  # noqa: E402
 from attnlab.models import GPT  # noqa: E402
-from attnlab.text import GGUFTokenizer, load_tokenizer  # noqa: E402
+from attnlab.text import GGUFTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 from attnlab.text.chat import render_chat  # noqa: E402
 
 TEXTS = [*CORPUS, "注意力 😀🚀 mixed 混合 text", "digits 12345 and it's 'll",
@@ -143,6 +143,11 @@ def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
     gemma.save(tmp_path / "tok.json")
     back = load_tokenizer(tmp_path / "tok.json")
     assert back.stop_ids == gemma.stop_ids and back == gemma
+    plain = HFTokenizer(tmp_path / "tok.json")  # the tokenizer.json inside, stop ids too
+    assert plain.stop_ids == gemma.stop_ids and plain.encode("hi") == gemma.encode("hi")
+    # a spelling twice in a vocabulary: both ids end a generation
+    twice = GGUFTokenizer.from_metadata(_with_tokens("<end_of_turn>", "x", "<end_of_turn>"))
+    assert twice.stop_ids == (eos, text, n, n + 2)
     named = GGUFTokenizer.from_metadata(_with_tokens(
         "<|eom_id|>", "<|python_tag|>", **{"tokenizer.ggml.eot_token_id": n + 1,
                                           "tokenizer.ggml.eom_token_id": 10 ** 6}))

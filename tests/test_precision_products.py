@@ -229,8 +229,9 @@ def test_int8_embedding_rows_are_the_dequantised_weights(out, n, seed):
     with pytest.raises(RuntimeError, match=f"id {out} is not a row"):
         ops.int8_rows(data, scales, torch.tensor([out]), out, n)
     assert torch.equal(table(ids.int()), want)
-    with pytest.raises(IndexError):  # float ids are refused, as nn.Embedding refuses them
-        table(ids.float())
+    for dtype in (torch.float32, torch.bool, torch.uint8):  # as nn.Embedding refuses them
+        with pytest.raises(TypeError, match=f"ids must be an int64 or int32 tensor, got {dtype}"):
+            table(ids.to(dtype))
 
 
 @needs_native

@@ -426,8 +426,13 @@ def test_a_saved_tokenizer_keeps_where_generation_stops(bpe_file, tmp_path):
     plain.save(tmp_path / "plain.json")
     assert "stop_ids" not in json.loads((tmp_path / "plain.json").read_text())
     data = json.loads((tmp_path / "tok.json").read_text())
-    for bad in ([tok.vocab_size], [True], "2", [1.0]):
+    for bad in ([-1], [True], "2", [1.0]):
         (tmp_path / "bad.json").write_text(json.dumps({**data, "stop_ids": bad}))
         for read in (load_tokenizer, HFTokenizer):
-            with pytest.raises(CheckpointError, match="stop_ids must be a list of token ids"):
+            with pytest.raises(CheckpointError, match="stop_ids must be a list of non-neg"):
                 read(tmp_path / "bad.json")
+    # a model's id past a small tokenizer's vocabulary (GPT-2's 50256 beside 8 words) is
+    # kept and read back: generate drops what lies past the model's
+    tok.stop_ids = (tok.vocab_size + 50000,)
+    tok.save(tmp_path / "big.json")
+    assert load_tokenizer(tmp_path / "big.json").stop_ids == (tok.vocab_size + 50000,)

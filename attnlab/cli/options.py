@@ -79,19 +79,25 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, learner: bool = False, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
-        self.learner, self.learner_commands, self._args = learner, (), ()
+        self.learner, self.learner_commands = learner, ()
+
+    # The whole command line, as the top parser was given it (argparse's own default:
+    # sys.argv): a subcommand's parser sees only what follows its name, and --lang may
+    # come before it.
+    _command_line: tuple[str, ...] = ()
 
     def parse_known_args(self, args=None, namespace=None):
-        # what error() reads the command and --lang in (argparse's own default: sys.argv)
-        self._args = tuple(sys.argv[1:] if args is None else args)
+        if self.learner_commands:  # the top parser
+            _Parser._command_line = tuple(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
-        command = next((a for a in self._args if not a.startswith("-")), None)
+        line = _Parser._command_line
+        command = next((a for a in line if not a.startswith("-")), None)
         if self.learner or command in self.learner_commands:
             from .usage_zh import translate, wants_chinese
 
-            if wants_chinese(self._args):
+            if wants_chinese(line):
                 message = translate(message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 

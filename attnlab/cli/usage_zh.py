@@ -50,15 +50,19 @@ def translate(message: str) -> str:
 
 
 def wants_chinese(args: Sequence[str]) -> bool:
-    """Whether a learner's command given ``args`` speaks Chinese: ``--lang zh`` (or
-    ``--lang=zh``), or no ``--lang`` and a Chinese locale."""
+    """Whether a learner's command given ``args`` (the whole command line) speaks
+    Chinese, read as argparse reads ``--lang``: the last one given wins, an abbreviation
+    (``--la zh``) counts; with none, the locale's language."""
     from ..lessons import default_lang
 
+    lang = None
     for i, arg in enumerate(args):
         if arg == "--":
             break
-        if arg.startswith("--lang="):
-            return arg == "--lang=zh"
-        if arg == "--lang" and i + 1 < len(args):
-            return args[i + 1] == "zh"
-    return default_lang() == "zh"
+        name, eq, value = arg.partition("=")
+        if len(name) >= 3 and "--lang".startswith(name):
+            if eq:
+                lang = value
+            elif i + 1 < len(args):
+                lang = args[i + 1]
+    return (lang if lang is not None else default_lang()) == "zh"

@@ -102,10 +102,9 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
-        native = (t.data.device.type == "cpu" and ids.device.type == "cpu"
-                  and not ids.dtype.is_floating_point and not ids.dtype.is_complex
-                  and ids.dtype != torch.bool)  # (float ids fail below, as nn.Embedding's)
-        ops = _native.load() if native else None
+        if ids.dtype not in (torch.int64, torch.int32):  # as nn.Embedding takes them
+            raise TypeError(f"ids must be an int64 or int32 tensor, got {ids.dtype}")
+        ops = _native.load() if t.data.device.type == ids.device.type == "cpu" else None
         if ops is not None:  # one native call: a decoded token's row, ten ATen ops fewer
             rows = ops.int8_rows(t.data, t.scales, ids.long(), t.out_features, t.in_features)
             return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)

@@ -66,15 +66,17 @@ def _stop_ids(meta: Mapping[str, Any], eos: int | None, where: str) -> tuple[int
         i = _field(meta, f"tokenizer.ggml.{kind}_token_id", int, where)
         return i if i is not None and 0 <= i < n else None
 
-    wanted = set(END_OF_GENERATION).union(*FILL_IN_THE_MIDDLE.values())
-    first: dict[str, int] = {}  # each wanted spelling's first id, in one pass
-    for i, t in enumerate(tokens):
-        if t in wanted:
+    fill = set().union(*FILL_IN_THE_MIDDLE.values())
+    first: dict[str, int] = {}  # each fill-in-the-middle spelling's first id
+    spelled = []  # every id spelled as an end (a spelling twice in a vocabulary: both)
+    for i, t in enumerate(tokens):  # one pass: vocabularies run to 150,000 tokens
+        if t in END_OF_GENERATION:
+            spelled.append(i)
+        elif t in fill:
             first.setdefault(t, i)
     fim = [i if (i := named(kind)) is not None
            else min((first[t] for t in spellings if t in first), default=None)
            for kind, spellings in FILL_IN_THE_MIDDLE.items()]
-    spelled = sorted(first[t] for t in END_OF_GENERATION if t in first)
     ids = [i for i in (eos if eos is not None and 0 <= eos < n else None, named("eot"),
                        named("eom"), *fim, *spelled) if i is not None]  # EOS first
     texts = {tokens[i] for i in ids}

@@ -221,12 +221,12 @@ class HFTokenizer(Tokenizer):
         return cls.from_str(data["tokenizer"])._with_stop_ids(data)
 
     def _with_stop_ids(self, data: Mapping[str, Any]):
-        """This tokenizer with ``data``'s ``stop_ids`` (ids of its vocabulary), if any."""
+        """This tokenizer with ``data``'s ``stop_ids``, if any: the model's token ids
+        (a model's vocabulary may be larger than its tokenizer's, GPT-2's 50256 beside a
+        small one: generate drops those past the model's)."""
         ids = data.get("stop_ids", [])
-        if not isinstance(ids, list) or not all(
-                type(i) is int and 0 <= i < self.vocab_size for i in ids):
-            raise ValueError(f"stop_ids must be a list of token ids below {self.vocab_size}, "
-                             f"got {ids!r}")
+        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+            raise ValueError(f"stop_ids must be a list of non-negative token ids, got {ids!r}")
         self.stop_ids = tuple(ids)
         return self
 
@@ -259,7 +259,8 @@ def _read_file(path: Path) -> tuple[Any, dict | None]:
     # A regular file within the limit (a FIFO or /dev/zero would hang or fill memory).
     text = read_text(path, TOKENIZER_LIMIT, "tokenizer file")
     data = parse_json(text, repr(str(path)))
-    saved = isinstance(data, dict) and data.get("type") == HFTokenizer.type_name
+    # (a GGUF tokenizer's saved file holds the same tokenizer.json beside its extras)
+    saved = isinstance(data, dict) and data.get("type") in (HFTokenizer.type_name, "gguf")
     try:
         if saved:
             text = data["tokenizer"]  # a file written by HFTokenizer.save
