@@ -20,7 +20,7 @@ DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 # holds the two equal). A module may import its own layer and the layers below.
 LAYERS = {
     "attnlab.checks": 0, "attnlab._tracing": 0, "attnlab.config": 0, "attnlab.io": 0,
-    "attnlab._version": 0,
+    "attnlab._version": 0, "attnlab._pages": 0,
     "attnlab.reference": 1,
     "attnlab.masks": 2, "attnlab.mask_forms": 2, "attnlab.blockmask": 2,
     "attnlab.rope": 3, "attnlab.cache": 3,

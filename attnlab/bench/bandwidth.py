@@ -4,11 +4,12 @@ bound it puts on decoding one sequence.
 Decoding one token must read every weight matrix once, so at ``B`` bytes of weights per
 token and a read bandwidth of ``W`` bytes/s no engine exceeds ``W / B`` tokens/s. The
 probe is a plain read: ``torch.sum`` over a float32 buffer as large as the model's
-float32 weights (far beyond the caches), at the bench's thread count (torch's), a few
-passes per round, timed in the same rounds as the engines. An engine's share of the
-bound is its tokens/s times its bytes per token over the bandwidth; each precision has
-its own bytes per token (float32 4 bytes a weight, bf16 and f16 2, llama.cpp's Q8_0
-34 per 32, int8 1 plus its per-channel scale), so each has its own bound.
+float32 weights (far beyond the caches), on huge pages as the weights are
+(:mod:`attnlab._pages`), at the bench's thread count (torch's), a few passes per round,
+timed in the same rounds as the engines. An engine's share of the bound is its tokens/s
+times its bytes per token over the bandwidth; each precision has its own bytes per token
+(float32 4 bytes a weight, bf16 and f16 2, llama.cpp's Q8_0 34 per 32, int8 1 plus its
+per-channel scale), so each has its own bound.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import statistics
 from collections.abc import Sequence
 
 import torch
+
+from .. import _pages
 
 # Passes per round: about 0.15 s of SmolLM-sized reads at one thread. Three passes caught
 # this shared machine's load at one instant: 5.9 GB/s in one case of a loaded run, 22.5 in
@@ -29,7 +32,8 @@ def make_read(nbytes: int, passes: int = PASSES):
     nbytes`` bytes read)."""
     if not isinstance(nbytes, int) or nbytes < 4:
         raise ValueError(f"nbytes must be an int >= 4, got {nbytes!r}")
-    buf = torch.ones(nbytes // 4)  # written once here: every page is resident
+    with _pages.arena():  # on huge pages, as a loaded model's weights
+        buf = _pages.empty((nbytes // 4,), torch.float32).fill_(1.0)  # every page resident
 
     def step():
         for _ in range(passes):

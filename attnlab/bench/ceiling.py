@@ -1,6 +1,8 @@
 """The one-row ceiling of the generate suite: per token, a row times every weight matrix of
 the model once (random weights of the model's shapes, no prompt, no attention, no norms),
-each by the fastest way this machine has, timed in the same rounds as the decoders.
+each by the fastest way this machine has, timed in the same rounds as the decoders. The
+matrices lie one after another on huge pages, as a model's weights do once loaded
+(:mod:`attnlab._pages`).
 
 Decoding one sequence must at least do that, so a decoder's tokens/s over the loop's says
 how much of this machine's speed it reaches (``of_ceiling`` in the records).
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _native
+from .. import _native, _pages
 from .generate import NEW_TOKENS, matrix_shapes
 
 # The ways to multiply a row by a matrix the ceiling chooses from: (product, layout).
@@ -27,10 +29,12 @@ def _product(way: tuple[str, str], n_in: int, n_out: int):
     product, layout = way
     w = torch.randn(n_out, n_in) * 0.02
     if layout == "(in, out)":
-        wt = w.t().contiguous()
+        wt = _pages.empty((n_in, n_out), torch.float32).copy_(w.t())
         w = wt.t()  # the (out, in) weight as a view of the (in, out) storage
         if product == "torch":
             return lambda x: x @ wt
+    else:
+        w = _pages.empty((n_out, n_in), torch.float32).copy_(w)
     if product == "attnlab":
         ops = _native.load()
         return lambda x: ops.linear(x, w, None, None)
@@ -63,12 +67,11 @@ def _faster(n_in: int, n_out: int, reps: int = 7) -> tuple[str, str]:
 def make_ceiling(shape: str, new_tokens: int = NEW_TOKENS, **_):
     """The one-row ceiling: per token, a row times every weight matrix (random weights
     of the model's shapes, one matrix each, each in its faster layout)."""
-    chosen: dict[tuple[int, int], tuple[str, str]] = {}
-    products = []
-    for n_in, n_out in matrix_shapes(shape):
-        if (n_in, n_out) not in chosen:
-            chosen[(n_in, n_out)] = _faster(n_in, n_out)
-        products.append((_product(chosen[(n_in, n_out)], n_in, n_out), torch.randn(1, n_in)))
+    shapes = matrix_shapes(shape)
+    chosen = {s: _faster(*s) for s in dict.fromkeys(shapes)}
+    with _pages.arena():  # one matrix after another on huge pages, as attnlab loads them
+        products = [(_product(chosen[(n_in, n_out)], n_in, n_out), torch.randn(1, n_in))
+                    for n_in, n_out in shapes]
 
     @torch.inference_mode()
     def step():

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 from torch import nn
 
+from .. import _pages
 from ..io.files import CheckpointError
 from ..io.weights import CHUNK, SafetensorsState, read_into
 from ..modules import fused, quantized
@@ -144,60 +145,62 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     int8 weight (a pair, or rows to quantise) in place of ``state``'s (a GGUF file's
     Q8_0 tensors, whose ``state`` entries are then only placeholders of their shapes).
     """
-    with torch.device("meta"):
-        model = make()
-    tied = _tied_groups(model)
-    aliases = {name for names in tied for name in names[1:]}
-    check_fits(model, state, source=source, allow_missing=aliases)
-    if dtype is not None and quantize is None:
-        fused.repack(model, dtype)  # each dtype's packed layout (bf16: by rows)
-    # One buffer for every chunk read from a file: a new one per tensor would leave
-    # holes between the blocks that the allocator keeps.
-    bounce = torch.empty(CHUNK, dtype=torch.uint8)
-    if quantize is not None:
-        primary = {alias: names[0] for names in tied for alias in names[1:]}
-        def source(layer: str):
-            name = primary.get(f"{layer}.weight", f"{layer}.weight")
-            return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
-        quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
+    # The weights one after another on huge pages, in the order decoding reads them.
+    with _pages.arena():
+        with torch.device("meta"):
+            model = make()
         tied = _tied_groups(model)
         aliases = {name for names in tied for name in names[1:]}
-    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
-    packed = {name for members in blocks.values()
-              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
-    wanted = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
-    # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
-    # the given one would keep the user's file mapped (its pages read whenever used) or
-    # share a live model's storage.
-    own = {}
-    with torch.no_grad():
-        for name in [n for n in state if n in wanted and n not in packed and n not in aliases]:
-            src = state[name]
-            own[name] = torch.empty(src.shape, dtype=_stored(src.dtype, dtype), device=src.device)
-            read_into(own[name], src, bounce)
-            del src
-            if isinstance(state, dict):
-                del state[name]  # freed now (unless a live model still holds it)
-        for name, p in model.named_parameters():  # made by quantize (biases): filled in place
-            if not p.is_meta and name in state:
-                read_into(p, state[name], bounce)
-    model.load_state_dict(own, strict=False, assign=True)
-    del own
-    for members in blocks.values():
-        if members[0][0] in packed:
-            _fill_block(model, members, state, bounce, dtype)
-    for names in tied:
-        primary = model.get_parameter(names[0])
-        for name in names[1:]:
-            _set_param(model, name, primary)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
-                              f"missing {left[:5]}")
-    return model
+        check_fits(model, state, source=source, allow_missing=aliases)
+        if dtype is not None and quantize is None:
+            fused.repack(model, dtype)  # each dtype's packed layout (bf16: by rows)
+        # One buffer for every chunk read from a file: a new one per tensor would leave
+        # holes between the blocks that the allocator keeps.
+        bounce = torch.empty(CHUNK, dtype=torch.uint8)
+        if quantize is not None:
+            primary = {alias: names[0] for names in tied for alias in names[1:]}
+            def source(layer: str):
+                name = primary.get(f"{layer}.weight", f"{layer}.weight")
+                return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
+            quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
+            tied = _tied_groups(model)
+            aliases = {name for names in tied for name in names[1:]}
+        blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in model.named_parameters():
+            if p.is_meta:
+                blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
+        packed = {name for members in blocks.values()
+                  if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
+        wanted = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+        # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
+        # the given one would keep the user's file mapped (its pages read whenever used) or
+        # share a live model's storage.
+        own = {}
+        with torch.no_grad():
+            for name in [n for n in state if n in wanted and n not in packed and n not in aliases]:
+                src = state[name]
+                own[name] = _pages.empty(tuple(src.shape), _stored(src.dtype, dtype), src.device)
+                read_into(own[name], src, bounce)
+                del src
+                if isinstance(state, dict):
+                    del state[name]  # freed now (unless a live model still holds it)
+            for name, p in model.named_parameters():  # made by quantize (biases): filled in place
+                if not p.is_meta and name in state:
+                    read_into(p, state[name], bounce)
+        model.load_state_dict(own, strict=False, assign=True)
+        del own
+        for members in blocks.values():
+            if members[0][0] in packed:
+                _fill_block(model, members, state, bounce, dtype)
+        for names in tied:
+            primary = model.get_parameter(names[0])
+            for name in names[1:]:
+                _set_param(model, name, primary)
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
+                                  f"missing {left[:5]}")
+        return model
 
 
 def _stored(given: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -232,7 +235,7 @@ def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
     meta = members[0][1]
     numel = meta.untyped_storage().nbytes() // meta.element_size()
     with torch.no_grad():
-        base = torch.empty(numel, dtype=_stored(first.dtype, dtype), device=first.device)
+        base = _pages.empty((numel,), _stored(first.dtype, dtype), first.device)
         del first
         views = []
         for name, p in members:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _native
+from .. import _native, _pages
 from ..layouts import int8 as layout
 
 __all__ = ["Int8Linear", "Int8Embedding", "quantize", "groups", "joint", "is_packed",
@@ -208,8 +208,8 @@ def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
         return [q for member in members for q in quantize_group([member], model, device)]
     bands = [layout.shapes(m.out_features, n_in)[0][0] for m in linears]
     (_, width), (_, swidth) = layout.shapes(layout.BAND, n_in)
-    data = torch.empty(sum(bands), width, dtype=torch.uint8, device=device)
-    scales = torch.empty(sum(bands), swidth, dtype=torch.int16, device=device)
+    data = _pages.empty((sum(bands), width), torch.uint8, device)  # streamed every token
+    scales = _pages.empty((sum(bands), swidth), torch.int16, device)
     biases = [m._parameters.get("bias") for m in linears]
     joint_bias = all(b is not None for b in biases)
     bias_dtype = biases[0].dtype if biases[0] is not None else torch.float32
@@ -272,12 +272,14 @@ def quantize(model: nn.Module, scheme: str = "int8",
     filling = []
     # Every layer's buffers first, then their contents: the quantiser's temporaries, freed
     # last, leave no holes between the weights (an allocator keeps those).
-    for members in groups(model):
-        weights = [m._parameters["weight"] for _, m in members]
-        device = None if weights[0].is_meta else weights[0].device
-        for (name, _), w, q in zip(members, weights, quantize_group(members, model, device)):
-            tied[id(w)] = q
-            filling.append((q, name, w))
+    with _pages.arena():  # the int8 weights one after another, on huge pages
+        for members in groups(model):
+            weights = [m._parameters["weight"] for _, m in members]
+            device = None if weights[0].is_meta else weights[0].device
+            for (name, _), w, q in zip(members, weights,
+                                       quantize_group(members, model, device)):
+                tied[id(w)] = q
+                filling.append((q, name, w))
     for q, name, w in filling:
         _fill(q, sources(name) if sources is not None
               else (lambda a, b, w=w: w.detach()[a:b]))
