@@ -32,7 +32,7 @@ def make_read(nbytes: int, passes: int = PASSES):
     nbytes`` bytes read)."""
     if not isinstance(nbytes, int) or nbytes < 4:
         raise ValueError(f"nbytes must be an int >= 4, got {nbytes!r}")
-    with _pages.arena():  # on huge pages, as a loaded model's weights
+    with _pages.arena([nbytes // 4 * 4]):  # on huge pages, as a loaded model's weights
         buf = _pages.empty((nbytes // 4,), torch.float32).fill_(1.0)  # every page resident
 
     def step():

@@ -69,7 +69,8 @@ def make_ceiling(shape: str, new_tokens: int = NEW_TOKENS, **_):
     of the model's shapes, one matrix each, each in its faster layout)."""
     shapes = matrix_shapes(shape)
     chosen = {s: _faster(*s) for s in dict.fromkeys(shapes)}
-    with _pages.arena():  # one matrix after another on huge pages, as attnlab loads them
+    # The matrices on huge pages, as attnlab loads a model's.
+    with _pages.arena([4 * n_in * n_out for n_in, n_out in shapes]):
         products = [(_product(chosen[(n_in, n_out)], n_in, n_out), torch.randn(1, n_in))
                     for n_in, n_out in shapes]
 

@@ -9,6 +9,7 @@ I/O: the reading of the files themselves is :mod:`attnlab.io.weights`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -145,62 +146,72 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     int8 weight (a pair, or rows to quantise) in place of ``state``'s (a GGUF file's
     Q8_0 tensors, whose ``state`` entries are then only placeholders of their shapes).
     """
-    # The weights one after another on huge pages, in the order decoding reads them.
-    with _pages.arena():
-        with torch.device("meta"):
-            model = make()
+    with torch.device("meta"):
+        model = make()
+    tied = _tied_groups(model)
+    aliases = {name for names in tied for name in names[1:]}
+    check_fits(model, state, source=source, allow_missing=aliases)
+    if dtype is not None and quantize is None:
+        fused.repack(model, dtype)  # each dtype's packed layout (bf16: by rows)
+    # One buffer for every chunk read from a file: a new one per tensor would leave
+    # holes between the blocks that the allocator keeps.
+    bounce = torch.empty(CHUNK, dtype=torch.uint8)
+    if quantize is not None:
+        primary = {alias: names[0] for names in tied for alias in names[1:]}
+        def source(layer: str):
+            name = primary.get(f"{layer}.weight", f"{layer}.weight")
+            return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
+        quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
         tied = _tied_groups(model)
         aliases = {name for names in tied for name in names[1:]}
-        check_fits(model, state, source=source, allow_missing=aliases)
-        if dtype is not None and quantize is None:
-            fused.repack(model, dtype)  # each dtype's packed layout (bf16: by rows)
-        # One buffer for every chunk read from a file: a new one per tensor would leave
-        # holes between the blocks that the allocator keeps.
-        bounce = torch.empty(CHUNK, dtype=torch.uint8)
-        if quantize is not None:
-            primary = {alias: names[0] for names in tied for alias in names[1:]}
-            def source(layer: str):
-                name = primary.get(f"{layer}.weight", f"{layer}.weight")
-                return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
-            quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
-            tied = _tied_groups(model)
-            aliases = {name for names in tied for name in names[1:]}
-        blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for name, p in model.named_parameters():
-            if p.is_meta:
-                blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
-        packed = {name for members in blocks.values()
-                  if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
-        wanted = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+    blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            blocks.setdefault(p.untyped_storage()._cdata, []).append((name, p))
+    packed = {name for members in blocks.values()
+              if len(members) > 1 or not members[0][1].is_contiguous() for name, _ in members}
+    wanted = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+    plain = [n for n in state if n in wanted and n not in packed and n not in aliases]
+    fills = [(members, _block_plan(members, state, dtype)) for members in blocks.values()
+             if members[0][0] in packed]
+    # The linear layers' weights, which decoding streams, on huge pages (_pages).
+    streamed = _linear_parameters(model, tied)
+    sizes = [math.prod(state[n].shape) * _stored(state[n].dtype, dtype).itemsize
+             for n in plain if n in streamed]
+    sizes += [plan[0][0] * plan[1].itemsize for members, plan in fills
+              if plan is not None and members[0][0] in streamed]
+    with _pages.arena(sizes):
         # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
-        # the given one would keep the user's file mapped (its pages read whenever used) or
-        # share a live model's storage.
+        # the given one would keep the user's file mapped (its pages read whenever used)
+        # or share a live model's storage.
         own = {}
         with torch.no_grad():
-            for name in [n for n in state if n in wanted and n not in packed and n not in aliases]:
+            for name in plain:
                 src = state[name]
-                own[name] = _pages.empty(tuple(src.shape), _stored(src.dtype, dtype), src.device)
+                make = _pages.empty if name in streamed else _torch_empty
+                own[name] = make(tuple(src.shape), _stored(src.dtype, dtype), src.device)
                 read_into(own[name], src, bounce)
                 del src
                 if isinstance(state, dict):
                     del state[name]  # freed now (unless a live model still holds it)
-            for name, p in model.named_parameters():  # made by quantize (biases): filled in place
+            for name, p in model.named_parameters():  # made by quantize (biases): in place
                 if not p.is_meta and name in state:
                     read_into(p, state[name], bounce)
         model.load_state_dict(own, strict=False, assign=True)
         del own
-        for members in blocks.values():
-            if members[0][0] in packed:
-                _fill_block(model, members, state, bounce, dtype)
-        for names in tied:
-            primary = model.get_parameter(names[0])
-            for name in names[1:]:
-                _set_param(model, name, primary)
-        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if left:
-            raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
-                                  f"missing {left[:5]}")
-        return model
+        for members, plan in fills:
+            if plan is not None:
+                make = _pages.empty if members[0][0] in streamed else _torch_empty
+                _fill_block(model, members, state, bounce, make(*plan))
+    for names in tied:
+        primary = model.get_parameter(names[0])
+        for name in names[1:]:
+            _set_param(model, name, primary)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
+                              f"missing {left[:5]}")
+    return model
 
 
 def _stored(given: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -223,20 +234,36 @@ def _rows(state: Mapping, name: str, bounce: torch.Tensor):
     return rows
 
 
-def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
-                state: Mapping, bounce: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """Allocate the one tensor that ``members`` (meta parameters) are views of, in the
-    sources' dtype (or ``dtype``) and device, and copy each source into its view."""
-    given = [state[n] for n, _ in members if n in state]
-    if not given:
-        return
-    first = given[0]
-    del given
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _linear_parameters(model: nn.Module, tied: list[list[str]]) -> set[str]:
+    """Names of the parameters of the model's ``nn.Linear`` layers and of those tied to
+    them (an embedding the output layer reads): what decoding streams every token."""
+    names = {f"{prefix}.{p}" if prefix else p for prefix, m in model.named_modules()
+             if isinstance(m, nn.Linear) for p in m._parameters}
+    return names.union(*(group for group in tied if names.intersection(group)))
+
+
+def _block_plan(members: list[tuple[str, torch.Tensor]], state: Mapping,
+                dtype: torch.dtype | None) -> tuple[tuple[int], torch.dtype, torch.device] | None:
+    """``((numel,), dtype, device)`` of the one tensor that ``members`` (meta parameters)
+    are views of, in the sources' dtype (or ``dtype``) and device; None where the state
+    gives none of them."""
+    first = next((state[n] for n, _ in members if n in state), None)
+    if first is None:
+        return None
     meta = members[0][1]
     numel = meta.untyped_storage().nbytes() // meta.element_size()
+    return (numel,), _stored(first.dtype, dtype), first.device
+
+
+def _fill_block(model: nn.Module, members: list[tuple[str, torch.Tensor]],
+                state: Mapping, bounce: torch.Tensor, base: torch.Tensor) -> None:
+    """Make ``members`` (meta parameters) views of ``base`` (see :func:`_block_plan`) and
+    copy each source into its view."""
     with torch.no_grad():
-        base = _pages.empty((numel,), _stored(first.dtype, dtype), first.device)
-        del first
         views = []
         for name, p in members:
             view = base.as_strided(p.shape, p.stride(), p.storage_offset())

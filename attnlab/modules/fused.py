@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from .. import _native, _pages
+from .. import _native
 from . import quantized
 
 __all__ = ["pack", "pack_groups", "repack", "is_packed", "by_rows", "block", "joint", "apply",
@@ -110,7 +110,7 @@ def pack(linears: Sequence[nn.Linear]) -> None:
     # the parameters themselves were made there.
     with torch.inference_mode(ws[0].is_inference()), torch.no_grad():
         shape = (total, ws[0].shape[1]) if rows else (ws[0].shape[1], total)
-        block = _pages.empty(shape, ws[0].dtype, ws[0].device)  # streamed every token
+        block = torch.empty(shape, dtype=ws[0].dtype, device=ws[0].device)
         for m, a, b in zip(linears, offsets, offsets[1:]):
             if rows:
                 block[a:b].copy_(m.weight)
@@ -171,7 +171,7 @@ def repack(model: nn.Module, dtype: torch.dtype) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
-                p.data = _pages.empty(tuple(p.shape), dtype, p.device)
+                p.data = torch.empty(p.shape, dtype=dtype, device=p.device)
     for group in [*groups, *([m] for m in alone)]:
         pack(group)
 

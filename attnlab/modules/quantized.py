@@ -195,6 +195,20 @@ def groups(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
     return out
 
 
+def _whole(linears: Sequence[nn.Linear]) -> bool:
+    """Whether a group's layers share one data tensor: all but the last fill whole bands."""
+    return all(m.out_features % layout.BAND == 0 for m in linears[:-1])
+
+
+def _group_bytes(linears: Sequence[nn.Linear]) -> list[int]:
+    """The bytes of the data and scales tensors :func:`quantize_group` makes for a group."""
+    if len(linears) > 1 and not _whole(linears):
+        return [n for m in linears for n in _group_bytes([m])]
+    bands = sum(layout.shapes(m.out_features, linears[0].in_features)[0][0] for m in linears)
+    (_, width), (_, swidth) = layout.shapes(layout.BAND, linears[0].in_features)
+    return [bands * width, bands * swidth * 2]
+
+
 def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
                    device=None) -> list[Int8Linear]:
     """Put an :class:`Int8Linear` in place of each ``(name, linear)`` of ``members``, its
@@ -203,8 +217,7 @@ def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
     bands; else each gets its own), one bias vector where all have one."""
     linears = [m for _, m in members]
     n_in = linears[0].in_features
-    whole = all(m.out_features % layout.BAND == 0 for m in linears[:-1])
-    if len(linears) > 1 and not whole:
+    if len(linears) > 1 and not _whole(linears):
         return [q for member in members for q in quantize_group([member], model, device)]
     bands = [layout.shapes(m.out_features, n_in)[0][0] for m in linears]
     (_, width), (_, swidth) = layout.shapes(layout.BAND, n_in)
@@ -272,8 +285,10 @@ def quantize(model: nn.Module, scheme: str = "int8",
     filling = []
     # Every layer's buffers first, then their contents: the quantiser's temporaries, freed
     # last, leave no holes between the weights (an allocator keeps those).
-    with _pages.arena():  # the int8 weights one after another, on huge pages
-        for members in groups(model):
+    grouped = list(groups(model))
+    sizes = [n for members in grouped for n in _group_bytes([m for _, m in members])]
+    with _pages.arena(sizes):  # the int8 weights, streamed every token, on huge pages
+        for members in grouped:
             weights = [m._parameters["weight"] for _, m in members]
             device = None if weights[0].is_meta else weights[0].device
             for (name, _), w, q in zip(members, weights,
