@@ -54,10 +54,7 @@ def _scores(q, k, mask, causal, window, scale, variants, offset=None):
             scores.masked_fill_(~_masks.group_view(allowed, kv_heads), float("-inf"))
         if mask is not None and mask.dtype != torch.bool:
             scores.add_(_masks.group_view(mask.to(scores.dtype), kv_heads))
-        # End-aligned causal and window rules leave every row a key unless q_len > k_len;
-        # a piece of a longer sequence (``offset``) may have rows with none.
-        may_be_empty = mask is not None or (struct is not None and (offset is not None
-                                                                    or q_len > k_len))
+        may_be_empty = mask is not None or not rule.every_row_sees_a_key
         return scores, may_be_empty, None
     rule = _variants.rule(variants, q_len, k_len, causal, window, offset)
     grouped = None if mask is None else _masks.group_view(mask, kv_heads)

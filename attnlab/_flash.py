@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from . import masks as _masks
+from . import mask_shift as _shift
 from ._tracing import each_mapped_call, transforms_active
 
 # Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
@@ -220,7 +220,7 @@ def flash_attention(q, k, v, mask, causal, window, scale, dropout_p, offset=None
     k_len = k.shape[-2]
     if mask is not None:
         if mask.dtype != torch.bool:  # added in the kernel's accumulation type
-            mask = mask.to(_masks.additive_dtype(q.dtype))
+            mask = mask.to(_shift.additive_dtype(q.dtype))
         # Zero strides where the mask broadcasts: nothing is copied.
         mask = mask.detach().expand(batch, q_heads, q_len, k_len)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0

@@ -2,7 +2,7 @@
 conventions translated (end-aligned causal rule, windows, the empty-row rule, NaN kept).
 
 Inputs are ``attention()``'s after its checks: 4-D ``(batch, heads, seq, dim)``, an
-additive mask already shifted by :func:`attnlab.masks.shift_rows`.
+additive mask already shifted by :func:`attnlab.mask_shift.shift_rows`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _variants
+from . import mask_shift as _shift
 from . import masks as _masks
 from ._eager import eager_attention, eager_lse, eager_lse_backward
 from ._tracing import reads_values
@@ -31,15 +32,15 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
     struct = bias = None
+    rule = _variants.rule(variants, q_len, k_len, causal, window)
     if variants is not None:
-        rule = _variants.rule(variants, q_len, k_len, causal, window)
         struct = _masks.combine(
             rule.allowed(device=q.device) if rule.structural else None,
             None if variants.block_mask is None else variants.block_mask.dense())
         if variants.alibi_slopes is not None:
             rows = torch.arange(q_len, device=q.device)
             bias = _variants.alibi(variants.alibi_slopes, rule, rows, 0, k_len, k.shape[1],
-                                   _masks.additive_dtype(q.dtype)).flatten(1, 2)
+                                   _shift.additive_dtype(q.dtype)).flatten(1, 2)
     elif causal and window is None and mask is None and q_len == k_len and scale > 0:
         # torch's top-left alignment equals ours when the lengths agree. Its CPU kernel
         # returns NaN with is_causal for a scale <= 0 (torch 2.13), so those take the
@@ -47,11 +48,15 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
         is_causal = True
     elif causal and window is None and q_len == 1:
         pass  # end-aligned: the one query (the newest token) sees every key
-    else:
-        struct = _masks.structural(q_len, k_len, causal=causal, window=window, device=q.device)
+    elif rule.structural:
+        struct = rule.allowed(device=q.device)
     attn_mask = _masks.combine(struct, mask, bias)
     empty = None
-    if attn_mask is not None:
+    # Only a mask of the user's, a block mask or a rule whose rows may go past the keys
+    # can leave a row empty (ALiBi's bias is finite): else no test, no pass over the mask.
+    if attn_mask is not None and (
+            mask is not None or not rule.every_row_sees_a_key
+            or (variants is not None and variants.block_mask is not None)):
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         empty = ~allowed.any(dim=-1, keepdim=True)
         # Off the CPU the test would sync the device: empty rows are opened and zeroed
@@ -66,7 +71,7 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
         if attn_mask.dtype != torch.bool:
             # Rows already shifted by attention(); torch takes a float32 mask with bf16/
             # fp16 inputs, so the bias is never rounded to half precision.
-            attn_mask = attn_mask.to(_masks.additive_dtype(q.dtype))
+            attn_mask = attn_mask.to(_shift.additive_dtype(q.dtype))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import _lse, _variants
-from . import masks as _masks
+from . import mask_shift as _shift
 from ._tracing import autocasting, reads_values
 from .backends import TABLE, Backend, Request, choose, resolve
 from .blockmask import BlockMask
@@ -188,9 +188,9 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
     # the call says why; auto takes the one its rule gives.
     request = Request(q4, k4, mask4, causal, window, dropout_p, rows, variants, want_lse)
     chosen = resolve(request, backend)
-    # Exact additive semantics in any dtype (masks.for_kernels): in float32 (or float64)
+    # Exact additive semantics in any dtype (mask_shift.for_kernels): in float32 (or float64)
     # on every route, each row shifted by its allowed keys' maximum (but beside sinks).
-    mask4, shift = _masks.for_kernels(mask4, q4.shape[-2], k4.shape[-2], q4.dtype,
+    mask4, shift = _shift.for_kernels(mask4, q4.shape[-2], k4.shape[-2], q4.dtype,
                                       causal=causal, window=window, documents=variants and
                                       variants.documents, sinks=bool(variants and
                                                                      variants.sinks is not None))

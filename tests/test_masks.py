@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlab import masks
+from attnlab import mask_shift, masks
 
 
 @given(q_len=st.integers(1, 12), k_len=st.integers(1, 12))
@@ -75,7 +75,7 @@ def test_shift_rows_takes_the_maximum_over_allowed_keys_in_float32():
     forbids may hold anything), computed in float32 even for a bf16 mask, and a mask
     whose row maxima the rule leaves alone keeps its broadcast shape."""
     bias = (0.3 * torch.arange(8.0)).to(torch.bfloat16)[None, None, None, :]
-    shifted = masks.shift_rows(bias, 8, 8, causal=True)
+    shifted = mask_shift.shift_rows(bias, 8, 8, causal=True)
     assert shifted.dtype == torch.float32 and shifted.shape == (1, 1, 8, 8)
     want = bias.float() - bias.float()[..., :8].reshape(8, 1)  # row i: max at key i
     rule = masks.causal(8)
@@ -83,10 +83,10 @@ def test_shift_rows_takes_the_maximum_over_allowed_keys_in_float32():
     assert (shifted <= 0).all()  # forbidden keys clamped: no +inf from finite values
     padding = torch.zeros(2, 1, 1, 8)
     padding[0, ..., 5:] = torch.finfo(torch.float32).min
-    assert masks.shift_rows(padding, 8, 8, causal=True).shape == (2, 1, 1, 8)
+    assert mask_shift.shift_rows(padding, 8, 8, causal=True).shape == (2, 1, 1, 8)
     huge = torch.zeros(3, 3)
     huge[0, 2] = 3e38  # forbidden; the allowed entries keep their values exactly
     huge[0, 0] = -3e38  # allowed alone in row 0: 3e38 - (-3e38) would overflow
     huge[1, 0] = -3e38
-    out = masks.shift_rows(huge, 3, 3, causal=True)
+    out = mask_shift.shift_rows(huge, 3, 3, causal=True)
     assert torch.isfinite(out).all() and out[1, 1] == 0 and out[2].eq(0).all()

@@ -212,3 +212,21 @@ def test_a_document_with_more_queries_than_keys_aligns_to_its_end():
     assert rule.allowed()[0, 0].int().tolist() == [[0, 0, 0], [0, 0, 0], [1, 0, 0], [0, 1, 1]]
     with pytest.raises(ValueError, match="offset or documents"):
         KeyRule(4, 3, offset=0, documents=Documents(q_ids, k_ids))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 12), st.booleans(),
+       st.one_of(st.none(), st.integers(1, 6)), st.one_of(st.none(), st.integers(-14, 14)))
+def test_every_row_sees_a_key_is_told_without_the_mask_and_is_never_wrong(
+        q_len, k_len, causal, window, offset):
+    """The shortcut that lets the sdpa and eager routes skip the empty-row pass: where it
+    says every row sees a key, the mask has no empty row; and for end-aligned rules it
+    says so exactly when the mask agrees (q_len <= k_len, or no rule and some key), but
+    for a window looking both ways, which may reach keys from rows past them."""
+    rule = KeyRule(q_len, k_len, causal=causal, window=window, offset=offset)
+    allowed = rule.allowed() if q_len and k_len else torch.zeros(q_len, k_len, dtype=torch.bool)
+    every = bool(allowed.any(dim=-1).all())
+    if rule.every_row_sees_a_key:
+        assert every
+    if offset is None and (causal or window is None):
+        assert rule.every_row_sees_a_key == every

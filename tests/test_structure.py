@@ -22,7 +22,7 @@ LAYERS = {
     "attnlab.checks": 0, "attnlab._tracing": 0, "attnlab.config": 0, "attnlab.io": 0,
     "attnlab._version": 0, "attnlab._pages": 0,
     "attnlab.reference": 1,
-    "attnlab.masks": 2, "attnlab.mask_forms": 2, "attnlab.blockmask": 2,
+    "attnlab.masks": 2, "attnlab.mask_forms": 2, "attnlab.mask_shift": 2, "attnlab.blockmask": 2,
     "attnlab.rope": 3, "attnlab.cache": 3,
     "attnlab.text": 4, "attnlab.viz": 4,
     "attnlab.layouts": 5,
