@@ -164,7 +164,9 @@ def test_a_loaded_models_linear_weights_and_only_they_lie_on_huge_pages(llama_fo
     spans = list({(s.data_ptr(), s.data_ptr() + s.nbytes())
                   for s in (t.untyped_storage() for t in streamed)})
     held = sum(end - start for start, end in spans) // 1024
-    assert _huge_kb(spans) >= 0.9 * held, (_huge_kb(spans), held)
+    # All but the two partly used huge pages at the mapping's ends (before Linux 6.7 a
+    # mapping need not start on one).
+    assert _huge_kb(spans) >= held - 4096 > 0, (_huge_kb(spans), held)
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc/self/smaps")

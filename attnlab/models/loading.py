@@ -158,10 +158,10 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     bounce = torch.empty(CHUNK, dtype=torch.uint8)
     if quantize is not None:
         primary = {alias: names[0] for names in tied for alias in names[1:]}
-        def source(layer: str):
+        def rows_of(layer: str):
             name = primary.get(f"{layer}.weight", f"{layer}.weight")
             return int8[name]() if int8 and name in int8 else _rows(state, name, bounce)
-        quantized.quantize(model, quantize, sources=source, dtype=_stored(torch.float32, dtype))
+        quantized.quantize(model, quantize, sources=rows_of, dtype=_stored(torch.float32, dtype))
         tied = _tied_groups(model)
         aliases = {name for names in tied for name in names[1:]}
     blocks: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -188,8 +188,8 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         with torch.no_grad():
             for name in plain:
                 src = state[name]
-                make = _pages.empty if name in streamed else _torch_empty
-                own[name] = make(tuple(src.shape), _stored(src.dtype, dtype), src.device)
+                alloc = _pages.empty if name in streamed else _torch_empty
+                own[name] = alloc(tuple(src.shape), _stored(src.dtype, dtype), src.device)
                 read_into(own[name], src, bounce)
                 del src
                 if isinstance(state, dict):
@@ -201,8 +201,8 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         del own
         for members, plan in fills:
             if plan is not None:
-                make = _pages.empty if members[0][0] in streamed else _torch_empty
-                _fill_block(model, members, state, bounce, make(*plan))
+                alloc = _pages.empty if members[0][0] in streamed else _torch_empty
+                _fill_block(model, members, state, bounce, alloc(*plan))
     for names in tied:
         primary = model.get_parameter(names[0])
         for name in names[1:]:
