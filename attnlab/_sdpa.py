@@ -32,8 +32,9 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
     q_len, k_len = q.shape[-2], k.shape[-2]
     is_causal = False
     struct = bias = None
-    rule = _variants.rule(variants, q_len, k_len, causal, window)
+    rule = None  # made only where a mask is built: the fast paths below need none
     if variants is not None:
+        rule = _variants.rule(variants, q_len, k_len, causal, window)
         struct = _masks.combine(
             rule.allowed(device=q.device) if rule.structural else None,
             None if variants.block_mask is None else variants.block_mask.dense())
@@ -48,14 +49,15 @@ def sdpa_attention(q, k, v, mask, causal, window, scale, dropout_p, variants=Non
         is_causal = True
     elif causal and window is None and q_len == 1:
         pass  # end-aligned: the one query (the newest token) sees every key
-    elif rule.structural:
-        struct = rule.allowed(device=q.device)
+    else:
+        rule = _masks.KeyRule(q_len, k_len, causal=causal, window=window)
+        struct = rule.allowed(device=q.device) if rule.structural else None
     attn_mask = _masks.combine(struct, mask, bias)
     empty = None
     # Only a mask of the user's, a block mask or a rule whose rows may go past the keys
     # can leave a row empty (ALiBi's bias is finite): else no test, no pass over the mask.
     if attn_mask is not None and (
-            mask is not None or not rule.every_row_sees_a_key
+            mask is not None or rule is None or not rule.every_row_sees_a_key
             or (variants is not None and variants.block_mask is not None)):
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         empty = ~allowed.any(dim=-1, keepdim=True)

@@ -200,13 +200,20 @@ def _whole(linears: Sequence[nn.Linear]) -> bool:
     return all(m.out_features % layout.BAND == 0 for m in linears[:-1])
 
 
+def _bands(linears: Sequence[nn.Linear]) -> tuple[list[int], int, int]:
+    """Each layer's bands, and the widths of a band's data (bytes) and scales (int16)
+    rows, for a group sharing one data and one scales tensor."""
+    n_in = linears[0].in_features
+    (_, width), (_, swidth) = layout.shapes(layout.BAND, n_in)
+    return [layout.shapes(m.out_features, n_in)[0][0] for m in linears], width, swidth
+
+
 def _group_bytes(linears: Sequence[nn.Linear]) -> list[int]:
     """The bytes of the data and scales tensors :func:`quantize_group` makes for a group."""
     if len(linears) > 1 and not _whole(linears):
         return [n for m in linears for n in _group_bytes([m])]
-    bands = sum(layout.shapes(m.out_features, linears[0].in_features)[0][0] for m in linears)
-    (_, width), (_, swidth) = layout.shapes(layout.BAND, linears[0].in_features)
-    return [bands * width, bands * swidth * 2]
+    bands, width, swidth = _bands(linears)
+    return [sum(bands) * width, sum(bands) * swidth * torch.int16.itemsize]
 
 
 def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
@@ -219,8 +226,7 @@ def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
     n_in = linears[0].in_features
     if len(linears) > 1 and not _whole(linears):
         return [q for member in members for q in quantize_group([member], model, device)]
-    bands = [layout.shapes(m.out_features, n_in)[0][0] for m in linears]
-    (_, width), (_, swidth) = layout.shapes(layout.BAND, n_in)
+    bands, width, swidth = _bands(linears)
     data = _pages.empty((sum(bands), width), torch.uint8, device)  # streamed every token
     scales = _pages.empty((sum(bands), swidth), torch.int16, device)
     biases = [m._parameters.get("bias") for m in linears]
