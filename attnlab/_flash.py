@@ -17,7 +17,7 @@ import torch
 
 from . import _native
 from . import mask_shift as _shift
-from ._tracing import each_mapped_call, transforms_active
+from ._tracing import each_mapped_call, first_derivatives_only, transforms_active
 
 # Query rows x keys per tile; None picks by length (_blocks). Tests set tiny ones.
 BLOCK_Q: int | None = None
@@ -183,6 +183,8 @@ class _FlashAttention(torch.autograd.Function):
             delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Lq)
             share = torch.exp(sink_logits.to(acc).view(1, -1, 1) - lse)
             dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        dq, dk, dv, dsinks = first_derivatives_only("flash", (dq, dk, dv, dsinks), q, k, v, sinks,
+                                                    grad_out)
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
 
 

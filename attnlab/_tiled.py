@@ -25,7 +25,7 @@ import torch
 
 from . import _tiled_mod, _variants
 from . import masks as _masks
-from ._tracing import each_mapped_call
+from ._tracing import each_mapped_call, first_derivatives_only
 from .blockmask import EMPTY
 
 BLOCK_Q = 256
@@ -253,7 +253,9 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, mask, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsink = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out, sinks)
+        with torch.no_grad():
+            grads = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out, sinks)
+        dq, dk, dv, dsink = first_derivatives_only("tiled", grads, q, k, v, sinks, grad_out)
         return dq, dk, dv, None, dsink, None, None, None, None, None, None, None
 
 

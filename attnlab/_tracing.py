@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["reads_values", "transforms_active", "func_gradients", "batched", "autocasting",
-           "each_mapped_call", "without_gradient"]
+           "each_mapped_call", "first_derivatives_only", "without_gradient"]
 
 
 def reads_values() -> bool:
@@ -75,27 +75,42 @@ class _NoGradient(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(value, what, *inputs):
+    def forward(value, message, *inputs):
         return value.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.what = inputs[1]
+        ctx.message = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError(f"attnlab: {ctx.what} carries no gradient (FlexAttention's lse "
-                           "does): use lse.detach() where a loss takes it")
+        raise RuntimeError(ctx.message)
 
 
-def without_gradient(value: torch.Tensor, what: str, *inputs) -> torch.Tensor:
+def without_gradient(value: torch.Tensor, what: str, *inputs,
+                     message: str | None = None) -> torch.Tensor:
     """``value`` (computed from ``inputs`` without autograd), tied to them so that a
-    backward through it raises naming ``what``, rather than giving gradients that leave
-    its part out; ``value`` itself where no input asks for a gradient, and while
-    torch.compile traces (a backward that raises stops a fullgraph trace). ``inputs``:
-    tensors or None."""
+    backward through it raises naming ``what`` (or saying ``message``), rather than giving
+    gradients that leave its part out; ``value`` itself where no input asks for a
+    gradient, and while torch.compile traces (a backward that raises stops a fullgraph
+    trace). ``inputs``: tensors or None."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
             and not torch.compiler.is_compiling()):
-        return _NoGradient.apply(value, what, *tensors)
+        if message is None:
+            message = (f"attnlab: {what} carries no gradient (FlexAttention's lse does): use "
+                       "lse.detach() where a loss takes it")
+        return _NoGradient.apply(value, message, *tensors)
     return value
+
+
+def first_derivatives_only(backend: str, grads, *inputs) -> tuple:
+    """A backward's ``grads`` (computed without autograd), each tied to the forward's
+    ``inputs`` so that differentiating them again (``create_graph=True``: a gradient
+    penalty, a Hessian-vector product, ``jacrev`` of ``grad``) raises, where they would
+    otherwise pass for constants and give a second derivative of zero."""
+    message = (f"attnlab: the {backend} backend's gradients cannot be differentiated again "
+               "(a second derivative: a gradient penalty, a Hessian); use backend='eager' "
+               "for higher-order gradients")
+    return tuple(None if g is None else without_gradient(g, "", *inputs, message=message)
+                 for g in grads)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .._tracing import first_derivatives_only
 from ..backends import Request, choose, resolve
 from ..checks import boolean, finite_float, one_of, optional_positive_int
 from .comm import Group
@@ -279,7 +280,9 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = backward_pass(ctx.call, q, k, v, mask, out, lse, grad_out)
         dsinks = ctx.call.variants.sink_grad(out, lse, grad_out) if ctx.needs_input_grad[4] \
             else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
+        dq, dk, dv, dsinks = first_derivatives_only("ring", grads, q, k, v, grad_out)
+        return dq, dk, dv, None, dsinks, None
 
 
 def _forward(call, q, k, v, mask, compute: bool = True):
