@@ -149,15 +149,17 @@ class _CarryNaN(torch.autograd.Function):
 _INF = float("inf")
 
 
-def _block_rule(q, k, mask, causal, window, offset):
+def _block_rule(q, k, mask, causal, window, offset, scale):
     """``(is_causal, additive mask or None, empty rows or None)`` of one block: torch's
-    top-left ``is_causal`` where it is the rule (offset 0, no window, no mask), else the
-    rule and the key mask as one ``(B|1, 1, Lq, Lk)`` additive mask of q's dtype."""
+    top-left ``is_causal`` where it is the rule (offset 0, no window, no mask, a positive
+    scale: the CPU kernel returns NaN with is_causal for a scale <= 0, torch 2.13), else
+    the rule and the key mask as one ``(B|1, 1, Lq, Lk)`` additive mask of q's dtype."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     rule = _masks.KeyRule(q_len, k_len, causal=causal, window=window, offset=offset)
     if mask is None and (not rule.structural or rule.full(0, q_len, 0, k_len)):
         return False, None, None
-    if mask is None and causal and window is None and offset == 0:
+    if mask is None and causal and window is None and offset == 0 and (
+            scale is None or scale > 0):
         return True, None, None
     allowed = rule.allowed(device=q.device) if rule.structural else None
     allowed = _masks.combine(allowed, mask)  # (Lq, Lk) and/or (B, 1, 1, Lk)
@@ -189,7 +191,7 @@ def sdpa_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None, off
     if not _takes(q, v, mask, dropout_p, variants):
         return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
     offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
-    is_causal, bias, empty = _block_rule(q, k, mask, causal, window, offset)
+    is_causal, bias, empty = _block_rule(q, k, mask, causal, window, offset, scale)
     if q.device.type == "cpu":
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads != kv_heads:  # the kernel takes one head count: K/V repeated per block
@@ -216,7 +218,7 @@ def sdpa_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, 
         return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
                                   variants, offset)
     offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
-    is_causal, bias, _ = _block_rule(q, k, mask, causal, window, offset)
+    is_causal, bias, _ = _block_rule(q, k, mask, causal, window, offset, scale)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     if q.device.type == "cpu":
         heads, kv_heads = q.shape[1], k.shape[1]

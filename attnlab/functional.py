@@ -318,6 +318,8 @@ def _check_rows(return_weights, q):
             rows = torch.as_tensor(return_weights, device=q.device)
         except (TypeError, ValueError, RuntimeError):
             rows = None
+        if rows is not None and rows.ndim == 1 and rows.numel() == 0:
+            rows = rows.long()  # ([] and () come as float32: no rows, no weights)
         if rows is None or rows.ndim != 1 or rows.dtype.is_floating_point or rows.dtype == (
             torch.bool
         ):

@@ -13,9 +13,10 @@ __all__ = ["softmax", "attention", "causal_attention"]
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax in float64; a row that is all ``-inf`` gives zeros."""
+    """Numerically stable softmax in float64; a row that is all ``-inf`` (or has no
+    entries) gives zeros."""
     x = np.asarray(x, dtype=np.float64)
-    m = np.max(x, axis=axis, keepdims=True)
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(x - m)
     s = np.sum(e, axis=axis, keepdims=True)

@@ -536,3 +536,55 @@ def test_torch_func_transforms_take_every_backend(backend):
         else:
             torch.testing.assert_close(run(backend), run("eager"), atol=2e-5, rtol=2e-5,
                                        msg=name)
+
+
+@pytest.mark.parametrize("backend", ["tiled", FLASH, "auto"])
+def test_a_second_derivative_raises_where_the_backward_is_not_differentiable(backend):
+    # The kernels' gradients come without autograd: differentiated again (a gradient
+    # penalty, a Hessian) they raise, where they used to pass for constants and give a
+    # second derivative of zero. The first derivative with create_graph stays eager's.
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    want, = torch.autograd.grad(attnlab.attention(q, k, v, causal=True, backend="eager")
+                                .square().sum(), q)
+    out = attnlab.attention(q, k, v, causal=True, backend=backend)
+    grad, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again.*backend='eager'"):
+        torch.autograd.grad(grad.square().sum(), q)
+    if backend != "tiled":  # (tiled refuses torch.func's gradient transforms by name)
+        def loss(x):
+            return attnlab.attention(x, k, v, causal=True, backend=backend).square().sum()
+        with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+            torch.func.jacrev(torch.func.grad(loss))(q.detach())
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+@pytest.mark.parametrize("backend", ["sdpa", "tiled", FLASH, "auto"])
+def test_the_lse_of_a_causal_call_with_a_scale_of_zero_or_below(backend, scale):
+    # torch's CPU kernel gives NaN with is_causal for such a scale: the sdpa route builds
+    # the mask instead, as attention() itself does.
+    from attnlab.functional import attention_with_lse
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    want = attention_with_lse(q, k, v, causal=True, scale=scale, backend="eager")
+    got = attention_with_lse(q, k, v, causal=True, scale=scale, backend=backend)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("rows", [[], (), range(0)])
+def test_no_rows_of_weights_asked_give_an_empty_weights_tensor(rows):
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    out, weights = attnlab.attention(q, k, v, return_weights=rows)
+    assert weights.shape == (1, 2, 0, 5)
+    torch.testing.assert_close(out, attnlab.attention(q, k, v))
+
+
+def test_the_reference_attends_over_no_keys_with_zeros():
+    out, weights = ref.attention(np.ones((1, 1, 3, 4)), np.zeros((1, 1, 0, 4)),
+                                 np.zeros((1, 1, 0, 5)), return_weights=True)
+    assert out.shape == (1, 1, 3, 5) and not out.any() and weights.shape == (1, 1, 3, 0)
+    assert ref.softmax(np.full((2, 3), -np.inf)).tolist() == [[0.0] * 3] * 2
