@@ -14,8 +14,8 @@ are written that way. Indices are the raw row and key numbers (not end-aligned).
 **full** (everything allowed: no mask to apply) or **partial** (its bool tile is kept).
 Memory is the partial tiles only: a causal-like or prefix-LM mask keeps O(seq x block).
 :func:`block_mask` caches what it builds per (function, what it reads, shape, device, block
-sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its closure and
-the globals its code names hold (and those of the functions among them, as ``and_masks``
+sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its default
+arguments, its closure and the globals its code names hold (and those of the functions among them, as ``and_masks``
 holds its parts), each tensor by identity and version: so a document-id tensor bound
 again to the same global name, or changed in place, is a new mask, as FlexAttention's
 ``create_block_mask`` evaluates the function on every call. A bound method counts as its
@@ -261,16 +261,18 @@ def _checked(mask_mod, allowed, target) -> torch.Tensor:
 
 
 def _reads(fn, held: list, depth: int = 0) -> tuple:
-    """What ``fn`` reads besides its arguments, as a hashable key: its closure's values and
-    the globals its code names, tensors as (identity, version) and kept alive in ``held``
-    (so that no new tensor takes a cached one's identity), functions by their own reads."""
+    """What ``fn`` reads besides its arguments, as a hashable key: its default arguments'
+    values, its closure's values and the globals its code names, tensors as (identity,
+    version) and kept alive in ``held`` (so that no new tensor takes a cached one's
+    identity), functions by their own reads."""
     if isinstance(fn, types.MethodType):  # a bound method: a new object at each access
         held.append(fn.__self__)
         return (("self", id(fn.__self__)), *_reads(fn.__func__, held, depth))
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
         return (_value(fn, held, depth),)
-    values = []
+    # defaults (``ids=ids``: a common way to hand a tensor in), then the closure
+    values = list(fn.__defaults__ or ()) + sorted((fn.__kwdefaults__ or {}).items())
     for cell in fn.__closure__ or ():
         try:
             values.append(cell.cell_contents)

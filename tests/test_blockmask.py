@@ -177,3 +177,23 @@ def test_inference_tensors_and_bound_methods_are_keyed_too():
     other = Documents(torch.tensor([0, 0, 0, 1]))
     assert not torch.equal(block_mask(other.mask, 1, 1, 4, 4, block_q=2, block_k=2).dense(),
                            first.dense())
+
+
+def test_a_tensor_handed_in_as_a_default_argument_is_read_again():
+    # ``ids=ids`` binds the tensor as a default, not in the closure: changed in place, the
+    # mask changes too, as FlexAttention's create_block_mask sees it.
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+
+    def same_doc(b, h, q, k, ids=ids):
+        return ids[q] == ids[k]
+
+    def same_doc_kw(b, h, q, k, *, ids=ids):
+        return ids[q] == ids[k]
+
+    for fn in (same_doc, same_doc_kw):
+        ids[3:] = 1
+        two = block_mask(fn, 1, 1, 6, 6, block_q=2, block_k=2)
+        ids.fill_(0)
+        one = block_mask(fn, 1, 1, 6, 6, block_q=2, block_k=2)
+        assert two.kinds.tolist() != one.kinds.tolist()
+        assert (one.kinds == FULL).all()

@@ -8,8 +8,11 @@ The semantics are FlashAttention's README's, mapped exactly:
 - ``causal``: aligned to the bottom-right corner when the lengths differ (attnlab's rule);
 - ``window_size=(left, right)``: query ``i`` attends keys ``j`` with
   ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, a negative
-  size, or one of ``seqlen_k`` or more, meaning unbounded (as FlashAttention's C++ sets
-  it), ``right`` forced to 0 by ``causal``. ``(-1, 0)`` is attnlab's
+  size, or one of ``seqlen_k`` or more, meaning unbounded (the README's meaning; the CUDA
+  kernel sets a -1 beside a non-negative side to ``seqlen_k`` instead, which differs
+  only for ``(left >= 0, -1)`` without ``causal``, in the first ``seqlen_q - seqlen_k - 1``
+  rows: it stops them at key ``i + 2 seqlen_k - seqlen_q``), ``right`` forced to 0 by
+  ``causal``. ``(-1, 0)`` is attnlab's
   causal rule, ``(w, 0)`` causal with ``window=w + 1``, ``(w, w)`` ``window=w + 1``; every
   other pair becomes a band ``mask_mod`` (exact, evaluated once into a block mask);
 - ``softcap``: ``softcap * tanh(qk^T * softmax_scale / softcap)``, 0 = off (attnlab's);
