@@ -183,8 +183,8 @@ class _FlashAttention(torch.autograd.Function):
             delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, Hq, Lq)
             share = torch.exp(sink_logits.to(acc).view(1, -1, 1) - lse)
             dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)
-        dq, dk, dv, dsinks = first_derivatives_only("flash", (dq, dk, dv, dsinks), q, k, v, sinks,
-                                                    grad_out)
+        dq, dk, dv, dsinks = first_derivatives_only("the flash backend", (dq, dk, dv, dsinks),
+                                                    q, k, v, sinks, grad_out, out)
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
 
 

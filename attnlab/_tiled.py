@@ -255,7 +255,8 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, mask, sinks, out, lse = ctx.saved_tensors
         with torch.no_grad():
             grads = _backward(ctx.settings, q, k, v, mask, out, lse, grad_out, sinks)
-        dq, dk, dv, dsink = first_derivatives_only("tiled", grads, q, k, v, sinks, grad_out)
+        dq, dk, dv, dsink = first_derivatives_only("the tiled backend", grads, q, k, v, sinks,
+                                                   grad_out, out)
         return dq, dk, dv, None, dsink, None, None, None, None, None, None, None
 
 

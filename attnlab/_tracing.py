@@ -104,13 +104,16 @@ def without_gradient(value: torch.Tensor, what: str, *inputs,
     return value
 
 
-def first_derivatives_only(backend: str, grads, *inputs) -> tuple:
+def first_derivatives_only(what: str, grads, *inputs,
+                           advice: str = "use backend='eager' for higher-order gradients"
+                           ) -> tuple:
     """A backward's ``grads`` (computed without autograd), each tied to the forward's
-    ``inputs`` so that differentiating them again (``create_graph=True``: a gradient
-    penalty, a Hessian-vector product, ``jacrev`` of ``grad``) raises, where they would
-    otherwise pass for constants and give a second derivative of zero."""
-    message = (f"attnlab: the {backend} backend's gradients cannot be differentiated again "
-               "(a second derivative: a gradient penalty, a Hessian); use backend='eager' "
-               "for higher-order gradients")
+    ``inputs`` (pass its output too: saved copies of the inputs may carry no gradient) so
+    that differentiating them again (``create_graph=True``: a gradient penalty, a
+    Hessian-vector product, ``jacrev`` of ``grad``) raises, naming ``what`` and giving
+    ``advice``, where they would otherwise pass for constants and give a second derivative
+    of zero."""
+    message = (f"attnlab: {what}'s gradients cannot be differentiated again (a second "
+               f"derivative: a gradient penalty, a Hessian); {advice}")
     return tuple(None if g is None else without_gradient(g, "", *inputs, message=message)
                  for g in grads)

@@ -15,13 +15,14 @@ are written that way. Indices are the raw row and key numbers (not end-aligned).
 Memory is the partial tiles only: a causal-like or prefix-LM mask keeps O(seq x block).
 :func:`block_mask` caches what it builds per (function, what it reads, shape, device, block
 sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its default
-arguments, its closure and the globals its code names hold (and those of the functions among them, as ``and_masks``
-holds its parts), each tensor by identity and version: so a document-id tensor bound
-again to the same global name, or changed in place, is a new mask, as FlexAttention's
-``create_block_mask`` evaluates the function on every call. A bound method counts as its
-object and function. Not seen: a Python list or dict the function reads changed in place,
-and what it reaches through an attribute (``self.ids``) or a ``functools.partial``: bind
-a new one, or pass ``cache=False``.
+arguments, its closure and the globals its code names hold (and those of the functions
+among them, as ``and_masks`` holds its parts), each tensor by identity and version: so a
+document-id tensor bound again to the same global name, or changed in place, is a new
+mask, as FlexAttention's ``create_block_mask`` evaluates the function on every call. A
+bound method counts as its object and function. Not seen: a Python list or dict (or a
+NumPy array) the function reads changed in place, and what it reaches through an
+attribute (``self.ids``) or a ``functools.partial``: bind a new one, or pass
+``cache=False``.
 """
 
 from __future__ import annotations

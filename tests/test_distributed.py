@@ -370,3 +370,21 @@ def test_a_bad_launcher_variable_is_named(value, monkeypatch, tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"WORLD_SIZE='{value}'" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ring_attention_gives_first_derivatives_with_create_graph_and_refuses_a_second(
+        one_rank):
+    # The local steps' gradients build no graph (create_graph used to fail inside them),
+    # and a second derivative, the sinks' too, raises instead of coming out partial.
+    torch.manual_seed(0)
+    q, k, v, c = (torch.randn(1, 2, 8, 8) for _ in range(4))
+    sinks = torch.randn(2, requires_grad=True)
+    q.requires_grad_()
+    for backend in ("eager", "auto"):
+        out = ring_attention(q, k, v, causal=True, sinks=sinks, backend=backend)
+        dq, ds = torch.autograd.grad((out * c).sum(), (q, sinks), create_graph=True)
+        want = attnlab.attention(q, k, v, causal=True, sinks=sinks, backend="eager")
+        wq, ws = torch.autograd.grad((want * c).sum(), (q, sinks))
+        torch.testing.assert_close((dq, ds), (wq, ws), rtol=1e-5, atol=1e-6)
+        with pytest.raises(RuntimeError, match="ring attention's gradients cannot be"):
+            torch.autograd.grad(ds.sum(), sinks)

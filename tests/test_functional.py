@@ -553,6 +553,13 @@ def test_a_second_derivative_raises_where_the_backward_is_not_differentiable(bac
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="cannot be differentiated again.*backend='eager'"):
         torch.autograd.grad(grad.square().sum(), q)
+    # a q whose last dimension is strided (the kernel saves a copy that needs no
+    # gradient) and a loss linear in the output (its gradient needs none either)
+    qt = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = attnlab.attention(qt.transpose(-1, -2), k, v, causal=True, backend=backend)
+    grad, = torch.autograd.grad((out * v[:, :, :4]).sum(), qt, create_graph=True)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(grad.square().sum(), qt)
     if backend != "tiled":  # (tiled refuses torch.func's gradient transforms by name)
         def loss(x):
             return attnlab.attention(x, k, v, causal=True, backend=backend).square().sum()

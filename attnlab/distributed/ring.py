@@ -277,11 +277,14 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_pass(ctx.call, q, k, v, mask, out, lse, grad_out)
-        dsinks = ctx.call.variants.sink_grad(out, lse, grad_out) if ctx.needs_input_grad[4] \
-            else None
+        with torch.no_grad():  # (create_graph: the local steps' sums build no graph)
+            dq, dk, dv = backward_pass(ctx.call, q, k, v, mask, out, lse, grad_out)
+            dsinks = ctx.call.variants.sink_grad(out, lse, grad_out) \
+                if ctx.needs_input_grad[4] else None
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
-        dq, dk, dv, dsinks = first_derivatives_only("ring", grads, q, k, v, grad_out)
+        dq, dk, dv, dsinks = first_derivatives_only(
+            "ring attention", grads, q, k, v, ctx.call.variants.sinks, grad_out, out,
+            advice="attnlab.attention on one process has them with backend='eager'")
         return dq, dk, dv, None, dsinks, None
 
 
