@@ -193,3 +193,21 @@ def test_cli_ablate_without_ckpt_trains_the_demo_model_first(tmp_path, monkeypat
     assert set(results) == {"baseline", "constant_q", "zero_v", "constant_k",
                             "uniform_attention", "dropout_placement"}
     assert set(results["dropout_placement"]) == {"none", "weights", "output"}
+
+
+def test_the_uniform_ablations_are_uniform_on_an_alibi_model_with_sinks():
+    # constant_k and uniform_attention promise equal weights: ALiBi's distance penalty
+    # and the sinks are set aside while they run, and come back after.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=30, context_length=16, d_model=32, num_layers=2,
+                          num_heads=4, positions="alibi", sinks=True)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sinks.fill_(1.5)
+    ids = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = E.lm_loss(model, ids)
+    r = E.qkv_ablation(model, ids)
+    assert r["constant_k"]["max_dev_from_uniform"] < 1e-6
+    assert E.uniform_attention(model, ids)["max_dev_from_uniform"] < 1e-6
+    assert E.lm_loss(model, ids) == before
+    assert all(float(b.attn.sinks.min()) == 1.5 for b in model.blocks)

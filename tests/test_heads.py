@@ -63,6 +63,30 @@ def test_uniform_knocks_out_one_query_head_only(gpt):
     assert model.blocks[0].attn.qkv_hook is None  # hooks gone
 
 
+def test_uniform_is_uniform_with_alibi_and_sinks_and_leaves_them_as_they_were():
+    # A zero query under ALiBi still prefers near keys and a sink still takes its share:
+    # for the knocked-out head both are set aside, the other heads keep them, and the
+    # model has its own back after the block.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, context_length=32, d_model=32, num_layers=1,
+                          num_heads=4, positions="alibi", sinks=True)).eval()
+    mha = Hd.attention_layers(model)[0]
+    with torch.no_grad():
+        mha.sinks.copy_(torch.tensor([0.5, 2.0, -1.0, 1.0]))
+    slopes, sinks = mha._alibi_slopes.clone(), mha.sinks.detach().clone()
+    ids = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, intact = model(ids, output_attentions=True)
+        with Hd.knocked_out(model, [(0, 1)], "uniform"):
+            _, weights = model(ids, output_attentions=True)
+    causal = torch.ones(10, 10).tril()
+    torch.testing.assert_close(weights[0][:, 1], (causal / causal.sum(-1, keepdim=True))
+                               .expand(2, 10, 10), atol=1e-6, rtol=0)
+    others = [0, 2, 3]
+    torch.testing.assert_close(weights[0][:, others], intact[0][:, others])
+    assert torch.equal(mha._alibi_slopes, slopes) and torch.equal(mha.sinks.detach(), sinks)
+
+
 def test_the_table_is_each_head_alone(gpt):
     model, ids, mask = gpt
     table = Hd.head_importance(model, ids, mask)

@@ -14,6 +14,10 @@ still runs through ``attnlab.attention``. The interventions and what they must d
   (``max_dev_from_uniform`` = 0).
 - ``uniform_attention``: queries set to zero, which makes every score 0 and the
   weights exactly uniform over the allowed keys: attention as average pooling.
+
+For the last two, whose point is equal weights, a layer's ALiBi slopes are set to 0 and
+its sinks to none while they run (a zero query under ALiBi still prefers near keys); under
+``constant_q`` ALiBi's distances still differ from row to row.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from torch import nn
 from ..checks import one_of, probability
 from ..modules import MultiHeadAttention
 from ..recipe import train_demo_model
-from .layers import attention_layers
+from .layers import attention_layers, scores_from_qk_alone
 
 ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
+# The ablations whose point is equal weights: ALiBi's distances and sinks are set aside
+# for them (layers.scores_from_qk_alone).
+_UNIFORM = ("constant_k", "uniform_attention")
 
 
 def _first_position(t: torch.Tensor) -> torch.Tensor:  # (B, H, T, D): position 0 everywhere
@@ -75,8 +82,11 @@ def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> I
     modules = attention_layers(model)
     previous = [mha.qkv_hook for mha in modules]  # restored on exit (the innermost block wins)
     handles = []
+    stack = contextlib.ExitStack()
     try:
         for mha in modules:
+            if kind in _UNIFORM:
+                stack.enter_context(scores_from_qk_alone(mha))
             mha.qkv_hook = _qkv_hook(kind, record)
             if record is not None:
                 handles.append(mha.out_proj.register_forward_pre_hook(
@@ -84,6 +94,7 @@ def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> I
                 record.setdefault("modules", []).append(mha)
         yield
     finally:
+        stack.close()
         for mha, hook in zip(modules, previous):
             mha.qkv_hook = hook
         for h in handles:

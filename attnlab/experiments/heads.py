@@ -7,9 +7,10 @@ removed, every other head left intact. A head is knocked out in one of two ways:
 - ``zero``: its context vector (``weights @ V`` of that head, the head's slice of
   ``out_proj``'s input) is set to zero, so it contributes nothing (Michel et al.'s
   mask ``xi_h = 0``);
-- ``uniform``: its query is set to zero, so every score is 0 and its weights are
-  exactly uniform over the keys it may see: it still passes on the average value,
-  but can no longer choose where to look.
+- ``uniform``: its query is set to zero (and, where the layer has them, its ALiBi slope
+  to 0 and its sink to none), so every score is 0 and its weights are exactly uniform
+  over the keys it may see: it still passes on the average value, but can no longer
+  choose where to look.
 
 What is measured depends on the model:
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import one_of
-from .layers import attention_layers
+from .layers import attention_layers, scores_from_qk_alone
 
 KNOCKOUTS = ("zero", "uniform")
 
@@ -68,6 +69,7 @@ def knocked_out(model: nn.Module, heads: Iterable[tuple[int, int]], how: str = "
                              f"heads), got {head}")
         by_layer.setdefault(layer, []).append(head)
     handles, previous = [], {}
+    stack = contextlib.ExitStack()
     try:
         for layer, chosen in by_layer.items():
             mha = layers[layer]
@@ -90,8 +92,10 @@ def knocked_out(model: nn.Module, heads: Iterable[tuple[int, int]], how: str = "
                     q[:, chosen] = 0
                     return q, k, v
                 mha.qkv_hook = uniform
+                stack.enter_context(scores_from_qk_alone(mha, chosen))
         yield
     finally:
+        stack.close()
         for h in handles:
             h.remove()
         for layer, hook in previous.items():
