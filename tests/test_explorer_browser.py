@@ -350,6 +350,40 @@ def test_step_by_step_view_says_why_when_the_vectors_are_missing(tmp_path, open_
     assert "up to 64 tokens; this one has 70" in page.text_content("#steps-body")
 
 
+def test_step_by_step_view_takes_the_models_own_scale_and_names_what_it_cannot_redo(
+        tmp_path, open_page):
+    # Gemma 2's query_pre_attn_scalar is a scale of the model's own: the page's softmax
+    # row is the model's weights with it. ALiBi, softcapping and sinks are not recomputed
+    # by the page: it says so instead of showing a softmax that contradicts the weights.
+    import torch
+
+    from attnlab.models import GPT, GPTConfig
+    from attnlab.text import CharTokenizer
+
+    tok = CharTokenizer.from_text(ZH)
+    cfg = dict(vocab_size=tok.vocab_size, context_length=16, d_model=32, num_layers=1,
+               num_heads=4)
+    torch.manual_seed(0)
+    scaled = GPT(GPTConfig(**cfg, positions="rope", attn_scale=0.6)).eval()
+    o = open_page(viz.show_attention(scaled, tok, ZH, tmp_path / "scaled")["html"])
+    page = o.page
+    _, weights = python_view(scaled, tok, ZH)
+    page.click('.thumb[data-layer="0"][data-head="1"]')
+    page.select_option("#steps-query", "6")
+    row = page.eval_on_selector_all("#steps-row td.weight", "tds => tds.map(t => +t.dataset.value)")
+    np.testing.assert_allclose(row, weights[0][1, 6], atol=2e-6)
+    assert page.text_content("#steps-scale") == "0.6000"
+    assert "this model's own" in page.text_content("#steps-body")
+    for extra, named in ((dict(positions="alibi"), ["ALiBi"]),
+                         (dict(positions="rope", attn_softcap=5.0, sinks=True),
+                          ["softcapping", "sinks"])):
+        model = GPT(GPTConfig(**cfg, **extra)).eval()
+        page = open_page(viz.show_attention(model, tok, ZH, tmp_path / named[0])["html"]).page
+        assert all(n in page.text_content("#steps-body") for n in named)
+        assert page.evaluate("document.getElementById('steps-query').disabled")
+    assert o.errors == []
+
+
 def test_masked_cells_are_grey_and_the_rollout_is_one_row_not_a_layer(tmp_path, open_page,
                                                                       zh_model):
     model, tok = zh_model

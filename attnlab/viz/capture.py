@@ -128,10 +128,20 @@ def masks_and_steps(record: list, n_layers: int, seq: int) -> tuple[Any, dict | 
         causal, window = rule_of(module)
         rule = masks.structural(seq, seq, causal=causal, window=window)
         rules.append(np.ones((seq, seq), bool) if rule is None else rule.numpy())
+    options = [set(getattr(module, "score_options", dict)()) - {"scale"}
+               for module, *_ in record]
+    beyond = sorted(set().union(*options))
+    if beyond:  # the page recomputes plain softmax(q . k * scale) only
+        names = {"softcap": "softcapping", "alibi_slopes": "ALiBi", "sinks": "sinks"}
+        return np.stack(rules), {"note": "the step-by-step view recomputes plain scaled "
+                                 "dot-product attention, and this model's scores also take "
+                                 + " and ".join(names.get(n, n) for n in beyond)
+                                 + ": see the weights themselves"}
     steps = {"q": [r[1].float().cpu() for r in record], "k": [r[2].float().cpu() for r in record],
              "v": [r[3].float().cpu() for r in record],
-             # attention's default scale: no attnlab module passes another
-             "scale": [1.0 / math.sqrt(r[1].shape[-1]) for r in record]}
+             # the module's own scale (Gemma 2's query_pre_attn_scalar), else attention's
+             "scale": [getattr(r[0], "scale", None) or 1.0 / math.sqrt(r[1].shape[-1])
+                       for r in record]}
     return np.stack(rules), steps
 
 
