@@ -408,6 +408,30 @@ def test_resume_with_other_settings_is_refused(tmp_path, change, words):
     assert _files(out) == before
 
 
+def test_resume_on_another_text_is_refused_and_a_run_saved_before_the_check_resumes(
+        tmp_path):
+    # Another text of the same characters fits the model and the tokenizer: only the
+    # state's record of the tokens tells it from the run's own.
+    out = tmp_path / "run"
+    model, tokens, tok = _toy_setup()
+    base = dict(batch_size=4, context=16)
+    train(model, tokens, TrainConfig(steps=3, **base), out=out, tokenizer=tok,
+          progress=False, log=None)
+    before = _files(out)
+    other = tokens.flip(0)
+    with pytest.raises(ValueError, match="was trained on another text .* same --text"):
+        train(model, other, TrainConfig(steps=6, **base), out=out, resume=True,
+              progress=False, log=None)
+    assert _files(out) == before
+    state = json.loads((out / "training_state.json").read_text())
+    assert state["train_config"]["data"]["tokens"] == len(tokens)
+    del state["train_config"]["data"]  # as a run saved before the record was kept
+    (out / "training_state.json").write_text(json.dumps(state))
+    got = train(model, tokens, TrainConfig(steps=4, **base), out=out, resume=True,
+                progress=False, log=None)
+    assert got["resumed_from"] == 3
+
+
 def test_resume_may_change_steps_and_checkpoint_interval(tmp_path):
     out = tmp_path / "run"
     model, tokens, tok = _toy_setup()

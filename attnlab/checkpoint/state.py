@@ -85,12 +85,23 @@ def _check_same_settings(saved, now: dict, out: Path) -> None:
     saved = {**ADDED_SETTINGS, **saved}
     changed = [f"--{name.replace('_', '-')} {saved.get(name, 'missing')!r} in the checkpoint, "
                f"{value!r} now" for name, value in now.items()
-               if name not in RESUMABLE_CHANGES and saved.get(name, "missing") != value]
+               if name not in RESUMABLE_CHANGES and name != "data"
+               and saved.get(name, "missing") != value]
     if changed:
         raise CheckpointError(
             f"--resume: the run in {str(out)!r} was trained with other settings ("
             f"{'; '.join(changed)}); resume with the same settings (only --steps and "
             "--checkpoint-every may change) or choose another --out")
+    # The text (``data``: its tokens' count and SHA-256), where the checkpoint names it
+    # (a run saved before it was kept is taken at its word).
+    if "data" in saved and "data" in now and saved["data"] != now["data"]:
+        was, new = saved["data"], now["data"]
+        raise CheckpointError(
+            f"--resume: the run in {str(out)!r} was trained on another text "
+            f"({was.get('tokens') if isinstance(was, dict) else was} tokens, SHA-256 "
+            f"{str(was.get('sha256') if isinstance(was, dict) else was)[:12]}...; this one: "
+            f"{new.get('tokens')} tokens, {str(new.get('sha256'))[:12]}...); resume with the "
+            "same --text or choose another --out")
 
 
 def _check_history(history, step) -> list:

@@ -3,6 +3,7 @@ the held-out evaluation; one token stream, or documents packed into rows (``.pac
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,26 @@ def split(tokens: torch.Tensor, context: int, eval_fraction: float = 0.1):
 
 
 HELD_OUT_KEPT = 4096
+
+
+def data_record(tokens) -> dict:
+    """What a run's training state keeps of its text (a stream of token ids, or packed
+    documents' ids), so that a resume on another text is refused: the number of tokens
+    and a SHA-256 of their ids (as int64, documents one after another, each with its
+    length)."""
+    digest = hashlib.sha256()
+    if isinstance(tokens, torch.Tensor):
+        ids = tokens.reshape(-1).to(torch.int64).cpu()
+        digest.update(ids.numpy().tobytes())
+        count = ids.numel()
+    else:
+        count = 0
+        for doc in tokens:
+            ids = torch.as_tensor(doc, dtype=torch.int64).reshape(-1)
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(ids.numpy().tobytes())
+            count += ids.numel()
+    return {"tokens": count, "sha256": digest.hexdigest()}
 
 
 def held_out_record(eval_stream: torch.Tensor) -> dict:

@@ -36,7 +36,15 @@ from ..checkpoint import (
 from ..io import BEST_DIR
 from ..io.locks import output_lock
 from ..progress import Progress
-from .data import PackedRows, Stream, evaluate, held_out_record, packed_split, split
+from .data import (
+    PackedRows,
+    Stream,
+    data_record,
+    evaluate,
+    held_out_record,
+    packed_split,
+    split,
+)
 from .distributed import _dist_setup, _leave_group, _mean_across, context_split
 from .settings import (
     TrainConfig,
@@ -156,7 +164,7 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
             stack.enter_context(output_lock(out))
         return _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world,
                     device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
-                    log=log, meta=meta, sharding=sharding)
+                    log=log, meta=meta, sharding=sharding, data=data_record(tokens))
 
 
 def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
@@ -224,7 +232,7 @@ class _Best:
 
 
 def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world, device, *,
-         out, resume, tokenizer, progress, log, meta, sharding) -> dict:
+         out, resume, tokenizer, progress, log, meta, sharding, data) -> dict:
     step, history, resumed_from = 0, [], None
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
     packing = None
@@ -238,7 +246,8 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
     best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
-            step, history = restore_training_state(Path(out), model, optimizer, gen, asdict(cfg))
+            step, history = restore_training_state(Path(out), model, optimizer, gen,
+                                                   {**asdict(cfg), "data": data})
             best = _Best(keep=rank == 0, saved=read_best(Path(out)))
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
@@ -301,8 +310,9 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
                 raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
             saved = step
             # best goes positionally: tests wrap this function as (..., *rest)
-            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, asdict(cfg),
-                                           history, tokenizer, meta, best.record())
+            checkpoint.save_training_state(Path(out), model, optimizer, gen, step,
+                                           {**asdict(cfg), "data": data}, history, tokenizer,
+                                           meta, best.record())
     if show is not None:
         show.close()
     seconds = time.perf_counter() - start
