@@ -98,8 +98,22 @@ def test_pickle_only_folders_are_refused_without_unpickling(tmp_path):
     hf.save_pretrained(folder)  # transformers 5 writes safetensors only: make the old layout
     (folder / "model.safetensors").unlink()
     torch.save(hf.state_dict(), folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="pickle.*never loads.*safe_serialization=True"):
+    with pytest.raises(ValueError, match="pickle.*never loads.*safe_serialization=True") as info:
         GPT.from_hf(folder)
+    # the advice, followed to the letter, gives a folder attnlab loads (AutoModel, the
+    # advice before, dropped the output layer and wrote a headless class into the config)
+    import re
+
+    import transformers
+
+    loader = re.search(r"transformers\.(\w+)\.from_pretrained\(folder\)", str(info.value))
+    assert loader and loader.group(1) == "GPT2LMHeadModel"
+    getattr(transformers, loader.group(1)).from_pretrained(folder).save_pretrained(
+        folder, safe_serialization=True)
+    ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.from_hf(folder)(ids), hf(ids).logits, atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_hub_names_and_files_are_refused_in_one_line(tmp_path):

@@ -196,10 +196,18 @@ def read_folder(folder: str | os.PathLike) -> tuple[Config, SafetensorsState]:
             raise ValueError(f"{str(index)!r} names shards outside its folder: {bad[:3]}")
         files = [path / n for n in names]
     elif any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        # The folder's own class keeps every weight (AutoModel would drop a decoder's
+        # lm_head and write its headless class into config.json).
+        archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) \
+            and archs[0].isidentifier() else None
+        loader = (f"transformers.{arch}" if arch else
+                  "AutoModelForCausalLM (AutoModel for an encoder)")
         raise ValueError(
             f"model folder {str(folder)!r} holds only PyTorch pickle weights (*.bin), which "
             "attnlab never loads (unpickling can run code); convert once with transformers: "
-            "AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
+            f"{loader}.from_pretrained(folder).save_pretrained(folder, "
+            "safe_serialization=True)")
     else:
         raise ValueError(f"model folder {str(folder)!r} has no model.safetensors")
     return cfg, SafetensorsState(files)
