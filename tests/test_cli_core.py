@@ -62,6 +62,27 @@ def test_bench_records(tmp_path, monkeypatch):
     assert table[2].startswith("| fwd T=64 |") and ratio in table[2]
 
 
+def test_bench_json_dash_prints_the_json_alone_and_png_dash_is_refused(tmp_path, monkeypatch,
+                                                                      capsys):
+    # as the README says of --json -: stdout holds the JSON, the report goes to stderr,
+    # and no file named '-' appears; a PNG on stdout is refused in one line.
+    from attnlab.bench import attention
+
+    case = attention._case("fwd T=64", ["attnlab-auto"], 2, batch=1, heads=2, seq=64)
+    monkeypatch.setattr(attention, "cases", lambda quick=False: [case])
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--suite", "attention", "--no-memory", "--json", "-",
+                     "--markdown"]) == 0
+    out, err = capsys.readouterr()
+    records = json.loads(out)  # (each record signed, as the file's are)
+    assert [r["impl"] for r in records] == ["attnlab-auto"]
+    assert "fwd T=64" in err and list(tmp_path.iterdir()) == []
+    assert cli.main(["ablate", "--heads", "--png", "-"]) == 2
+    assert capsys.readouterr().err == ("attnlab ablate: error: --png - : a PNG is an image, "
+                                       "not text for standard output; give a file name\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_memprobe_sees_the_step_allocate():
     from attnlab.bench.runner import measure_memory
 

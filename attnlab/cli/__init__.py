@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--case", metavar="TEXT",
                        help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "
                             "(default: all)")
-    bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE")
+    bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE "
+                       "(- : the JSON alone on standard output, the report on stderr)")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the per-case memory subprocesses")
     bench.add_argument("--markdown", action="store_true",
@@ -227,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _replace_what_cannot_be_printed()
     _expand_home(args)
+    if getattr(args, "png", None) == "-":  # not a file named '-' in the working folder
+        print(f"attnlab {args.command}: error: --png - : a PNG is an image, not text for "
+              "standard output; give a file name", file=sys.stderr)
+        return 2
     broken = _not_utf8(args)
     if broken is not None:
         stdin = " or give it on standard input ('-')" if args.command == "generate" else ""

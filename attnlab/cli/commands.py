@@ -4,6 +4,8 @@ library (``ablate``'s longer work is :mod:`.ablate`)."""
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
 from contextlib import nullcontext
 
@@ -269,15 +271,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.baseline is not None and not args.markdown:
         raise ValueError(f"--baseline {args.baseline!r} sets what the Markdown tables divide "
                          "by: add --markdown (the JSON records hold every ratio)")
-    if args.json is not None:
-        check_out_file(args.json, "--json")
+    to_stdout = args.json == "-"  # the JSON alone on stdout, the report on stderr
+    path = None if to_stdout else args.json
+    if path is not None:
+        check_out_file(path, "--json")
+    say = functools.partial(print, file=sys.stderr) if to_stdout else print
     # bench.run checks --baseline against the chosen cases before any case runs.
-    with output_lock(args.json, "--json") if args.json is not None else nullcontext():
+    with output_lock(path, "--json") if path is not None else nullcontext():
         records = bench.run(args.suite, quick=args.quick, memory=not args.no_memory,
-                            json_path=args.json, case_filter=args.case,
+                            json_path=path, case_filter=args.case, log=say,
                             baseline=args.baseline, under_load=args.under_load)
     if args.markdown:
-        print(bench.markdown_table(records, baseline=args.baseline))
+        say(bench.markdown_table(records, baseline=args.baseline))
+    if to_stdout:
+        from ..io.outdir import signed
+
+        print(json.dumps(signed(records), indent=1))
     return 0
 
 
