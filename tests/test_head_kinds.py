@@ -113,6 +113,12 @@ def test_probe_input_is_two_copies_of_distinct_ordinary_tokens():
         heads.classify(model, tok, length=7)
     with pytest.raises(ValueError, match="min_score"):
         heads.classify(model, tok, min_score=1.5)
+    # a context of 3 tokens has no room for a repeated pair: said so, not "in [2, 1]"
+    short = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=3, d_model=16,
+                          num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match=r"context of 3 tokens leave no room") as info:
+        heads.classify(short, tok)
+    assert "[2, 1]" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- a model built to know

@@ -137,7 +137,10 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
 
     A tokenizer with more ids than the model's vocabulary is refused here: the
     model would fail on the extra ids deep inside its embedding (an IndexError)
-    instead of saying which file is wrong.
+    instead of saying which file is wrong. So is one of attnlab's own (characters, words)
+    with fewer: training sizes the model's vocabulary to it, so fewer ids mean another
+    text's tokenizer or a damaged file, and the ids past it would print nothing. (A
+    Hugging Face tokenizer may have fewer: models pad their vocabulary.)
     """
     from ..text import load_tokenizer
 
@@ -150,11 +153,14 @@ def load_checkpoint_tokenizer(directory: str | os.PathLike):
     if (directory / CONFIG_FILE).exists():
         config = read_config(directory).get("config")
         vocab = config.get("vocab_size") if isinstance(config, dict) else None
-        if isinstance(vocab, int) and tokenizer.vocab_size > vocab:
+        own = getattr(tokenizer, "type_name", "") in ("char", "word")
+        if isinstance(vocab, int) and (tokenizer.vocab_size > vocab or (
+                own and tokenizer.vocab_size < vocab)):
             raise CheckpointError(
                 f"{str(path)!r} has {tokenizer.vocab_size} tokens but the model in "
-                f"{str(directory / CONFIG_FILE)!r} has vocab_size {vocab}; expected at most "
-                f"{vocab} (the tokenizer does not belong to this model)")
+                f"{str(directory / CONFIG_FILE)!r} has vocab_size {vocab}; expected "
+                f"{'exactly' if own else 'at most'} {vocab} (the tokenizer does not belong "
+                "to this model)")
     return tokenizer
 
 

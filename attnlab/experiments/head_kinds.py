@@ -181,6 +181,11 @@ def classify(model: nn.Module, tokenizer: Any, *, length: int | None = None, bat
     pool = _ordinary_ids(tokenizer, _vocab_size(model, tokenizer))
     context = getattr(model, "context_length", None)
     cap = min(len(pool), DEFAULT_LENGTH if context is None else int(context) // 2)
+    if cap < 2:  # no length to ask for: say what is short, not an empty range
+        short = (f"the model's context of {context} tokens" if context is not None
+                 and int(context) // 2 < 2 else f"its {len(pool)} ordinary token ids")
+        raise ValueError(f"the head probes repeat a random sequence of at least 2 tokens "
+                         f"within the context: {short} leave no room for one")
     if length is None:
         length = min(DEFAULT_LENGTH, cap)
     positive_int("length", length)

@@ -124,3 +124,17 @@ def test_cli_generate_from_a_fifo_config(tiny_ckpt, tmp_path, cli, one_line_erro
     proc = cli(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "ab"], cwd=tmp_path,
                timeout=60)
     one_line_error(proc, "config.json", "FIFO")
+
+
+def test_a_char_tokenizer_cut_short_is_refused_not_left_to_print_nothing(tiny_ckpt, snap):
+    # Training sizes the model to its own tokenizer: fewer characters than the model's
+    # vocabulary is another tokenizer or a damaged file, whose missing ids would print
+    # nothing. The error names the file and both sizes.
+    path = tiny_ckpt / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["chars"] = data["chars"][:4]
+    path.write_text(json.dumps(data))
+    before = snap(tiny_ckpt)
+    with pytest.raises(ValueError, match=r"tokenizer.json' has 4 tokens .* expected exactly"):
+        load_checkpoint_tokenizer(tiny_ckpt)
+    assert snap(tiny_ckpt) == before
