@@ -47,18 +47,26 @@ def test_zeroing_a_head_is_removing_its_columns_of_out_proj(gpt):
     assert abs(result["zero"] - result["baseline"]) > 1e-4  # it did something
 
 
-def test_uniform_knocks_out_one_query_head_only(gpt):
-    model, ids, _ = gpt
+def _uniform_head(model, ids, layer=0, head=1):
+    """Knock out (layer, head) as "uniform" and check it: its weights are the causal
+    average, every other head of the layer as intact. Returns the weights."""
     with torch.no_grad():
         _, intact = model(ids, output_attentions=True)
-        with Hd.knocked_out(model, [(0, 1)], "uniform"):
+        with Hd.knocked_out(model, [(layer, head)], "uniform"):
             _, weights = model(ids, output_attentions=True)
-    causal = torch.ones(12, 12).tril()
-    torch.testing.assert_close(weights[0][:, 1], (causal / causal.sum(-1, keepdim=True))
-                               .expand(3, 12, 12), atol=1e-6, rtol=0)
-    # its GQA partner (head 0 shares key/value head 0) and every other head: untouched
-    others = [h for h in range(4) if h != 1]
-    torch.testing.assert_close(weights[0][:, others], intact[0][:, others])
+    batch, seq = ids.shape
+    causal = torch.ones(seq, seq).tril()
+    torch.testing.assert_close(weights[layer][:, head], (causal / causal.sum(-1, keepdim=True))
+                               .expand(batch, seq, seq), atol=1e-6, rtol=0)
+    others = [h for h in range(weights[layer].shape[1]) if h != head]
+    torch.testing.assert_close(weights[layer][:, others], intact[layer][:, others])
+    return weights
+
+
+def test_uniform_knocks_out_one_query_head_only(gpt):
+    model, ids, _ = gpt
+    # (its GQA partner, head 0 on key/value head 0, stays as it was: _uniform_head checks)
+    weights = _uniform_head(model, ids)
     torch.testing.assert_close(weights[1].sum(-1), torch.ones(3, 4, 12))
     assert model.blocks[0].attn.qkv_hook is None  # hooks gone
 
@@ -75,15 +83,7 @@ def test_uniform_is_uniform_with_alibi_and_sinks_and_leaves_them_as_they_were():
         mha.sinks.copy_(torch.tensor([0.5, 2.0, -1.0, 1.0]))
     slopes, sinks = mha._alibi_slopes.clone(), mha.sinks.detach().clone()
     ids = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, intact = model(ids, output_attentions=True)
-        with Hd.knocked_out(model, [(0, 1)], "uniform"):
-            _, weights = model(ids, output_attentions=True)
-    causal = torch.ones(10, 10).tril()
-    torch.testing.assert_close(weights[0][:, 1], (causal / causal.sum(-1, keepdim=True))
-                               .expand(2, 10, 10), atol=1e-6, rtol=0)
-    others = [0, 2, 3]
-    torch.testing.assert_close(weights[0][:, others], intact[0][:, others])
+    _uniform_head(model, ids)
     assert torch.equal(mha._alibi_slopes, slopes) and torch.equal(mha.sinks.detach(), sinks)
 
 
