@@ -85,6 +85,17 @@ def test_uniform_is_uniform_with_alibi_and_sinks_and_leaves_them_as_they_were():
     ids = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(1))
     _uniform_head(model, ids)
     assert torch.equal(mha._alibi_slopes, slopes) and torch.equal(mha.sinks.detach(), sinks)
+    # the parameters are not edited: a graph built inside the block backpropagates after
+    # it, the knocked-out head's sink gets no gradient, the others theirs
+    with Hd.knocked_out(model, [(0, 1)], "uniform"):
+        loss = model(ids).logsumexp(-1).mean()
+    loss.backward()
+    assert mha.sinks.grad[1] == 0 and bool((mha.sinks.grad[[0, 2, 3]] != 0).all())
+    # a float16 model's sinks: "no share" stays finite in float16
+    half = GPT(GPTConfig(vocab_size=40, context_length=32, d_model=32, num_layers=1,
+                         num_heads=4, sinks=True)).half().eval()
+    with Hd.knocked_out(half, [(0, 1)], "uniform"), torch.no_grad():
+        assert torch.isfinite(half(ids)).all()
 
 
 def test_the_table_is_each_head_alone(gpt):

@@ -430,6 +430,10 @@ def test_resume_on_another_text_is_refused_and_a_run_saved_before_the_check_resu
     got = train(model, tokens, TrainConfig(steps=4, **base), out=out, resume=True,
                 progress=False, log=None)
     assert got["resumed_from"] == 3
+    # the same ids as a Python list are the same text
+    got = train(model, tokens.tolist(), TrainConfig(steps=5, **base), out=out, resume=True,
+                progress=False, log=None)
+    assert got["resumed_from"] == 4
 
 
 def test_resume_may_change_steps_and_checkpoint_interval(tmp_path):

@@ -44,6 +44,10 @@ class ScoreOptions:
     softcap: float | None
     alibi: bool
     sinks: nn.Parameter | None
+    #: Heads that score by ``q . k`` alone for a while (no ALiBi penalty, no sink's share),
+    #: as the experiments' uniform knock-outs need; set and cleared by
+    #: ``experiments.layers.scores_from_qk_alone``, the parameters left untouched.
+    plain_heads: tuple[int, ...] = ()
 
     def _init_scores(self, num_heads: int, *, scale: float | None, softcap: float | None,
                      alibi: bool, sinks: bool) -> None:
@@ -64,11 +68,18 @@ class ScoreOptions:
             options["scale"] = self.scale
         if self.softcap is not None:
             options["softcap"] = self.softcap
+        plain = torch.tensor(self.plain_heads, dtype=torch.long) if self.plain_heads else None
         if self._alibi_slopes is not None:
             slopes = self._alibi_slopes
+            if plain is not None:
+                slopes = slopes.index_fill(0, plain, 0.0)
             options["alibi_slopes"] = slopes if device is None else slopes.to(device)
         if self.sinks is not None:
-            options["sinks"] = self.sinks
+            sinks = self.sinks
+            if plain is not None:  # a logit no row gives a share to, finite in its dtype
+                sinks = sinks.index_fill(0, plain.to(sinks.device),
+                                         torch.finfo(sinks.dtype).min / 2)
+            options["sinks"] = sinks
         return options
 
     def _scores_repr(self) -> list[str]:

@@ -33,23 +33,24 @@ def split(tokens: torch.Tensor, context: int, eval_fraction: float = 0.1):
 HELD_OUT_KEPT = 4096
 
 
-def data_record(tokens) -> dict:
-    """What a run's training state keeps of its text (a stream of token ids, or packed
-    documents' ids), so that a resume on another text is refused: the number of tokens
-    and a SHA-256 of their ids (as int64, documents one after another, each with its
-    length)."""
+def data_record(tokens, documents: bool) -> dict:
+    """What a run's training state keeps of its text, so that a resume on another text is
+    refused: the number of tokens and a SHA-256 of their ids as int64 (``documents``: a
+    sequence of id sequences, each hashed with its length; else one stream, a tensor or
+    a list of ids)."""
     digest = hashlib.sha256()
-    if isinstance(tokens, torch.Tensor):
-        ids = tokens.reshape(-1).to(torch.int64).cpu()
-        digest.update(ids.numpy().tobytes())
-        count = ids.numel()
-    else:
-        count = 0
-        for doc in tokens:
-            ids = torch.as_tensor(doc, dtype=torch.int64).reshape(-1)
-            digest.update(len(ids).to_bytes(8, "little"))
-            digest.update(ids.numpy().tobytes())
-            count += ids.numel()
+
+    def add(ids) -> int:
+        ids = torch.as_tensor(ids).reshape(-1).to(torch.int64).cpu().contiguous()
+        digest.update(ids.numpy())  # (the buffer itself: no copy of a big text)
+        return ids.numel()
+
+    if not documents:
+        return {"tokens": add(tokens), "sha256": digest.hexdigest()}
+    count = 0
+    for doc in tokens:
+        digest.update(len(doc).to_bytes(8, "little"))
+        count += add(doc)
     return {"tokens": count, "sha256": digest.hexdigest()}
 
 

@@ -164,7 +164,8 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
             stack.enter_context(output_lock(out))
         return _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world,
                     device, out=out, resume=resume, tokenizer=tokenizer, progress=progress,
-                    log=log, meta=meta, sharding=sharding, data=data_record(tokens))
+                    log=log, meta=meta, sharding=sharding,
+                    data=None if out is None else data_record(tokens, documents=cfg.pack))
 
 
 def _stop(step: int, what: str, value: float, out, saved: int | None) -> ValueError:
