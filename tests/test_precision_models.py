@@ -100,6 +100,30 @@ def test_one_native_call_takes_every_layer(f32, folder, precision):
 
 
 @needs_native
+def test_a_float16_folder_quantised_keeps_the_fused_int8_run(tmp_path, folder):
+    """A folder saved in float16 (as many real ones are), loaded with quantize="int8": its
+    norms (and an untied embedding) are stored in float32, not float16, which the fused
+    int8 step does not read (every block then ran on torch's modules, 12-25x slower), and
+    the logits are those of the float32 folder quantised, to float16's rounding."""
+    torch.manual_seed(0)
+    half = tmp_path / "half"
+    T.LlamaForCausalLM(T.LlamaConfig(**{**LLAMA, "tie_word_embeddings": False})) \
+        .half().save_pretrained(half)
+    model = GPT.from_hf(half, quantize="int8")
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float32}
+    decoder = model.decoder(IDS)
+    caches = model.new_cache(1, 32)
+    with torch.inference_mode():
+        model(IDS, caches=caches)
+        model(IDS[:, :1], caches=caches, decoder=decoder)
+    (start, stop, run), = decoder.plan
+    assert (start, stop) == (0, 3) and run is not None
+    wide = GPT.from_hf(half, quantize="int8", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), wide(IDS))
+
+
+@needs_native
 def test_the_fused_run_equals_the_modules_it_stands_for(f32, folder):
     """Each path through the same int8 weights: the fused run (one call) and the modules
     (the same products, torch's norms and attention) give the same next-token logits."""
@@ -272,21 +296,25 @@ def test_every_variant_decodes_in_the_fused_run_at_each_precision(precision):
      "tie_embeddings": False, "qkv_bias": True},
     {"positions": "alibi", "sinks": True, "attn_softcap": 30.0, "window": 8,
      "window_layers": [0]},
+    {"qkv_bias": True, "mlp_bias": True, "dtype": torch.bfloat16},  # bf16 biases stay bf16
 ])
 def test_an_int8_checkpoint_loads_back_as_it_was_saved(tmp_path, options):
     """save_checkpoint of a quantised model, then load_checkpoint: the same int8 bytes and
-    scales in every layer (nothing requantised), the same logits and greedy tokens."""
+    scales in every layer (nothing requantised), every other tensor in its dtype, the
+    same logits and greedy tokens."""
     from attnlab.checkpoint import load_checkpoint, save_checkpoint
     from attnlab.models import GPTConfig
 
     torch.manual_seed(0)
+    dtype = options.pop("dtype", torch.float32)
     model = GPT(GPTConfig(vocab_size=61, context_length=32, d_model=64, num_layers=2,
-                          num_heads=4, **options)).eval().quantize("int8")
+                          num_heads=4, **options)).eval().to(dtype).quantize("int8")
     save_checkpoint(model, tmp_path / "ck")
     loaded = load_checkpoint(tmp_path / "ck")
     before, after = model.state_dict(), loaded.state_dict()
     assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
+               for k in before)
     assert sum(type(m) is Int8Linear for m in loaded.modules()) == \
         sum(type(m) is Int8Linear for m in model.modules()) > 0
     ids = torch.randint(0, 61, (2, 12))

@@ -157,6 +157,13 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     # holes between the blocks that the allocator keeps.
     bounce = torch.empty(CHUNK, dtype=torch.uint8)
     if quantize is not None:
+        # The biases quantize makes take the meta model's dtype (float32): the source's
+        # where it is kept (a bf16 checkpoint's come back bf16).
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and name in state:
+                want = _stored(state[name].dtype, dtype)
+                if want.is_floating_point and p.dtype != want:
+                    p.data = p.data.to(want)
         primary = {alias: names[0] for names in tied for alias in names[1:]}
         def rows_of(layer: str):
             name = primary.get(f"{layer}.weight", f"{layer}.weight")
@@ -211,6 +218,12 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     if left:
         raise CheckpointError(f"{source} does not fit the {type(model).__name__}: "
                               f"missing {left[:5]}")
+    if quantize is not None and dtype is None and any(
+            t.dtype == torch.float16 for t in [*model.parameters(), *model.buffers()]):
+        # A float16 folder's norms, biases and untied embedding: an int8 model's rows are
+        # float32, and float16 ones would send every block to torch's modules (the fused
+        # int8 step reads float32 or bf16). Widened in place, ties kept.
+        model.float()
     return model
 
 
