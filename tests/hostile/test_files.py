@@ -138,3 +138,18 @@ def test_a_char_tokenizer_cut_short_is_refused_not_left_to_print_nothing(tiny_ck
     with pytest.raises(ValueError, match=r"tokenizer.json' has 4 tokens .* expected exactly"):
         load_checkpoint_tokenizer(tiny_ckpt)
     assert snap(tiny_ckpt) == before
+
+
+def test_the_finite_check_of_a_loaded_model_reads_every_chunk():
+    # (chunked so that an embedding's check makes no mask as big as the embedding)
+    import torch
+
+    from attnlab.checkpoint.format import _all_finite
+
+    t = torch.zeros(10, 7)
+    assert _all_finite(t, chunk=8) and _all_finite(torch.zeros(0), chunk=8)
+    for where, bad in ((69, float("nan")), (33, float("inf")), (0, -float("inf"))):
+        u = t.clone()
+        u.view(-1)[where] = bad
+        assert not _all_finite(u, chunk=8)
+    assert _all_finite(t.t(), chunk=8)  # a transposed view
