@@ -89,8 +89,13 @@ def test_loading_in_a_precision_equals_converting_after(f32, folder):
 def test_one_native_call_takes_every_layer(f32, folder, precision):
     kw = {"dtype": torch.bfloat16} if precision == "bf16" else {"quantize": "int8"}
     model = GPT.from_hf(folder, **kw)
-    decoder = model.decoder(IDS)
     model.generate(IDS, 3, temperature=0)  # through generate's own decoder
+    _one_fused_run(model)
+
+
+def _one_fused_run(model: GPT) -> None:
+    """A decoded token takes all three layers in one native call."""
+    decoder = model.decoder(IDS)
     caches = model.new_cache(1, 32)
     with torch.inference_mode():
         model(IDS, caches=caches)
@@ -111,13 +116,7 @@ def test_a_float16_folder_quantised_keeps_the_fused_int8_run(tmp_path, folder):
         .half().save_pretrained(half)
     model = GPT.from_hf(half, quantize="int8")
     assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float32}
-    decoder = model.decoder(IDS)
-    caches = model.new_cache(1, 32)
-    with torch.inference_mode():
-        model(IDS, caches=caches)
-        model(IDS[:, :1], caches=caches, decoder=decoder)
-    (start, stop, run), = decoder.plan
-    assert (start, stop) == (0, 3) and run is not None
+    _one_fused_run(model)
     wide = GPT.from_hf(half, quantize="int8", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS), wide(IDS))
