@@ -425,3 +425,32 @@ def test_the_command_line_says_one_line_and_exits_2(good_file, tmp_path, capsys)
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and ".gguf" in err, err
+
+
+def test_q8_0_weights_move_a_few_bands_at_a_time_to_the_same_bytes(tmp_path):
+    """A Q8_0 file's weights are moved into attnlab's int8 layout a few bands (and whole
+    heads) at a time: the same bytes as converting each whole tensor at once, across
+    several chunks, heads of 48 rows and a last band that is padded."""
+    from attnlab.layouts import int8
+    from attnlab.modules.quantized import Int8Linear
+
+    torch.manual_seed(0)
+    hf = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=600, hidden_size=64, intermediate_size=800, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=48,
+        max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, hf, kind="Q8_0", tokenizer=byte_level_metadata())
+    model = GPT.from_gguf(path)
+    file = GGUFFile(path)
+    layers = {"blk.0.attn_q.weight": (model.blocks[0].attn.W_query, 8),  # 2 chunks
+              "blk.0.attn_k.weight": (model.blocks[0].attn.W_key, 2),
+              "blk.0.ffn_up.weight": (model.blocks[0].mlp.fc, None),
+              "blk.0.ffn_down.weight": (model.blocks[0].mlp.proj, None),
+              "output.weight": (model.lm_head, None)}
+    for name, (layer, heads) in layers.items():
+        assert type(layer) is Int8Linear, name
+        raw = file.raw(name)
+        out, n = file.shape(name)
+        data, scales = int8.from_gguf_q8_0(unpermute_rows(raw, heads) if heads else raw, out, n)
+        assert torch.equal(layer.data, data) and torch.equal(layer.scales, scales), name

@@ -16,6 +16,7 @@ to the interleaved pairs its kernels use; :func:`unpermute_rows` puts them back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -201,12 +202,22 @@ class GGUFState(Mapping):
 
     def int8(self, key: str):
         """The int8 weight of ``key`` (an ``"int8"`` state's linear weight): a Q8_0 tensor
-        as ``(data, scales)`` in :mod:`~attnlab.layouts.int8`'s layout, its bytes only
-        moved; another type as a function of rows ``[a, b)`` of its float weight."""
+        as a :class:`~attnlab.layouts.int8.Q8Rows` (its bytes only moved into that
+        layout, a few bands at a time); another type as a function of rows ``[a, b)`` of
+        its float weight."""
         name = self._names[key]
         out, n = self._file.shape(name)
         if self._file.type_name(name) == "Q8_0":
-            return int8.from_gguf_q8_0(self._rows(key, self._file.raw(name)), out, n)
+            # Whole heads a chunk (llama.cpp permuted each head's rows) and whole bands.
+            heads = self._heads.get(key.rsplit(".", 2)[-2])
+            head_rows = out // heads if heads else 1
+            unit = math.lcm(int8.BAND, head_rows)
+            step = unit * max(1, 256 // unit)
+
+            def raw(a: int, b: int) -> torch.Tensor:
+                rows = self._file.raw_rows(name, a, b)
+                return unpermute_rows(rows, (b - a) // head_rows) if heads else rows
+            return int8.Q8Rows(raw, out, n, step)
         w = self._rows(key, self._file.tensor(name))
         return lambda a, b: w[a:b]
 

@@ -20,10 +20,12 @@ of a GGUF file (blocks of a float16 scale then 32 int8) maps to it by moving byt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["BLOCK", "BAND", "q8_0", "to_bands", "from_bands", "dequantize", "quantize",
-           "from_gguf_q8_0", "shapes", "nbytes"]
+           "from_gguf_q8_0", "Q8Rows", "shapes", "nbytes"]
 
 BLOCK = 32  # weights per scale, along a row (Q8_0's QK8_0)
 BAND = 16  # outputs stored together for the vector products
@@ -122,6 +124,25 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, out_features: int,
     q, d = from_bands(data, scales, out_features)
     w = q.view(out_features, -1, BLOCK).to(torch.float32) * d.to(torch.float32)[..., None]
     return w.view(out_features, -1)[:, :in_features].to(dtype)
+
+
+class Q8Rows:
+    """A Q8_0 weight ``(out_features, in_features)`` taken a few bands at a time (a whole
+    tensor's bytes converted at once cost four to five copies of it): ``raw(a, b)`` gives
+    the GGUF bytes of rows ``[a, b)``, ``step`` (a multiple of :data:`BAND`) the rows of
+    each call, :meth:`bands` their ``(data, scales)``."""
+
+    def __init__(self, raw: Callable[[int, int], torch.Tensor], out_features: int,
+                 in_features: int, step: int) -> None:
+        if step <= 0 or step % BAND:
+            raise ValueError(f"step must be a positive multiple of {BAND}, got {step}")
+        self.raw, self.out_features, self.in_features, self.step = \
+            raw, out_features, in_features, step
+
+    def bands(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scales)`` of rows ``[a, b)`` (``a`` a multiple of :data:`BAND`), the
+        last band padded."""
+        return from_gguf_q8_0(self.raw(a, b), b - a, self.in_features)
 
 
 def from_gguf_q8_0(raw: torch.Tensor, out_features: int,

@@ -34,7 +34,7 @@ __all__ = ["Int8Linear", "Int8Embedding", "quantize", "groups", "joint", "is_pac
 SCHEMES = ("int8",)
 
 Rows = Callable[[int, int], torch.Tensor]  # rows [a, b) of a float weight (out, in)
-Source = Rows | tuple  # or a ready (data, scales) pair
+Source = Rows | tuple | layout.Q8Rows  # or a ready (data, scales) pair, or Q8_0 bytes
 
 
 class Int8Linear(nn.Module):
@@ -254,12 +254,18 @@ def quantize_group(members: Sequence[tuple[str, nn.Linear]], model: nn.Module,
 
 def _fill(q: Int8Linear, rows: Source, chunk: int = 256) -> None:
     """Quantise ``rows`` (the float weight, ``chunk`` rows at a time) into ``q``'s buffers,
-    or copy a ready ``(data, scales)`` pair."""
+    or copy a ready ``(data, scales)`` pair or a :class:`~attnlab.layouts.int8.Q8Rows`."""
+    n = q.out_features
     if isinstance(rows, tuple):
         q.data.copy_(rows[0])
         q.scales.copy_(rows[1])
         return
-    n = q.out_features
+    if isinstance(rows, layout.Q8Rows):  # bytes already Q8_0: moved a few bands at a time
+        for a in range(0, n, rows.step):
+            d, s = rows.bands(a, min(n, a + rows.step))
+            q.data[a // layout.BAND:a // layout.BAND + d.shape[0]] = d
+            q.scales[a // layout.BAND:a // layout.BAND + s.shape[0]] = s
+        return
     ops = _native.load() if q.data.device.type == "cpu" else None
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
