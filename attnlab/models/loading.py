@@ -143,8 +143,9 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     the source a few thousand rows at a time (a source value may also be a ready
     ``(data, scales)`` pair in that layout: then it is copied), so the float weights
     are never all in memory. ``int8`` maps a weight's name to a function giving its
-    int8 weight (a pair, or rows to quantise) in place of ``state``'s (a GGUF file's
-    Q8_0 tensors, whose ``state`` entries are then only placeholders of their shapes).
+    int8 weight (a pair, a :class:`~attnlab.layouts.int8.Q8Rows`, or rows to quantise) in
+    place of ``state``'s (a GGUF file's Q8_0 tensors, whose ``state`` entries are then only
+    placeholders of their shapes).
     """
     with torch.device("meta"):
         model = make()

@@ -287,7 +287,8 @@ def quantize(model: nn.Module, scheme: str = "int8",
     it. Norms, biases and untied embeddings keep their dtype.
 
     ``sources`` (for loading): given a layer's name, the rows of its float weight (or a
-    ready ``(data, scales)`` pair in the int8 layout); by default the layer's own weight.
+    ready ``(data, scales)`` pair in the int8 layout, or a GGUF Q8_0 tensor's bytes as a
+    :class:`~attnlab.layouts.int8.Q8Rows`); by default the layer's own weight.
     ``dtype``: the rows an :class:`Int8Embedding` gives (default: the embedding's).
     Returns ``model``.
     """
