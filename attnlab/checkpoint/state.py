@@ -95,13 +95,13 @@ def _check_same_settings(saved, now: dict, out: Path) -> None:
     # The text (``data``: its tokens' count and SHA-256), where the checkpoint names it
     # (a run saved before it was kept is taken at its word).
     if "data" in saved and "data" in now and saved["data"] != now["data"]:
-        was, new = saved["data"], now["data"]
+        def text(record) -> str:
+            return (f"{record.get('tokens')} tokens, SHA-256 {str(record.get('sha256'))[:12]}..."
+                    if isinstance(record, dict) else repr(record))
         raise CheckpointError(
             f"--resume: the run in {str(out)!r} was trained on another text "
-            f"({was.get('tokens') if isinstance(was, dict) else was} tokens, SHA-256 "
-            f"{str(was.get('sha256') if isinstance(was, dict) else was)[:12]}...; this one: "
-            f"{new.get('tokens')} tokens, {str(new.get('sha256'))[:12]}...); resume with the "
-            "same --text or choose another --out")
+            f"({text(saved['data'])}; this one: {text(now['data'])}); resume with the same "
+            "--text or choose another --out")
 
 
 def _check_history(history, step) -> list:

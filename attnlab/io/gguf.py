@@ -154,10 +154,11 @@ class GGUFFile:
     def raw(self, name: str) -> torch.Tensor:
         """Tensor ``name``'s bytes as stored, ``(rows, bytes a row)`` uint8 of its own (a
         Q8_0 row: per block of 32 a float16 scale, then 32 int8)."""
-        return self.raw_rows(name, 0, self.shape(name)[0] if len(self.shape(name)) > 1 else 1)
+        return self.raw_rows(name)
 
-    def raw_rows(self, name: str, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)`` of :meth:`raw`, only those copied out of the file's mapping."""
+    def raw_rows(self, name: str, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Rows ``[a, b)`` of :meth:`raw` (to the end without ``b``), only those copied out
+        of the file's mapping."""
         t = self.tensors[name]
         rows = self.shape(name)[0] if len(self.shape(name)) > 1 else 1
         data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)[a:b]

@@ -235,6 +235,7 @@ class _Best:
 def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, world, device, *,
          out, resume, tokenizer, progress, log, meta, sharding, data) -> dict:
     step, history, resumed_from = 0, [], None
+    settings = {**asdict(cfg), "data": data}  # what a resume must find the same
     say = log if (log is not None and rank == 0) else (lambda _msg: None)
     packing = None
     if isinstance(train_data, PackedRows):
@@ -247,8 +248,7 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
     best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
-            step, history = restore_training_state(Path(out), model, optimizer, gen,
-                                                   {**asdict(cfg), "data": data})
+            step, history = restore_training_state(Path(out), model, optimizer, gen, settings)
             best = _Best(keep=rank == 0, saved=read_best(Path(out)))
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
@@ -311,9 +311,8 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
                 raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
             saved = step
             # best goes positionally: tests wrap this function as (..., *rest)
-            checkpoint.save_training_state(Path(out), model, optimizer, gen, step,
-                                           {**asdict(cfg), "data": data}, history, tokenizer,
-                                           meta, best.record())
+            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, settings,
+                                           history, tokenizer, meta, best.record())
     if show is not None:
         show.close()
     seconds = time.perf_counter() - start
