@@ -254,3 +254,30 @@ def test_resume_of_a_saved_model_without_training_state_is_refused(demo_dir, tmp
     assert done.returncode == 2 and "no training state" in done.stderr, done.stderr
     assert {p.name: p.read_bytes() for p in saved.iterdir()} == before
 
+
+
+@pytest.mark.parametrize(("gpus", "local_rank", "want", "said"), [
+    (1, 1, "cpu", False),   # rank 1 of two on one GPU: no cuda:1 to ask for
+    (1, 0, "cpu", True),    # ... and every rank agrees on the CPU; local rank 0 says so
+    (2, 1, "cuda:1", False),
+    (4, 1, "cuda:1", False),
+])
+def test_more_processes_than_gpus_train_on_the_cpu(monkeypatch, capsys, gpus, local_rank,
+                                                   want, said):
+    import torch
+
+    from attnlab.training import train_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert str(train_device()) == want
+    err = capsys.readouterr().err
+    assert err == ("attnlab: 2 processes on this machine but 1 CUDA device: training on the "
+                   "CPU (gloo)\n" if said else "")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not from torchrun: the world is on this machine
+    assert str(train_device()) == want
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert str(train_device()) == "cpu"

@@ -5,6 +5,7 @@ several ranks)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -32,11 +33,23 @@ def world_size() -> int:
 
 
 def train_device() -> torch.device:
-    """Where a CLI run trains: under torchrun with GPUs, this process's own GPU
-    (``LOCAL_RANK``); otherwise the CPU, as before."""
-    if world_size() > 1 and torch.cuda.is_available():
-        return torch.device("cuda", launch_env("LOCAL_RANK", 0))
-    return torch.device("cpu")
+    """Where a CLI run trains: under torchrun with a GPU for each process of this machine,
+    this process's own GPU (``LOCAL_RANK``); otherwise the CPU, as before.
+
+    With more processes on the machine than GPUs (two processes on a one-GPU laptop) the
+    ranks past the last GPU would ask for a device that does not exist, and the ranks
+    must agree on one backend (nccl or gloo): every rank then trains on the CPU, and
+    local rank 0 says so in one line."""
+    if world_size() <= 1 or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = launch_env("LOCAL_WORLD_SIZE", world_size())
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        if launch_env("LOCAL_RANK", 0) == 0:
+            print(f"attnlab: {local} processes on this machine but {gpus} CUDA device"
+                  f"{'s' if gpus != 1 else ''}: training on the CPU (gloo)", file=sys.stderr)
+        return torch.device("cpu")
+    return torch.device("cuda", launch_env("LOCAL_RANK", 0))
 
 
 def _dist_setup(device: torch.device) -> tuple[int, int, bool]:
