@@ -237,9 +237,12 @@ def test_generate_from_the_folder_on_the_command_line(loaded, capsys):
 
 @pytest.mark.parametrize("heads", range(1, 41))
 def test_alibi_slopes_are_blooms_for_any_head_count(heads):
-    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    # build_alibi_tensor is public in every transformers release (its slope helper is
+    # private and came later): the bias at distance 1 is each head's slope.
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    assert torch.equal(alibi_slopes(heads), _get_alibi_slopes(heads, torch.device("cpu")))
+    bias = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)  # (heads, 1, 2)
+    assert torch.equal(alibi_slopes(heads), bias[:, 0, 1])
 
 
 def test_bloom_with_the_residual_after_the_norm_is_refused_naming_it(tmp_path):
@@ -297,6 +300,33 @@ def test_a_gemma3_config_in_the_older_fields_maps_as_transformers_reads_it():
     assert got["qk_norm"] and got["logit_softcap"] is None and got["attn_softcap"] is None
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         gemma3_config({**older, "use_bidirectional_attention": True})
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "gemma2"])
+def test_absent_window_fields_take_transformers_defaults(model_type):
+    # config.json files written by hand or by older tools leave sliding_window or
+    # max_window_layers out: transformers' config classes fill in 4096 and 28 (30 layers
+    # here, so two slide); an explicit null stays full attention
+    from attnlab.layouts.hf_gemma2 import gemma2_config
+    from attnlab.layouts.hf_llama import mistral_config, qwen2_config, qwen3_config
+
+    read = dict(mistral=mistral_config, qwen2=qwen2_config, qwen3=qwen3_config,
+                gemma2=gemma2_config)[model_type]
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=30,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               max_position_embeddings=8192)
+    if model_type.startswith("qwen"):
+        cfg["use_sliding_window"] = True
+    want = T.AutoConfig.for_model(model_type, **cfg)
+    windows = {i for i, kind in enumerate(getattr(want, "layer_types", None) or [])
+               if kind == "sliding_attention"} if model_type != "mistral" else None
+    got = read(cfg)
+    assert got["window"] == want.sliding_window == 4096
+    if windows is not None:
+        assert set(got["window_layers"]) == windows
+        if model_type.startswith("qwen"):
+            assert windows == {28, 29}
+    assert read({**cfg, "sliding_window": None})["window"] is None
 
 
 def test_gemma3s_rope_fields_are_read_as_transformers_reads_them(tmp_path):

@@ -187,9 +187,10 @@ def rope_scaling(cfg: Mapping[str, Any]) -> dict | None:
                          {"rope_type": kind, **{k: merged.get(k) for k in SCALINGS[kind]}})
 
 
-def window_field(cfg: Mapping[str, Any], key: str) -> int | None:
-    """A sliding window field: a positive int, or None when null or absent."""
-    value = cfg.get(key)
+def window_field(cfg: Mapping[str, Any], key: str, absent: int | None) -> int | None:
+    """A sliding window field: a positive int, or None when null; ``absent`` (the model's
+    default in transformers' config class) where the config has no such key."""
+    value = cfg.get(key, absent)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or value < 1):
         raise ValueError(f"config {key}={value!r} is not supported (expected a positive "

@@ -79,7 +79,7 @@ def gemma2_config(cfg: Mapping[str, Any]) -> Config:
         attn_scale=_positive(cfg, "query_pre_attn_scalar", 256) ** -0.5,
         attn_softcap=_softcap(cfg, "attn_logit_softcapping", 50.0),
         logit_softcap=_softcap(cfg, "final_logit_softcapping", 30.0),
-        **window_layers(types, layers, window_field(cfg, "sliding_window")),
+        **window_layers(types, layers, window_field(cfg, "sliding_window", 4096)),
         post_norms=True, scale_embeddings=True,
     )
 

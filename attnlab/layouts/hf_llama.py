@@ -125,11 +125,12 @@ def llama_state(state: Tensors, cfg: Config,
 
 
 def mistral_config(cfg: Mapping[str, Any]) -> Config:
-    """Llama's layout with a sliding window on every layer: ``sliding_window`` W (None or
-    absent = full causal attention) becomes ``GPTConfig.window``; a query at position p
-    sees keys ``p - W < j <= p``, as transformers' sliding-window mask."""
+    """Llama's layout with a sliding window on every layer: ``sliding_window`` W (4096
+    where absent, as transformers' MistralConfig; null = full causal attention) becomes
+    ``GPTConfig.window``; a query at position p sees keys ``p - W < j <= p``, as
+    transformers' sliding-window mask."""
     out = llama_config(cfg)
-    out["window"] = window_field(cfg, "sliding_window")
+    out["window"] = window_field(cfg, "sliding_window", 4096)
     return out
 
 
@@ -137,14 +138,16 @@ def qwen2_config(cfg: Mapping[str, Any]) -> Config:
     """Llama's layout with biases on q/k/v (none on o_proj). Qwen2 may slide a window on
     some layers: with ``use_sliding_window``, those from ``max_window_layers`` on, or the
     ``sliding_attention`` entries of ``layer_types`` where the config lists them (as
-    transformers reads it); they become ``GPTConfig.window`` and ``window_layers``."""
+    transformers reads it, with its defaults where a field is absent: a window of 4096
+    from layer 28 on); they become ``GPTConfig.window`` and ``window_layers``."""
     out = llama_config(cfg)
     out.update(qkv_bias=True, out_bias=False, mlp_bias=False)
     n = out["num_layers"]
-    window = window_field(cfg, "sliding_window") if cfg.get("use_sliding_window") else None
+    window = (window_field(cfg, "sliding_window", 4096) if cfg.get("use_sliding_window")
+              else None)
     types = cfg.get("layer_types")
     if types is None:
-        start = cfg.get("max_window_layers", n)
+        start = cfg.get("max_window_layers", 28)
         if isinstance(start, bool) or not isinstance(start, int):
             raise ValueError(f"config max_window_layers={start!r} is not valid (expected an "
                              "int)")
