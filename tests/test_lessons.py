@@ -277,6 +277,18 @@ def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["en", "zh"]  # no lock left
 
 
+def test_writing_notebooks_without_nbformat_is_one_line(tmp_path, monkeypatch, capsys):
+    """nbformat comes with Jupyter, not with attnlab: without it, one line and exit 2, and
+    nothing written."""
+    from attnlab.lessons.__main__ import main as lessons_main
+
+    monkeypatch.setitem(sys.modules, "nbformat", None)  # import nbformat raises ImportError
+    assert lessons_main(["--write-notebooks", str(tmp_path / "nb")]) == 2
+    assert capsys.readouterr().err == ("python -m attnlab.lessons: error: writing notebooks "
+                                       "needs the nbformat package (pip install nbformat)\n")
+    assert not (tmp_path / "nb").exists()
+
+
 @pytest.mark.parametrize("argv, english, chinese", [
     (["15"], "lesson must be a number from 1 to 14", "课程编号必须是 1 到 14 的数字"),
     (["3", "--text", "猫"], "must have 2 to 24 words", "必须有 2 到 24 个词"),
