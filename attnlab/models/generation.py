@@ -44,7 +44,17 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
         raise TypeError(f"ids must be a tensor or a list of prompts (lists of ints), got "
                         f"{type(ids).__name__}")
-    rows = [list(r) for r in ids] if ids and isinstance(ids[0], Sequence) else [list(ids)]
+    def row(r) -> list:  # a prompt: a list of ints, or a 1-D integer tensor of them
+        if isinstance(r, torch.Tensor):
+            if r.ndim != 1 or r.is_floating_point() or r.is_complex() or r.dtype == torch.bool:
+                raise TypeError(f"ids must hold prompts as lists of ints or 1-D integer "
+                                f"tensors, got a tensor of shape {tuple(r.shape)} dtype "
+                                f"{r.dtype}")
+            return r.tolist()
+        return list(r)
+
+    nested = ids and isinstance(ids[0], Sequence | torch.Tensor)
+    rows = [row(r) for r in ids] if nested else [list(ids)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("ids must hold at least one token per prompt, got an empty prompt")
     bad = [x for r in rows for x in r if not is_int(x)]

@@ -4,6 +4,8 @@ naming the argument, what came and what was expected, before any token is made."
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -88,3 +90,21 @@ def test_a_run_longer_than_max_steps_is_refused(field, value):
                                          f"<= 1,000,000, got {value}"):
         TrainConfig(**{field: value})
     assert TrainConfig(steps=MAX_STEPS, checkpoint_every=MAX_STEPS).steps == MAX_STEPS
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: type(m).__name__)
+def test_a_list_of_prompt_tensors_is_the_list_of_their_ids(model):
+    """What a tokenizer's loop gives, prompts as 1-D tensors of their own lengths: the same
+    tokens as the lists of ints; a float or 2-D tensor among them is named."""
+    prompts = [[1, 2, 3], [4, 5]]
+    want = model.generate(prompts, 3, temperature=0)
+    got = model.generate([torch.tensor(p) for p in prompts], 3, temperature=0)
+    assert torch.equal(got, want)
+    assert torch.equal(model.generate([torch.tensor(p, dtype=torch.int32) for p in prompts], 3,
+                                      temperature=0), want)
+    for bad, shape, dtype in ((torch.tensor([1.0, 2.0]), (2,), torch.float32),
+                              (torch.tensor([[1, 2]]), (1, 2), torch.int64)):
+        with pytest.raises(TypeError, match=rf"ids must hold prompts as lists of ints or 1-D "
+                                            rf"integer tensors, got a tensor of shape "
+                                            rf"{re.escape(str(shape))} dtype {dtype}"):
+            model.generate([torch.tensor([1, 2]), bad], 3, temperature=0)
