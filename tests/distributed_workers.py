@@ -115,6 +115,8 @@ def check_case(case: dict, rank: int, world: int, seed: int) -> float:
     from attnlab.distributed import ring_attention, shard, shard_mask, ulysses_attention
 
     q, k, v, mask, grad, options = _inputs(case, seed)
+    dtype = getattr(torch, case.get("dtype", "float32"))  # the whole call is in it too
+    q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     whole_mask = None if mask is None else mask[:, None, None, :]
     want = attnlab.attention(q, k, v, mask=whole_mask, causal=case["causal"],
@@ -141,7 +143,8 @@ def check_case(case: dict, rank: int, world: int, seed: int) -> float:
     for i, (g, w) in enumerate(zip(got, wants)):
         w = cut(w) if i < 4 else w
         if w.numel():
-            worst = max(worst, float(((g.detach() - w).abs() / (1 + w.abs())).max()))
+            g, w = g.detach().float(), w.detach().float()
+            worst = max(worst, float(((g - w).abs() / (1 + w.abs())).max()))
     return worst
 
 
@@ -186,10 +189,18 @@ def refusals(rank: int, world: int) -> list[str]:
 
     said = []
     q = torch.randn(1, 3, 3, 4)
+    mine = rank == 1  # what only rank 1 passes
     for call in (lambda: ulysses_attention(q, q, q),
-                 lambda: ring_attention(q, q, q, causal=rank == 1)):
+                 lambda: ring_attention(q, q, q, causal=mine),
+                 lambda: ring_attention(q, q, q, scale=0.25 if mine else None),
+                 lambda: ring_attention(q, q, q, softcap=2.0 if mine else None),
+                 lambda: ring_attention(q, q, q, sinks=torch.zeros(3) + mine),
+                 lambda: ring_attention(q, q, q, alibi_slopes=torch.ones(3) if mine else None),
+                 lambda: ring_attention(q, q, q, document_ids=torch.zeros(3, dtype=torch.long)
+                                        if mine else None)):
         try:
             call()
+            said.append("no error")
         except ValueError as exc:
             said.append(str(exc))
     return said
@@ -202,6 +213,48 @@ def one_raises(rank: int, world: int) -> None:
 
     q = torch.randn(1, 1, 3, 4)
     ring_attention(q, q, q, seq_len=7 if rank == 0 else 6)
+
+
+def raises_alike(rank: int, world: int, which: str) -> tuple[str, float, float, str]:
+    """Every rank's local step raises (``which``: forward or backward) after the call
+    posted its messages; the caller catches it, and the group must still work: a plain
+    all_reduce right after completes. Returns (the error, the all_reduce's sum, its
+    seconds, what a second call does)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from attnlab.distributed import ring, ring_attention
+
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    said = ""
+    with mock.patch.object(ring._Setup, which, side_effect=RuntimeError(f"a {which} step")):
+        try:
+            ring_attention(q, q, q, causal=True, layout="zigzag", block=2).sum().backward()
+        except RuntimeError as exc:
+            said = str(exc)
+    total, start = torch.ones(1), time.monotonic()
+    dist.all_reduce(total)
+    seconds = time.monotonic() - start
+    try:
+        ring_attention(q, q, q, causal=True, layout="zigzag", block=2, timeout=5).sum().backward()
+        again = "ok"
+    except RuntimeError as exc:
+        again = f"{type(exc).__name__}: {exc}"
+    return said, float(total), seconds, again
+
+
+def split_module_too_long(rank: int, world: int) -> str:
+    """A 12-token sequence, 6 per rank, into a split module of context_length 8."""
+    from attnlab.distributed import ContextParallel
+    from attnlab.modules import MultiHeadAttention
+
+    mha = MultiHeadAttention(16, 16, 2, context_length=8, context_parallel=ContextParallel())
+    try:
+        mha(torch.randn(1, 12 // world, 16))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def one_stalls(rank: int, world: int) -> str | None:

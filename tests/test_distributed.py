@@ -9,7 +9,6 @@ reports each case's error against single-process ``attnlab.attention``.
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 
@@ -92,15 +91,6 @@ def _sweep(world: int, n: int, seed: int | None = None):
     assert not failing, (seed, failing)
     assert max(worst) > 0  # the comparison ran: float32 paths differ in the last bits
     return max(worst)
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo group of this process alone."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=20))
-    yield
-    dist.destroy_process_group()
 
 
 def test_world_size_1(one_rank):
@@ -252,9 +242,15 @@ def test_a_rank_that_stops_answering_is_given_up_on_after_the_timeout():
 def test_every_rank_refuses_the_same_calls_with_the_same_error():
     results = workers.spawn(2, workers.refusals)
     assert results[0] == results[1] and results[0][0] == "ok", results
-    heads, disagree = results[0][1]
+    heads, disagree, *options = results[0][1]
     assert heads.startswith("ulysses_attention splits the heads over the 2 ranks: q_heads (3)")
     assert "the ranks disagree on causal: [0, 1]" in disagree
+    # the options beside the shapes too (each rank's rows would follow its own; ids on
+    # one rank only left the others waiting in another exchange until the timeout)
+    for name, said in zip(["scale", "softcap", "sinks", "alibi_slopes", "document_ids"],
+                          options, strict=True):
+        assert said.startswith(f"the ranks disagree on {name}: rank 1's differs from rank "
+                               "0's; every rank must call with the same shapes"), said
 
 
 @pytest.mark.slow

@@ -22,6 +22,11 @@ def _dist():
     return dist
 
 
+_DRAIN = datetime.timedelta(seconds=5)
+# Groups on which a split attention raised with receives left open: id -> why.
+_SPOILT: dict[int, str] = {}
+
+
 class Group:
     """A process group as the split attentions use it: this process's rank, the world
     size, the global rank of each group rank, and waits with a timeout."""
@@ -41,6 +46,18 @@ class Group:
         self.timeout = (None if timeout is None
                         else datetime.timedelta(seconds=float(timeout)))
         self.what = what
+        spoilt = _SPOILT.get(self._key())
+        if spoilt is not None:
+            raise RingError(f"{what}: {spoilt}; its receives are still open and would take "
+                            "this call's messages: make a new group (dist.new_group) for the "
+                            "split attentions")
+
+    def _key(self):
+        return id(self.group if self.group is not None else _dist().group.WORLD)
+
+    def spoil(self, why: str) -> None:
+        """Mark the group as unfit for more split attentions (see ``__init__``)."""
+        _SPOILT[self._key()] = why
 
     def glob(self, rank: int) -> int:
         return self.ranks[rank % self.size]
@@ -65,6 +82,19 @@ class Group:
             raise self.error(what, peer, exc) from exc
         if done is False:
             raise self.error(what, peer, TimeoutError("no answer within the timeout"))
+
+    def drain(self, works: Sequence) -> None:
+        """Wait, quietly, for messages posted by a call that is raising (a local step that
+        failed on every rank alike): their peers posted the matching ones before the
+        same failure, so they complete, and the group stays usable for the caller who
+        catches the error. A wait is cut short after a few seconds (a peer that is gone),
+        and nothing it raises hides the error being raised."""
+        limit = datetime.timedelta(seconds=min(5.0, (self.timeout or _DRAIN).total_seconds()))
+        for work in works:
+            try:
+                work.wait(limit)
+            except Exception:  # noqa: S112  (the caller's error is the one to raise)
+                continue
 
     def error(self, what: str, peer: int, exc: BaseException) -> RingError:
         cause = " ".join(str(exc).split())[:300]

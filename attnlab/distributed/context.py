@@ -9,7 +9,7 @@ import torch
 from ..checks import one_of, optional_positive_int
 from .comm import Group
 from .ring import optional_timeout, ring_attention
-from .shards import LAYOUTS, shard, shard_positions
+from .shards import LAYOUTS, shard, shard_lengths, shard_positions
 from .ulysses import ulysses_attention
 
 STRATEGIES = ("ring", "ulysses")
@@ -56,8 +56,14 @@ class ContextParallel:
 
     def total(self, local_len: int) -> int:
         """The whole sequence's length, given this rank's shard length (``seq_len`` when
-        set, else gathered from the ranks)."""
+        set, this rank's shard checked against it; else gathered from the ranks)."""
         if self.seq_len is not None:
+            comm = self._comm()
+            want = shard_lengths(self.seq_len, comm.size, self.layout)[comm.rank]
+            if local_len != want:
+                raise ValueError(f"rank {comm.rank}'s shard holds {local_len} tokens; a "
+                                 f"{self.layout} split of ContextParallel's seq_len="
+                                 f"{self.seq_len} over {comm.size} ranks gives it {want}")
             return self.seq_len
         return sum(row[0] for row in self._comm().all_gather_ints([local_len]))
 

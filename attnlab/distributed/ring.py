@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import time
 
 import torch
@@ -70,7 +71,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             sdpa, tiled, eager: ``log_sum_exp`` in ``attnlab.backend_table()``).
         seq_len: the whole sequence's length (``(q_len, k_len)`` when they differ). None:
             gathered from the ranks, one small all-gather per call that also checks that
-            they agree on the shapes and options.
+            they agree on the shapes and options (the scale, softcap, slopes and sinks
+            too). Given, only this rank's shard is checked against it: ranks that then
+            disagree on a shape may wait out the timeout, or gloo may stop the process.
         block: keys per message and query rows per kernel call (default: about
             ``PIECE_BYTES`` of keys and values per message).
         timeout: seconds to wait for a neighbour before raising
@@ -121,7 +124,8 @@ def _prepare(q, k, v, *, group=None, causal=False, window=None, mask=None, scale
     comm = Group(group, optional_timeout(timeout))
     mask = _key_mask(mask, q, k)
     window, scale = _check(q, k, v, causal, window, scale, layout, block)
-    q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout)
+    q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
+                            _option_facts(scale, **variants))
     window = None if window is None else min(window, q_len + k_len + 1)
     block = block or _default_block(q, k, v)
     split = check_variants(comm, q, k, q_len, k_len, layout, **variants)
@@ -171,7 +175,8 @@ def _default_block(q, k, v) -> int:
     batch, q_heads, _, _ = q.shape
     per_key = batch * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
     per_row = batch * q_heads * v.shape[-1] * 4
-    return max(64, min(PIECE_BYTES // per_key, PIECE_BYTES // per_row))
+    # (an empty batch or v_dim 0 has nothing to carry: any block will do)
+    return max(64, min(PIECE_BYTES // max(1, per_key), PIECE_BYTES // max(1, per_row)))
 
 
 # --------------------------------------------------------------------------- checks
@@ -227,10 +232,37 @@ def _key_mask(mask, q, k):
     return mask.to(q.device).expand(q.shape[0], k.shape[2])
 
 
-def _lengths(comm, q, k, v, mask, seq_len, causal, window, layout) -> tuple[int, int]:
-    """The whole sequence's ``(q_len, k_len)``, every rank's shard checked against it."""
+def _bits(x) -> int:
+    """A float (None: 0) as the int64 of its float64 bits: equal only where equal."""
+    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _option_facts(scale, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
+                  **_) -> dict[str, int]:
+    """What every rank must pass alike beside the shapes, as ints to gather: the scale,
+    the softcap, the sinks' and slopes' values (a weighted sum: the ranks pass the same
+    replicated tensor), and whether document ids came (each rank's are its own shard)."""
+
+    def values(t):
+        if not isinstance(t, torch.Tensor):
+            return _bits(None if t is None else -1.0)
+        flat = t.detach().to("cpu", torch.float64).reshape(-1)
+        return _bits(float((flat * torch.arange(1, flat.numel() + 1)).sum()) + flat.numel())
+
+    return {"scale": _bits(scale), "softcap": _bits(softcap),
+            "alibi_slopes": values(alibi_slopes), "sinks": values(sinks),
+            "document_ids": int(document_ids is not None)}
+
+
+def _lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
+             options: dict[str, int]) -> tuple[int, int]:
+    """The whole sequence's ``(q_len, k_len)``, every rank's shard checked against it
+    (and, without ``seq_len``, their shapes and ``options``)."""
     if seq_len is not None:
-        q_len, k_len = (seq_len, seq_len) if not isinstance(seq_len, tuple) else seq_len
+        if isinstance(seq_len, tuple | list) and len(seq_len) != 2:
+            raise ValueError(f"seq_len must be the whole sequence's length, or (q_len, "
+                             f"k_len) when they differ, got {seq_len!r}")
+        q_len, k_len = (seq_len, seq_len) if not isinstance(seq_len, tuple | list) else seq_len
         for name, n in (("seq_len", q_len), ("seq_len", k_len)):
             optional_positive_int(name, n)
         mine = [(shard_lengths(q_len, comm.size, layout)[comm.rank], q.shape[2]),
@@ -243,15 +275,18 @@ def _lengths(comm, q, k, v, mask, seq_len, causal, window, layout) -> tuple[int,
     dtype = str(q.dtype)
     facts = [q.shape[2], k.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3],
              v.shape[3], mask is not None, causal, window or 0, LAYOUTS.index(layout),
-             sum(map(ord, dtype))]
+             sum(map(ord, dtype)), *options.values()]
     every = comm.all_gather_ints(facts)
     names = ["q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "v_dim", "mask",
-             "causal", "window", "layout", "dtype"]
+             "causal", "window", "layout", "dtype", *options]
     for i, name in enumerate(names[2:], start=2):
-        if len({row[i] for row in every}) > 1:
-            raise ValueError(f"the ranks disagree on {name}: "
-                             f"{[row[i] for row in every]} (rank 0, 1, ...); every rank "
-                             "must call with the same shapes and options")
+        column = [row[i] for row in every]
+        if len(set(column)) > 1:  # an option's value is its bits: say which rank differs
+            other = next(r for r, x in enumerate(column) if x != column[0])
+            seen = (f"{column} (rank 0, 1, ...)" if name not in options
+                    else f"rank {other}'s differs from rank 0's")
+            raise ValueError(f"the ranks disagree on {name}: {seen}; every rank must call "
+                             "with the same shapes and options")
     q_len, k_len = sum(row[0] for row in every), sum(row[1] for row in every)
     for name, total, col in (("queries", q_len, 0), ("keys", k_len, 1)):
         want = shard_lengths(total, comm.size, layout)
@@ -290,9 +325,17 @@ class _RingAttention(torch.autograd.Function):
 
 def _forward(call, q, k, v, mask, compute: bool = True):
     """This rank's ``(out, lse)`` in the work dtype, ``lse`` ``+inf`` for a row with no key."""
+    posted: list = []  # every message's work, drained if the call raises
+    try:
+        return _forward_ticks(call, q, k, v, mask, compute, posted)
+    except BaseException:
+        call.comm.drain(posted)
+        raise
+
+
+def _forward_ticks(call, q, k, v, mask, compute, posted):
     plan, comm, rank = call.plan, call.comm, call.comm.rank
-    work = work_dtype(q)
-    qw = q.to(work)
+    work = work_dtype(q)  # of the merged output and log-sum-exp; each step takes q, k, v
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=work, device=q.device)
     lse = torch.full(q.shape[:3], -_INF, dtype=work, device=q.device)
     pieces = Pieces(k, v, mask, k.dtype, plan.block)
@@ -328,6 +371,7 @@ def _forward(call, q, k, v, mask, compute: bool = True):
             ops.append(("recv", flat, rank - 1, plan.tag(piece, hop, 0)))
             kinds.append(piece.uid)
         works = comm.post(ops)
+        posted += works
         if events is not None:
             now = time.perf_counter()
             events += [("sent", it.piece.uid, it.hop + 1, now) for it in items if it.send]
@@ -346,7 +390,7 @@ def _forward(call, q, k, v, mask, compute: bool = True):
                 kp, vp, mp = pieces.views(held.get(it.piece.uid), it.piece)
                 for c in it.calls:
                     rows = slice(c.q_local, c.q_local + c.q_len)
-                    part, part_lse = call.forward(qw[:, :, rows], kp, vp, mp, it.piece, c)
+                    part, part_lse = call.forward(q[:, :, rows], kp, vp, mp, it.piece, c)
                     merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         clock["compute_s"] += time.perf_counter() - start
         for it in items:  # a piece not sent on is done with; a sent one, once its send is

@@ -19,9 +19,22 @@ from .pieces import Pieces, work_dtype
 def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
     """``(dq, dk, dv)`` of this rank's shards, in the work dtype (``compute`` False: the
     messages alone, for the bench)."""
+    posted: list = []  # every message's work, drained if the call raises
+    try:
+        return _ticks(call, q, k, v, mask, out, lse, grad_out, compute, posted)
+    except BaseException as exc:
+        # The peers' receives of this tick's gradient sums stay open (their sends come
+        # after the step that failed): the group cannot carry another call's messages.
+        call.comm.drain(posted)
+        call.comm.spoil(f"a ring_attention backward on this group raised "
+                        f"({type(exc).__name__}) between its messages")
+        raise
+
+
+def _ticks(call, q, k, v, mask, out, lse, grad_out, compute, posted):
     plan, comm, rank = call.plan, call.comm, call.comm.rank
-    work = work_dtype(q)
-    qw, dout = q.to(work), grad_out.to(work)
+    work = work_dtype(q)  # of the gradients' sums; each step takes q, k, v, out, grad_out
+    out, dout = out.to(q.dtype), grad_out.to(q.dtype)  # in q's dtype, as attention's own
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
     dk = torch.zeros(k.shape, dtype=work, device=q.device)
     dv = torch.zeros(v.shape, dtype=work, device=q.device)
@@ -57,7 +70,7 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
         for piece in plan.finals(rank, tick + 1):
             ops.append(("recv", pieces.empty(piece.size, True, work),
                         rank + plan.reach[piece.uid], plan.tag(piece, 0, 2)))
-        sent = _post(comm, ops, incoming, plan)
+        sent = _post(comm, ops, incoming, plan, posted)
         for it in items:
             kp, vp, mp = pieces.views(held.get(it.piece.uid), it.piece)
             acc = None
@@ -68,7 +81,7 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
             for c in it.calls if compute else ():
                 rows = slice(c.q_local, c.q_local + c.q_len)
                 dq_c, dk_c, dv_c = call.backward(
-                    qw[:, :, rows], kp, vp, mp, out[:, :, rows], lse[:, :, rows],
+                    q[:, :, rows], kp, vp, mp, out[:, :, rows], lse[:, :, rows],
                     dout[:, :, rows], it.piece, c)
                 dq[:, :, rows] += dq_c
                 if share is None:
@@ -87,10 +100,10 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
                                                                    work).zero_()
             if it.send:
                 sent += _post(comm, [("send", acc, rank + 1, plan.tag(it.piece, it.hop + 1, 1))],
-                              incoming, plan)
+                              incoming, plan, posted)
             elif it.hop:
                 sent += _post(comm, [("send", acc, it.piece.owner, plan.tag(it.piece, 0, 2))],
-                              incoming, plan)
+                              incoming, plan, posted)
             else:
                 _add_home(dk, dv, pieces, acc, it.piece)
                 pieces.release(acc)
@@ -112,10 +125,15 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
     return dq, dk, dv
 
 
-def _post(comm, ops, incoming, plan) -> list:
+def _post(comm, ops, incoming, plan, posted) -> list:
     """Post ``ops``; receives go to ``incoming`` by (piece uid, kind); returns the sends'
-    ``(work, peer, buffer)``, the buffer kept alive until the send is waited."""
+    ``(work, peer, buffer)``, the buffer kept alive until the send is waited. ``posted``
+    gets the works a raising call may drain: the sends, and the receives of keys and
+    values, whose sends the peer posts in the same tick before it computes (a gradient
+    sum's is posted after the step; waiting for one a failed step never sent would close
+    gloo's connection)."""
     works = comm.post(ops)
+    posted += [w for (kind, _, _, tag), w in zip(ops, works) if kind == "send" or tag % 3 == 0]
     sent = []
     for (kind, flat, peer, tag), w in zip(ops, works):
         if kind == "send":

@@ -37,8 +37,15 @@ class SplitSequence:
         if self.training and self.dropout:
             raise ValueError(f"dropout={self.dropout} on the attention weights is not supported "
                              "with context_parallel; train with dropout=0.0")
+        whole = None  # the whole sequence's length: one small gather without a seq_len
+        if self.context_length is not None or (rope and positions is None):
+            whole = self.context_parallel.total(x.shape[1])
+        if self.context_length is not None and whole > self.context_length:
+            raise ValueError(f"sequence of {whole} tokens (split over the ranks) is longer "
+                             f"than context_length={self.context_length}")
         if rope and positions is None:
-            positions = self.context_parallel.positions(x.shape[1], device=x.device)
+            positions = self.context_parallel.positions(x.shape[1], seq_len=whole,
+                                                        device=x.device)
         return positions
 
     def _split_attention(self, q, k, v, mask, **options) -> torch.Tensor:
