@@ -146,6 +146,25 @@ def test_the_runner_verdict_is_the_final_check(monkeypatch, tmp_path, source, pa
     assert lines[-1].startswith("✓" if passed else "✗")
 
 
+def test_a_lesson_that_times_on_one_thread_gives_the_callers_threads_back(monkeypatch,
+                                                                           tmp_path):
+    # lessons 8 and 11 time their kernels on one thread: run_lesson in a notebook or a
+    # script left the rest of that process on one thread
+    import torch
+
+    from attnlab.lessons import runner
+
+    monkeypatch.setattr(runner, "lesson", lambda n, lang="en": _fake(
+        "import torch\ntorch.set_num_threads(1)\nkit.check('ok', 1.0, 1.0)"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert runner.run_lesson(2, out=tmp_path / "out", log=lambda s: None)["passed"]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_lesson_figures_count_as_attnlabs_own_files(tmp_path):
     """By name and, for a picture, by attnlab's signature in it: a user's own picture that
     happens to be called like a lesson's is theirs."""

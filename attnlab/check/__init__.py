@@ -80,11 +80,11 @@ class _Diagnosis:
     def __init__(self, target: sweep.Target) -> None:
         self.t = target
         self.cases = target.cases()
-        self.results: dict[sweep.Case, np.ndarray | Exception] = {}
+        self.results: dict[sweep.Case, np.ndarray | BaseException] = {}
         for case in self.cases:
             try:
                 self.results[case] = target.run(case)
-            except Exception as exc:  # noqa: BLE001 - the learner's code: anything may come
+            except targets.LEARNER_ERRORS as exc:  # the learner's code: anything may come
                 self.results[case] = exc
         self._cache: dict[tuple, np.ndarray | None] = {}
 
@@ -96,8 +96,8 @@ class _Diagnosis:
 
     def matches(self, case: sweep.Case, bugs: frozenset[str]) -> bool:
         got, want = self.results[case], self.variant(case, bugs)
-        if want is None or isinstance(got, Exception):
-            return want is None and isinstance(got, Exception)
+        if want is None or isinstance(got, BaseException):
+            return want is None and isinstance(got, BaseException)
         if got.shape != want.shape:
             return False
         if bool(np.all(_close(got, want))):
@@ -145,19 +145,19 @@ class _Diagnosis:
                     # raise on some inputs (K left untransposed, on non-square ones) does
                     # not explain code that raises on every input, or returns None.
                     n = sum(self.matches(c, s) for c in failing
-                            if not isinstance(self.results[c], Exception))
+                            if not isinstance(self.results[c], BaseException))
                     best = max(best, (n, s), key=lambda p: p[0])
         return best[1], [c for c in failing if not self.matches(c, best[1])]
 
 
-def _one_line(exc: Exception) -> str:
+def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _describe(d: _Diagnosis, case: sweep.Case) -> tuple[str, dict]:
     got, want = d.results[case], d.variant(case, frozenset())
-    if isinstance(got, Exception):
+    if isinstance(got, BaseException):
         return "raises", {"exc": _one_line(got), "case": case.label}
     if want is None or got.shape != want.shape:
         return "wrong_shape", {"got": tuple(got.shape), "expected": None if want is None
@@ -174,7 +174,7 @@ def diagnose(target: sweep.Target, lang: str) -> tuple[list[Finding], int]:
         a, b = target.run(first), target.run(first)
         if a.shape == b.shape and not np.all(_close(a, b) | (np.isnan(a) & np.isnan(b))):
             return [Finding("dropout_in_eval", t("dropout_in_eval"))], 1
-    except Exception:  # noqa: BLE001 - reported below, case by case
+    except targets.LEARNER_ERRORS:  # reported below, case by case
         pass
     d = _Diagnosis(target)
     findings: list[Finding] = []
@@ -190,7 +190,7 @@ def diagnose(target: sweep.Target, lang: str) -> tuple[list[Finding], int]:
     nan_rows = mean_rows = False
     for case in d.cases:
         got = d.results[case]
-        if isinstance(got, Exception) or case in unexplained:
+        if isinstance(got, BaseException) or case in unexplained:
             continue
         free = d.variant(case, frozenset(), "nan")
         want = d.variant(case, bugs)

@@ -107,6 +107,8 @@ EN: dict[str, str] = {
     "not_a_file": "FILE {path!r} is not a file (in FILE:NAME {spec!r})",
     "not_python": "FILE {path!r} is not a Python file",
     "import_failed": "importing {path} failed: {error}",
+    "import_exited": ("importing {path} ran sys.exit({status!r}) (or exit()): put the code that "
+                      "runs a demo under `if __name__ == \"__main__\":`"),
     "not_defined": "{path} defines no {name!r}; it defines: {found}",
     "nothing": "nothing",
     "cannot_build": ("cannot build {cls}: no value known for its parameter {param!r}; pass an "
@@ -212,6 +214,8 @@ ZH: dict[str, str] = {
     "not_a_file": "FILE {path!r} 不是一个文件（FILE:NAME 为 {spec!r}）",
     "not_python": "FILE {path!r} 不是 Python 文件",
     "import_failed": "导入 {path} 失败：{error}",
+    "import_exited": ("导入 {path} 时执行了 sys.exit({status!r})（或 exit()）："
+                      "请把运行示例的代码放到 `if __name__ == \"__main__\":` 下面"),
     "not_defined": "{path} 里没有定义 {name!r}；它定义了：{found}",
     "nothing": "（无）",
     "cannot_build": ("无法构造 {cls}：不知道它的参数 {param!r} 该取什么值；请改为传入一个实例："

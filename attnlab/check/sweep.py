@@ -3,6 +3,7 @@ each, the learner's output and the oracle's (with any set of known mistakes appl
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import zlib
 from collections.abc import Callable
@@ -74,6 +75,27 @@ class Target:
         return oracle.allowed(case.q_len, case.k_len, causal=case.causal, window=window,
                               mask=make_mask(case.mask, case.q_len, case.k_len), bugs=bugs)
 
+    def behaves_causal(self) -> bool:
+        """Whether the code is causal though nothing in its signature or buffers says so
+        (a mask built inside ``forward``, a buffer of another name): moving the last
+        position's inputs moves the last output row and no other."""
+        case = self.cases()[0]  # seq=5, no mask
+        arrays = self.inputs(case)
+        moved = tuple(a.copy() for a in arrays)
+        for a in moved:
+            a[..., -1, :] += 1.0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                before, after = (targets.as_array(self.call(case, x)) for x in (arrays, moved))
+        except targets.LEARNER_ERRORS:  # said by the cases themselves
+            return False
+        if before.shape != after.shape or before.ndim < 2 or before.shape[-2] < 2:
+            return False
+        same = np.allclose(before[..., :-1, :], after[..., :-1, :], rtol=0, atol=1e-6)
+        return same and not np.allclose(before[..., -1, :], after[..., -1, :], rtol=0,
+                                         atol=1e-6)
+
     def probe_rank(self, ranks: tuple[int, ...], first: Case, square: Case) -> None:
         """Use the first input rank the learner's code takes (a tutorial function may be
         written for ``(seq, d)`` only); try the square case too, where ``q @ k`` runs."""
@@ -83,7 +105,7 @@ class Target:
                 try:
                     self.run(case)
                     return
-                except Exception:  # noqa: BLE001 - the learner's code: anything may come
+                except targets.LEARNER_ERRORS:  # the learner's code: anything may come
                     continue
         self.rank = ranks[0]
 
@@ -98,12 +120,12 @@ def _call_with_mask(fn: Callable, args: list, mask: np.ndarray | None, shapes: l
     broadcasts over any batch and heads; then the full layouts."""
     if mask is None or name is None:
         return fn(*args, **extra)
-    error: Exception | None = None
+    error: BaseException | None = None
     for shape in shapes:
         m = torch.from_numpy(np.broadcast_to(mask, shape).copy())
         try:
             return fn(*args, **extra, **{name: m}) if keyword else fn(*args, m, **extra)
-        except Exception as exc:  # noqa: BLE001 - the learner's code
+        except targets.LEARNER_ERRORS as exc:  # the learner's code
             error = error or exc
     raise error  # type: ignore[misc]
 
@@ -113,15 +135,16 @@ class FunctionQKV(Target):
 
     def __init__(self, fn: Callable, name: str) -> None:
         self.fn, self.name = fn, name
-        self.mask_name, self.mask_kw = targets.mask_param(fn)
-        if self.mask_name is None and targets.positional_count(fn) >= 4:
-            self.mask_name, self.mask_kw = "mask", False
+        self.mask_name, self.mask_kw = targets.mask_param(fn, 3)
         self.causal_name = targets.causal_param(fn)
         self.head_dim = self.d_model = self.d_in = 8
         base = Case("batch=2 heads=3 seq=5", 2, 3, 3, 5, 5)
         self.probe_rank((4, 3, 2), base, Case("batch=2 heads=3 seq=8=head_dim", 2, 3, 3, 8, 8))
-        self.what = {"en": f"(q, k, v) of rank {self.rank}",
-                     "zh": f"{self.rank} 维的 (q, k, v)"}
+        self.always_causal = False  # a causal function that takes no causal flag
+        self.always_causal = self.causal_name is None and self.behaves_causal()
+        kind = ("causal ", "因果、") if self.always_causal else ("", "")
+        self.what = {"en": f"{kind[0]}(q, k, v) of rank {self.rank}",
+                     "zh": f"{kind[1]}{self.rank} 维的 (q, k, v)"}
 
     def cases(self) -> list[Case]:
         b, h = {4: (2, 3), 3: (2, 1), 2: (1, 1)}[self.rank]
@@ -142,6 +165,8 @@ class FunctionQKV(Target):
             if self.mask_name:
                 out.append(Case(f"{lead}seq=5 causal random mask", b, h, h, 5, 5, "random",
                                 causal=True))
+        if getattr(self, "always_causal", False):
+            out = [dataclasses.replace(c, causal=True) for c in out]
         return out
 
     def _shape(self, case: Case, heads: int, length: int) -> tuple[int, ...]:
@@ -156,7 +181,7 @@ class FunctionQKV(Target):
         return q, k, v
 
     def call(self, case: Case, arrays: tuple[np.ndarray, ...]) -> object:
-        extra = {self.causal_name: True} if case.causal else {}
+        extra = {self.causal_name: True} if case.causal and self.causal_name else {}
         full = (case.batch, case.heads, case.q_len, case.k_len)[4 - self.rank:]
         return _call_with_mask(self.fn, [_tensor(a) for a in arrays],
                                make_mask(case.mask, case.q_len, case.k_len),
@@ -179,9 +204,7 @@ class FunctionX(Target):
 
     def __init__(self, fn: Callable, name: str) -> None:
         self.fn, self.name = fn, name
-        self.mask_name, self.mask_kw = targets.mask_param(fn)
-        if self.mask_name is None and targets.positional_count(fn) >= 2:
-            self.mask_name, self.mask_kw = "mask", False
+        self.mask_name, self.mask_kw = targets.mask_param(fn, 1)
         self.head_dim = self.d_model = self.d_in = 8
         self.probe_rank((3, 2), Case("batch=2 seq=5", 2, 1, 1, 5, 5),
                         Case("batch=2 seq=8=d", 2, 1, 1, 8, 8))
@@ -236,15 +259,18 @@ class ModuleTarget(Target):
             blk = self.weights.blocks[0]
             self.head_dim, self.heads, self.kv_heads = blk.head_dim, blk.heads, blk.kv_heads
             self.d_model = sum(b.heads * b.head_dim for b in self.weights.blocks)
-        self.causal = targets.is_causal(self.module)
+        said = targets.is_causal(self.module)
+        self.causal = bool(said)
         self.window = getattr(self.module, "window", None)
         self.window = self.window if isinstance(self.window, int) else None
         self.context = next((getattr(self.module, n) for n in targets._CTOR["context"]
                              if isinstance(getattr(self.module, n, None), int)), 10**9)
-        self.mask_name, self.mask_kw = targets.mask_param(self.module.forward)
+        self.mask_name, self.mask_kw = targets.mask_param(self.module.forward, 1)
         square = self.head_dim if self.head_dim <= self.context else 5
         self.probe_rank((3, 2), Case("batch=3 seq=5", 3, 1, 1, 5, 5),
                         Case(f"batch=3 seq={square}", 3, 1, 1, square, square))
+        if said is None:
+            self.causal = self.behaves_causal()
         kind = "causal " if self.causal else ""
         weights = "no weights" if self.weights is None else "its own weights"
         self.what = {"en": f"{kind}x of rank {self.rank}, {weights}",

@@ -58,6 +58,14 @@ _PROJ = {
             "linear_out", "out"),
 }
 _MASK_NAMES = ("mask", "attn_mask", "attention_mask")
+# Parameters that are options, never the mask, wherever they stand (the fourth of
+# ``attn(q, k, v, causal=False)`` or of SDPA's ``(q, k, v, scale=None)``).
+_OPTION_NAMES = (*_CTOR["causal"], *_CTOR["dropout"], "scale", "softmax_scale", "sm_scale",
+                 "training", "return_weights", "need_weights", "return_attn", "window",
+                 "temperature", "enable_gqa", "softcap")
+# What the learner's code may raise where attnlab calls it: a demo left at the end of
+# the file calls sys.exit() or exit() (SystemExit) as often as it raises.
+LEARNER_ERRORS = (Exception, SystemExit)
 
 
 def load(spec: str) -> tuple[Any, str]:
@@ -81,6 +89,8 @@ def load(spec: str) -> tuple[Any, str]:
     sys.path.insert(0, str(file.resolve().parent))
     try:
         loader.loader.exec_module(module)
+    except SystemExit as exc:  # a demo at the end of the file, run on import
+        raise InputError("import_exited", path=path, status=exc.code) from None
     except Exception as exc:  # the learner's file: any error, said in one line
         raise InputError("import_failed", path=path,
                          error=f"{type(exc).__name__}: {exc}") from None
@@ -121,6 +131,9 @@ def build(cls: type) -> list[tuple[nn.Module, str]]:
     name = _first(_CTOR["d_model"], params)
     if name:  # the one width of (d_model, num_heads) signatures; d_in where d_out is there
         kwargs[name] = D_IN if has_out and not _first(_CTOR["d_in"], params) else D_OUT
+    d_in = _first(_CTOR["d_in"], params)
+    if d_in and not has_out and not name and _first(_CTOR["heads"], params):
+        kwargs[d_in] = D_OUT  # (d_in, num_heads): the one width, split over the heads
     missing = [n for n, p in params.items() if n not in kwargs and p.default is p.empty
                and n not in _CTOR["causal"]]
     if missing:
@@ -131,7 +144,7 @@ def build(cls: type) -> list[tuple[nn.Module, str]]:
     for extra in variants:
         try:
             module = cls(**kwargs, **extra)
-        except Exception as exc:  # the learner's constructor: one line, any error
+        except LEARNER_ERRORS as exc:  # the learner's constructor: one line, any error
             call = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, **extra}.items())
             raise InputError("build_raised", cls=cls.__name__, call=call,
                              error=f"{type(exc).__name__}: {exc}") from None
@@ -224,9 +237,10 @@ def read_weights(module: nn.Module, d_in: int) -> Weights | None:
     return Weights(blocks, *(out if out else (None, None)))
 
 
-def is_causal(module: nn.Module) -> bool:
+def is_causal(module: nn.Module) -> bool | None:
     """Whether the module means to be causal: a ``causal`` flag, a triangular mask buffer
-    (the book's ``mask``), a list of causal one-head modules, or "causal" in its name."""
+    (the book's ``mask``), a list of causal one-head modules, or "causal" in its name;
+    None where nothing says (the check then asks its outputs: ``Target.behaves_causal``)."""
     for sub in [module, *module.children(), *(c for lst in module.children()
                                               if isinstance(lst, nn.ModuleList) for c in lst)]:
         for name in ("causal", "is_causal"):
@@ -240,14 +254,24 @@ def is_causal(module: nn.Module) -> bool:
                 if b.any() and not b.all() and (torch.equal(b, torch.triu(b))
                                                 or torch.equal(b, torch.tril(b))):
                     return True
-    return "causal" in type(module).__name__.lower()
+    return True if "causal" in type(module).__name__.lower() else None
 
 
-def mask_param(fn: Callable) -> tuple[str | None, bool]:
-    """The name of ``fn``'s mask parameter (or None) and whether it is keyword-only."""
-    for p in _params(fn):
+def mask_param(fn: Callable, before: int) -> tuple[str | None, bool]:
+    """``fn``'s mask parameter (or None) and whether to pass it by name: a parameter named
+    as a mask goes by name wherever it stands (positionally only where it must, right
+    after the ``before`` inputs); else a parameter right after them that is neither an
+    option (``causal``, ``scale``, ...) nor has a default other than None is taken to be
+    the mask, positionally."""
+    params = _params(fn)
+    for p in params:
         if p.name in _MASK_NAMES:
-            return p.name, p.kind == p.KEYWORD_ONLY
+            return p.name, p.kind != p.POSITIONAL_ONLY
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) > before:
+        p = positional[before]
+        if p.name not in _OPTION_NAMES and p.default in (p.empty, None):
+            return p.name, False
     return None, False
 
 

@@ -223,4 +223,14 @@ def known_text(meta: dict, tokenizer: object, max_tokens: int = 40) -> str | Non
         text = tokenizer.decode(ids[:max_tokens])
     except (ValueError, TypeError, IndexError):
         return None
-    return " ".join(text.split()) or None
+    # One line to offer, and only one the tokenizer reads: a character model trained on
+    # lines of Chinese may have no space (joining the lines with one made the suggestion
+    # itself refused).
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    for candidate in (first, " ".join(text.split())):
+        try:
+            if candidate and tokenizer.encode(candidate):
+                return candidate
+        except (ValueError, TypeError, KeyError):
+            continue
+    return None

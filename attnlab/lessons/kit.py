@@ -49,14 +49,20 @@ def T(en: str, zh: str) -> str:  # noqa: N802 - short on purpose: it sits inside
 
 @contextlib.contextmanager
 def terminal(out: str | Path, log: Callable[[str], None] = print) -> Iterator[None]:
-    """Inside this block pictures are written into folder ``out`` instead of shown."""
-    saved = dict(_STATE)
+    """Inside this block pictures are written into folder ``out`` instead of shown; the
+    lesson's cells may time their kernels on one thread (``torch.set_num_threads``), and
+    the caller's thread count comes back after it."""
+    import torch
+
+    saved, threads = dict(_STATE), torch.get_num_threads()
     _STATE.update(out=Path(out), log=log)
     try:
         yield
     finally:
         _STATE.clear()
         _STATE.update(saved)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def checks_run() -> list[dict]:

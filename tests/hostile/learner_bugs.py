@@ -194,5 +194,74 @@ class GroupedQueryWrongRepeat(GroupedQueryAttention):
     repeat = "tile"
 
 
+def attn_mask_after_causal(q, k, v, causal=False, mask=None):
+    """Correct: the mask in the fifth place, by its name."""
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:  # end-aligned, as attnlab's rule (and transformers') is
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m).triu(m - n + 1).bool(), -torch.inf)
+    return _finish(scores if mask is None else _masked(scores, mask), v)
+
+
+def attn_causal_flag(q, k, v, causal=False):
+    """Correct: a causal option in the fourth place, where a mask often is."""
+    return attn_mask_after_causal(q, k, v, causal)
+
+
+def attn_scale_like_sdpa(q, k, v, scale=None):
+    """Correct: SDPA's own keyword in the fourth place."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _finish(q @ k.transpose(-2, -1) * scale, v)
+
+
+def causal_inside(q, k, v):
+    """Correct and causal, with no flag to say so: the mask is made inside."""
+    return attn_causal_flag(q, k, v, causal=True)
+
+
+class MaskedSelfAttention(BookCausalAttention):
+    """The book's CausalAttention with its buffer called ``future_mask``."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__(d_in, d_out, context_length, dropout, qkv_bias)
+        self.register_buffer("future_mask", self.mask)
+        del self.mask
+
+    def forward(self, x):
+        self.mask = self.future_mask
+        try:
+            return super().forward(x)
+        finally:
+            del self.mask
+
+
+class MaskMadeInForward(nn.Module):
+    """A one-width multi-head module, ``(d_in, num_heads)``, whose causal mask is made in
+    ``forward``; ``scaled`` False plants the missing scale."""
+
+    scaled = True
+
+    def __init__(self, d_in, num_heads):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_in // num_heads
+        self.W_query = nn.Linear(d_in, d_in, bias=False)
+        self.W_key = nn.Linear(d_in, d_in, bias=False)
+        self.W_value = nn.Linear(d_in, d_in, bias=False)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (w(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+                   for w in (self.W_query, self.W_key, self.W_value))
+        scores = q @ k.transpose(-2, -1)
+        scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), -torch.inf)
+        if self.scaled:
+            scores = scores / self.head_dim ** 0.5
+        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, n, d)
+
+
+class MaskMadeInForwardNoScale(MaskMadeInForward):
+    scaled = False
+
+
 def broken_import_free():
     """Nothing: a name that is neither attention nor a module (for the CLI's exit 2)."""

@@ -37,6 +37,7 @@ BUGS_FILE = Path(lb.__file__)
     ("MultiHeadWrongSplit", "heads_split_merge"),
     ("MultiHeadForgotTranspose", "heads_merge"),
     ("GroupedQueryWrongRepeat", "gqa_tile"),
+    ("MaskMadeInForwardNoScale", "no_scale"),  # causal known from its outputs alone
 ])
 def test_each_planted_bug_is_named_and_nothing_else(name, code):
     report = attnlab.check(getattr(lb, name), lang="en")
@@ -51,6 +52,11 @@ def test_each_planted_bug_is_named_and_nothing_else(name, code):
     attnlab.MultiHeadAttention, attnlab.MultiHeadAttentionWrapper,
     lb.good_attention, lb.simplified, lb.BookCausalAttention, lb.BookMultiHeadAttention,
     lb.GroupedQueryAttention,
+    # signatures beyond (q, k, v, mask): the mask goes in by its name, an option in the
+    # fourth place is not taken for it; causal code is known by its outputs; a module
+    # of one width is built with one the heads divide
+    lb.attn_causal_flag, lb.attn_mask_after_causal, lb.attn_scale_like_sdpa,
+    lb.causal_inside, lb.MaskedSelfAttention, lb.MaskMadeInForward,
 ], ids=lambda o: f"{o.__module__.rsplit('.', 1)[-1]}.{o.__name__}")
 def test_the_library_and_clean_tutorial_code_pass(obj):
     report = attnlab.check(obj, lang="en")
@@ -182,11 +188,16 @@ def test_cli_clean_code_exits_0(tmp_path, cli):
     ("my_attention.py", "expected FILE:NAME"),
     ("broken.py:attention", "importing broken.py failed: NameError"),
     ("my_attention.py:CONSTANT", "CONSTANT is a int; expected a function"),
+    # a demo at the end of the file, unguarded: it exited 0 ("clean") having checked nothing
+    ("exits.py:attention", 'importing exits.py ran sys.exit(0) (or exit()): put the code '
+                           'that runs a demo under `if __name__ == "__main__":`'),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, cli, one_line_error, spec, needle):
     (tmp_path / "my_attention.py").write_text("CONSTANT = 3\n\ndef attention(q, k, v):\n"
                                               "    return v\n")
     (tmp_path / "broken.py").write_text("undefined_name\n")
+    (tmp_path / "exits.py").write_text("import sys\n\ndef attention(q, k, v):\n"
+                                       "    return v\n\nsys.exit(0)\n")
     one_line_error(cli(["check", spec], cwd=tmp_path), needle)
 
 
@@ -237,7 +248,13 @@ def _returns_none(q, k, v):
     return None
 
 
-@pytest.mark.parametrize("fn", [_always_raises, _returns_none])
+def _exits(q, k, v):
+    import sys
+
+    sys.exit(0)  # a learner's early return, typed as in a script
+
+
+@pytest.mark.parametrize("fn", [_always_raises, _returns_none, _exits])
 def test_code_that_never_gives_numbers_is_told_only_that(fn):
     """A function that raises on every input (or returns None) is not a mistake in the
     maths: no "K not transposed" (that mistake also raises, on non-square inputs)."""

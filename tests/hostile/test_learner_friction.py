@@ -69,3 +69,12 @@ def test_a_trained_checkpoint_offers_its_held_out_text(tmp_path, cli, one_line_e
     assert example and set(example) <= set(text) and len(example) >= 8
     one_line_error(cli(["show", "attention", "--ckpt", "zh"], cwd=tmp_path, timeout=600),
                    "the model knows only these 8 characters", f"such as {example!r}")
+    # lines of text and no space among the characters: one line is offered, not the lines
+    # joined by a space it does not know
+    text = "大家好，世界！\n" * 40
+    tok = CharTokenizer.from_text(text)
+    model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=8, d_model=16))
+    train(model, torch.tensor(tok.encode(text)), TrainConfig(steps=2, context=8, eval_every=1),
+          out=tmp_path / "lines", tokenizer=tok, progress=False, log=None)
+    _, tokenizer, meta = load_for_cli(str(tmp_path / "lines"), None)
+    assert known_text(meta, tokenizer) == "大家好，世界！"
