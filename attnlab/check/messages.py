@@ -44,6 +44,11 @@ EN: dict[str, str] = {
         "attnlab and PyTorch's scaled_dot_product_attention, but the code treats True as "
         "'masked', as tutorials that write `masked_fill(mask, -inf)` do; fix: "
         "`scores.masked_fill(~mask, float('-inf'))` (or convert with attnlab.masks)"),
+    "mask_after_softmax": (
+        "the mask is applied after the softmax, so each row's weights no longer add up to "
+        "1 (the masked keys' share is lost, not given to the others); fix: mask the scores "
+        "before the softmax (`scores.masked_fill(~mask, float('-inf'))`), or divide the "
+        "masked weights by their row sum, as the book's chapter 3.5.1 does"),
     "causal_missing": (
         "no causal mask is applied, so each token sees the tokens after it (a model trained "
         "like this cheats); fix: `scores.masked_fill(t"
@@ -153,6 +158,10 @@ ZH: dict[str, str] = {
         "scaled_dot_product_attention 一致，但代码把 True 当成“被遮住”，写 "
         "`masked_fill(mask, -inf)` 的教程也是这样；修正：`scores.masked_fill(~mask, float('-inf'))`"
         "（或用 attnlab.masks 转换）"),
+    "mask_after_softmax": (
+        "掩码用在了 softmax 之后，每一行的权重加起来不再是 1（被遮住的键分走的那部分丢掉了，"
+        "没有分给其余的键）；修正：在 softmax 之前遮住分数（`scores.masked_fill(~mask, "
+        "float('-inf'))`），或者像书中 3.5.1 节那样，把遮住后的权重除以每一行的和"),
     "causal_missing": (
         "没有因果掩码，每个词元都能看到后面的词元（这样"
         "训练的模型会作弊）；修正：`scores.masked_fill("

@@ -20,7 +20,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "scale": ("scale_d_model", "scale_d_in", "no_scale", "scale_by_d", "scale_times"),
     "softmax": ("softmax_axis",),
     "transpose": ("k_not_transposed",),
-    "mask": ("mask_inverted",),
+    "mask": ("mask_inverted", "mask_after_softmax"),
     "causal": ("causal_missing", "causal_excludes_self", "causal_sees_next", "causal_top_left"),
     "heads": ("heads_split_merge", "heads_split", "heads_merge"),
     "gqa": ("gqa_tile",),
@@ -97,6 +97,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, ok: np.ndarray, scale: f
     scores = scores * scale
     ok = np.broadcast_to(ok, scores.shape)
     axis = -2 if "softmax_axis" in bugs else -1
+    if "mask_after_softmax" in bugs:  # every key's softmax, the masked weights then zeroed
+        e = np.exp(scores - np.max(scores, axis=axis, keepdims=True))
+        return np.where(ok, e / np.sum(e, axis=axis, keepdims=True), 0.0) @ v
     scores = np.where(ok, scores, -np.inf)
     top = np.max(scores, axis=axis, keepdims=True)
     e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))

@@ -57,6 +57,11 @@ def finite_fill(q, k, v, mask=None):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def mask_after_softmax(q, k, v, mask=None):
+    weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+    return (weights if mask is None else weights * mask) @ v  # not renormalised
+
+
 def no_scale_and_mask_inverted(q, k, v, mask=None):
     return _finish(_masked(q @ k.transpose(-2, -1), mask, inverted=True), v)
 
@@ -95,6 +100,16 @@ class BookCausalAttention(nn.Module):
         else:
             attn_weights = self.dropout(attn_weights)
         return attn_weights @ values
+
+
+class CausalMaskAfterSoftmax(BookCausalAttention):
+    """The book's first causal attempt (3.5.1) without its renormalising step."""
+
+    def forward(self, x):
+        n = x.shape[1]
+        keys, queries, values = self.W_key(x), self.W_query(x), self.W_value(x)
+        w = torch.softmax(queries @ keys.transpose(1, 2) / keys.shape[-1] ** 0.5, dim=-1)
+        return (w * torch.tril(torch.ones(n, n))) @ values
 
 
 class CausalOffByOne(BookCausalAttention):

@@ -30,6 +30,8 @@ BUGS_FILE = Path(lb.__file__)
     ("softmax_wrong_axis", "softmax_axis"),
     ("k_not_transposed", "k_not_transposed"),
     ("mask_inverted", "mask_inverted"),
+    ("mask_after_softmax", "mask_after_softmax"),
+    ("CausalMaskAfterSoftmax", "mask_after_softmax"),
     ("CausalOffByOne", "causal_excludes_self"),
     ("CausalSeesNext", "causal_sees_next"),
     ("nan_on_masked_row", "nan_masked_row"),
