@@ -5,6 +5,7 @@ wait turned into one clear error when a peer dies or stops answering."""
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -23,8 +24,9 @@ def _dist():
 
 
 _DRAIN = datetime.timedelta(seconds=5)
-# Groups on which a split attention raised with receives left open: id -> why.
-_SPOILT: dict[int, str] = {}
+# Groups on which a split attention raised with receives left open -> why (held weakly:
+# a destroyed group's mark goes with it, and a new group is never taken for it).
+_SPOILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Group:
@@ -53,7 +55,7 @@ class Group:
                             "split attentions")
 
     def _key(self):
-        return id(self.group if self.group is not None else _dist().group.WORLD)
+        return self.group if self.group is not None else _dist().group.WORLD
 
     def spoil(self, why: str) -> None:
         """Mark the group as unfit for more split attentions (see ``__init__``)."""
