@@ -244,6 +244,21 @@ def raises_alike(rank: int, world: int, which: str) -> tuple[str, float, float, 
     return said, float(total), seconds, again
 
 
+def marked_on_rank_0(rank: int, world: int) -> str:
+    """Rank 0's group is marked as having open receives; every rank then calls."""
+    from attnlab.distributed import ring_attention
+    from attnlab.distributed.comm import Group
+
+    if rank == 0:
+        Group().spoil("it was marked")
+    q = torch.randn(1, 2, 4, 8)
+    try:
+        ring_attention(q, q, q, timeout=10)
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def split_module_too_long(rank: int, world: int) -> str:
     """A 12-token sequence, 6 per rank, into a split module of context_length 8."""
     from attnlab.distributed import ContextParallel

@@ -270,6 +270,7 @@ def test_more_processes_than_gpus_train_on_the_cpu(monkeypatch, capsys, gpus, lo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
@@ -281,3 +282,7 @@ def test_more_processes_than_gpus_train_on_the_cpu(monkeypatch, capsys, gpus, lo
     assert str(train_device()) == want
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert str(train_device()) == "cpu"
+    if gpus == 1:  # one GPU each, given by a launcher that sets CUDA_VISIBLE_DEVICES
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local_rank + 4))
+        assert str(train_device()) == "cuda:0"

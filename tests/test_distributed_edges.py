@@ -58,7 +58,20 @@ def test_a_call_that_raises_on_every_rank_leaves_the_group_usable(which):
         assert said == f"a {which} step" and total == 2.0 and seconds < 5, results[rank]
         assert again == "ok" if which == "forward" else again.startswith(
             "RingError: ring_attention: a ring_attention backward on this group raised "
-            "(RuntimeError) between its messages; its receives are still open"), again
+            "(RuntimeError) between its messages; its peers' receives are still open"), again
+
+
+def test_a_group_marked_on_one_rank_is_refused_on_every_rank():
+    # a backward can fail on one rank alone (after its last send): its peers, unmarked,
+    # must not go on to wait for it in the next call's exchange
+    results = workers.spawn(2, workers.marked_on_rank_0, timeout=20.0, limit=60)
+    assert results[0] == ("ok", "RingError: ring_attention: it was marked; its peers' "
+                                "receives are still open and would take this call's "
+                                "messages: make a new group (dist.new_group) for the split "
+                                "attentions"), results
+    assert results[1][0] == "ok" and results[1][1].startswith(
+        "RingError: ring_attention: rank 0's earlier split call on this group raised between "
+        "its messages;"), results
 
 
 def test_ulysses_names_what_it_cannot_take(one_rank):
@@ -89,3 +102,32 @@ def test_a_split_module_or_model_checks_the_whole_length(one_rank):
                                              "of ContextParallel's seq_len=16 over 1 ranks "
                                              "gives it 16"):
             model(torch.randint(0, 11, (1, 12)))
+
+
+def test_options_that_the_variants_refuse_are_named_by_them(one_rank):
+    # the ranks' digest of the options runs first, and must not pre-empt their messages
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="softcap must be a number, got list"):
+        ring_attention(q, q, q, softcap=[2.0])
+    with pytest.raises(ValueError, match="sinks is on meta but q is on cpu"):
+        ring_attention(q, q, q, sinks=torch.zeros(2, device="meta"))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        ring_attention(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_a_split_model_gathers_its_length_once_and_each_layer_its_shapes_once(one_rank,
+                                                                              positions):
+    # each layer's context_length check reads the length the model gathered: one
+    # all-gather for the model and one per layer's ring call, as before that check came
+    from unittest import mock
+
+    from attnlab.distributed.comm import Group
+
+    model = GPT(GPTConfig(vocab_size=11, d_model=16, num_heads=2, num_layers=4,
+                          context_length=32, positions=positions),
+                context_parallel=ContextParallel())
+    with mock.patch.object(Group, "all_gather_ints", autospec=True,
+                           side_effect=Group.all_gather_ints) as gathers:
+        model(torch.randint(0, 11, (1, 12)))
+    assert gathers.call_count == 1 + 4

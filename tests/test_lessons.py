@@ -299,12 +299,19 @@ def test_writing_the_notebooks_keeps_a_learners_edits(tmp_path):
 def test_writing_notebooks_without_nbformat_is_one_line(tmp_path, monkeypatch, capsys):
     """nbformat comes with Jupyter, not with attnlab: without it, one line and exit 2, and
     nothing written."""
+    from attnlab.lessons import notebook, write_notebooks
     from attnlab.lessons.__main__ import main as lessons_main
+    from attnlab.lessons.registry import all_lessons
 
     monkeypatch.setitem(sys.modules, "nbformat", None)  # import nbformat raises ImportError
     assert lessons_main(["--write-notebooks", str(tmp_path / "nb")]) == 2
     assert capsys.readouterr().err == ("python -m attnlab.lessons: error: writing notebooks "
                                        "needs the nbformat package (pip install nbformat)\n")
+    assert not (tmp_path / "nb").exists()
+    for call in (lambda: write_notebooks(tmp_path / "nb"),  # the library says it too
+                 lambda: notebook(all_lessons()[0], "en")):
+        with pytest.raises(ModuleNotFoundError, match="needs the nbformat package"):
+            call()
     assert not (tmp_path / "nb").exists()
 
 

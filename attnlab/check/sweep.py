@@ -45,6 +45,18 @@ def make_mask(kind: str | None, q_len: int, k_len: int) -> np.ndarray | None:
     return m
 
 
+# What the OK line says of code found causal by its outputs alone.
+_INFERRED = {"en": "causal (by its outputs) ", "zh": "（由输出判断为）因果、"}
+
+
+def _causal_only(target: Target, cases: list[Case]) -> list[Case]:
+    """``cases`` as they are, or all causal and square where the target's causality was
+    inferred (``Target._inferred_causal``)."""
+    if not getattr(target, "always_causal", False):
+        return cases
+    return [dataclasses.replace(c, causal=True) for c in cases if c.q_len == c.k_len]
+
+
 class Target:
     """The learner's code and its oracle, one subclass per signature."""
 
@@ -77,24 +89,36 @@ class Target:
 
     def behaves_causal(self) -> bool:
         """Whether the code is causal though nothing in its signature or buffers says so
-        (a mask built inside ``forward``, a buffer of another name): moving the last
-        position's inputs moves the last output row and no other."""
+        (a mask built inside ``forward``, a buffer of another name): moving the inputs at
+        any position j moves output row j and none before it. (Code that drops the last
+        key is not causal by this: moving position 1 moves row 0.)"""
         case = self.cases()[0]  # seq=5, no mask
         arrays = self.inputs(case)
-        moved = tuple(a.copy() for a in arrays)
-        for a in moved:
-            a[..., -1, :] += 1.0
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                before, after = (targets.as_array(self.call(case, x)) for x in (arrays, moved))
+                base = targets.as_array(self.call(case, arrays))
+                if base.ndim < 2 or base.shape[-2] < 2:
+                    return False
+                for j in range(1, base.shape[-2]):
+                    moved = tuple(a.copy() for a in arrays)
+                    for a in moved:
+                        a[..., j, :] += 1.0
+                    out = targets.as_array(self.call(case, moved))
+                    if out.shape != base.shape or not np.allclose(
+                            out[..., :j, :], base[..., :j, :], rtol=0, atol=1e-6) or np.allclose(
+                            out[..., j, :], base[..., j, :], rtol=0, atol=1e-6):
+                        return False
         except targets.LEARNER_ERRORS:  # said by the cases themselves
             return False
-        if before.shape != after.shape or before.ndim < 2 or before.shape[-2] < 2:
-            return False
-        same = np.allclose(before[..., :-1, :], after[..., :-1, :], rtol=0, atol=1e-6)
-        return same and not np.allclose(before[..., -1, :], after[..., -1, :], rtol=0,
-                                         atol=1e-6)
+        return True
+
+    def _inferred_causal(self) -> None:
+        """For code with no causal flag: every case causal, and self-attention only (a
+        rule written for one sequence has no say on q_len != k_len), where its outputs
+        show it is causal; the OK line says how it was known."""
+        self.always_causal = False
+        self.always_causal = self.behaves_causal()
 
     def probe_rank(self, ranks: tuple[int, ...], first: Case, square: Case) -> None:
         """Use the first input rank the learner's code takes (a tutorial function may be
@@ -141,10 +165,11 @@ class FunctionQKV(Target):
         base = Case("batch=2 heads=3 seq=5", 2, 3, 3, 5, 5)
         self.probe_rank((4, 3, 2), base, Case("batch=2 heads=3 seq=8=head_dim", 2, 3, 3, 8, 8))
         self.always_causal = False  # a causal function that takes no causal flag
-        self.always_causal = self.causal_name is None and self.behaves_causal()
-        kind = ("causal ", "因果、") if self.always_causal else ("", "")
-        self.what = {"en": f"{kind[0]}(q, k, v) of rank {self.rank}",
-                     "zh": f"{kind[1]}{self.rank} 维的 (q, k, v)"}
+        if self.causal_name is None:
+            self._inferred_causal()
+        kind = _INFERRED if self.always_causal else {"en": "", "zh": ""}
+        self.what = {"en": f"{kind['en']}(q, k, v) of rank {self.rank}",
+                     "zh": f"{kind['zh']}{self.rank} 维的 (q, k, v)"}
 
     def cases(self) -> list[Case]:
         b, h = {4: (2, 3), 3: (2, 1), 2: (1, 1)}[self.rank]
@@ -165,9 +190,7 @@ class FunctionQKV(Target):
             if self.mask_name:
                 out.append(Case(f"{lead}seq=5 causal random mask", b, h, h, 5, 5, "random",
                                 causal=True))
-        if getattr(self, "always_causal", False):
-            out = [dataclasses.replace(c, causal=True) for c in out]
-        return out
+        return _causal_only(self, out)
 
     def _shape(self, case: Case, heads: int, length: int) -> tuple[int, ...]:
         return {4: (case.batch, heads, length, 8), 3: (case.batch, length, 8),
@@ -208,7 +231,10 @@ class FunctionX(Target):
         self.head_dim = self.d_model = self.d_in = 8
         self.probe_rank((3, 2), Case("batch=2 seq=5", 2, 1, 1, 5, 5),
                         Case("batch=2 seq=8=d", 2, 1, 1, 8, 8))
-        self.what = {"en": f"x of rank {self.rank}", "zh": f"{self.rank} 维的 x"}
+        self._inferred_causal()
+        kind = _INFERRED if self.always_causal else {"en": "", "zh": ""}
+        self.what = {"en": f"{kind['en']}x of rank {self.rank}",
+                     "zh": f"{kind['zh']}{self.rank} 维的 x"}
 
     def cases(self) -> list[Case]:
         b, lead = (2, "batch=2 ") if self.rank == 3 else (1, "")
@@ -218,7 +244,7 @@ class FunctionX(Target):
             out += [Case(f"{lead}seq=5 random mask", b, 1, 1, 5, 5, "random"),
                     Case(f"{lead}seq=5 mask with a fully masked row", b, 1, 1, 5, 5,
                          "empty_row")]
-        return out
+        return _causal_only(self, out)
 
     def inputs(self, case: Case) -> tuple[np.ndarray, ...]:
         rng = np.random.default_rng(zlib.crc32(case.label.encode()))
@@ -265,16 +291,17 @@ class ModuleTarget(Target):
         self.window = self.window if isinstance(self.window, int) else None
         self.context = next((getattr(self.module, n) for n in targets._CTOR["context"]
                              if isinstance(getattr(self.module, n, None), int)), 10**9)
-        self.mask_name, self.mask_kw = targets.mask_param(self.module.forward, 1)
+        self.mask_name, self.mask_kw = targets.mask_param(self.module.forward, None)
         square = self.head_dim if self.head_dim <= self.context else 5
         self.probe_rank((3, 2), Case("batch=3 seq=5", 3, 1, 1, 5, 5),
                         Case(f"batch=3 seq={square}", 3, 1, 1, square, square))
         if said is None:
             self.causal = self.behaves_causal()
-        kind = "causal " if self.causal else ""
+        kind = ({"en": "causal ", "zh": "因果、"} if said else _INFERRED if self.causal
+                else {"en": "", "zh": ""})
         weights = "no weights" if self.weights is None else "its own weights"
-        self.what = {"en": f"{kind}x of rank {self.rank}, {weights}",
-                     "zh": f"{'因果、' if self.causal else ''}{self.rank} 维的 x，"
+        self.what = {"en": f"{kind['en']}x of rank {self.rank}, {weights}",
+                     "zh": f"{kind['zh']}{self.rank} 维的 x，"
                            f"{'没有权重' if self.weights is None else '用它自己的权重'}"}
 
     def cases(self) -> list[Case]:

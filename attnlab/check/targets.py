@@ -257,20 +257,21 @@ def is_causal(module: nn.Module) -> bool | None:
     return True if "causal" in type(module).__name__.lower() else None
 
 
-def mask_param(fn: Callable, before: int) -> tuple[str | None, bool]:
+def mask_param(fn: Callable, before: int | None) -> tuple[str | None, bool]:
     """``fn``'s mask parameter (or None) and whether to pass it by name: a parameter named
     as a mask goes by name wherever it stands (positionally only where it must, right
-    after the ``before`` inputs); else a parameter right after them that is neither an
-    option (``causal``, ``scale``, ...) nor has a default other than None is taken to be
-    the mask, positionally."""
+    after the ``before`` inputs); else, for a function (``before`` given), a required
+    parameter right after its inputs that is not an option (``causal``, ``scale``, ...):
+    ``attention(q, k, v, m)``. A module's ``forward(x, context=None)`` or ``(x, kv_cache)``
+    has other things there, so a module's mask is only ever found by its name."""
     params = _params(fn)
     for p in params:
         if p.name in _MASK_NAMES:
             return p.name, p.kind != p.POSITIONAL_ONLY
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) > before:
+    if before is not None and len(positional) > before:
         p = positional[before]
-        if p.name not in _OPTION_NAMES and p.default in (p.empty, None):
+        if p.name not in _OPTION_NAMES and p.default is p.empty:
             return p.name, False
     return None, False
 

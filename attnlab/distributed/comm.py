@@ -5,6 +5,7 @@ wait turned into one clear error when a peer dies or stops answering."""
 from __future__ import annotations
 
 import datetime
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ def _dist():
     return dist
 
 
-_DRAIN = datetime.timedelta(seconds=5)
+_DRAIN = 5.0  # seconds, in all, to drain a raising call's messages
 # Groups on which a split attention raised with receives left open -> why (held weakly:
 # a destroyed group's mark goes with it, and a new group is never taken for it).
 _SPOILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -48,17 +49,18 @@ class Group:
         self.timeout = (None if timeout is None
                         else datetime.timedelta(seconds=float(timeout)))
         self.what = what
-        spoilt = _SPOILT.get(self._key())
-        if spoilt is not None:
-            raise RingError(f"{what}: {spoilt}; its receives are still open and would take "
-                            "this call's messages: make a new group (dist.new_group) for the "
-                            "split attentions")
 
     def _key(self):
         return self.group if self.group is not None else _dist().group.WORLD
 
+    @property
+    def spoilt(self) -> str | None:
+        """Why this rank's earlier split call left receives open on the group (then it
+        carries no more split calls: ``agree.agreed_lengths`` refuses them), or None."""
+        return _SPOILT.get(self._key())
+
     def spoil(self, why: str) -> None:
-        """Mark the group as unfit for more split attentions (see ``__init__``)."""
+        """Mark the group as unfit for more split calls (see :attr:`spoilt`)."""
         _SPOILT[self._key()] = why
 
     def glob(self, rank: int) -> int:
@@ -89,12 +91,16 @@ class Group:
         """Wait, quietly, for messages posted by a call that is raising (a local step that
         failed on every rank alike): their peers posted the matching ones before the
         same failure, so they complete, and the group stays usable for the caller who
-        catches the error. A wait is cut short after a few seconds (a peer that is gone),
-        and nothing it raises hides the error being raised."""
-        limit = datetime.timedelta(seconds=min(5.0, (self.timeout or _DRAIN).total_seconds()))
+        catches the error. The waits end after a few seconds in all (a peer that is
+        gone), and nothing they raise hides the error being raised."""
+        deadline = time.monotonic() + min(_DRAIN, (self.timeout.total_seconds()
+                                                   if self.timeout is not None else _DRAIN))
         for work in works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
             try:
-                work.wait(limit)
+                work.wait(datetime.timedelta(seconds=left))
             except Exception:  # noqa: S112  (the caller's error is the one to raise)
                 continue
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,9 @@ class ContextParallel:
     def total(self, local_len: int) -> int:
         """The whole sequence's length, given this rank's shard length (``seq_len`` when
         set, this rank's shard checked against it; else gathered from the ranks)."""
+        known = _KNOWN.get()
+        if known is not None and known[0] == id(self):
+            return known[1]
         if self.seq_len is not None:
             comm = self._comm()
             want = shard_lengths(self.seq_len, comm.size, self.layout)[comm.rank]
@@ -90,3 +96,20 @@ class ContextParallel:
         return split(q, k, v, group=self.group, causal=causal, window=window, mask=mask,
                      scale=scale, layout=self.layout, backend=backend, seq_len=seq_len,
                      timeout=self.timeout, **variants)
+
+
+# (id of a ContextParallel, the whole length) inside whole_length().
+_KNOWN: ContextVar[tuple[int, int] | None] = ContextVar("attnlab_whole_length", default=None)
+
+
+@contextlib.contextmanager
+def whole_length(split: ContextParallel | None, total: int) -> Iterator[None]:
+    """Inside this block ``split.total`` is ``total`` without asking the ranks again: a
+    model that gathered its sequence's length once, for all its layers (each layer's
+    ``MultiHeadAttention`` checks its ``context_length`` against it)."""
+    token = None if split is None else _KNOWN.set((id(split), total))
+    try:
+        yield
+    finally:
+        if token is not None:
+            _KNOWN.reset(token)

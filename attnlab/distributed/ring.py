@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 import time
 
 import torch
@@ -25,11 +24,12 @@ import torch
 from .._tracing import first_derivatives_only
 from ..backends import Request, choose, resolve
 from ..checks import boolean, finite_float, one_of, optional_positive_int
+from .agree import agreed_lengths
 from .comm import Group
 from .pieces import Pieces, merge, work_dtype
 from .plan import Plan
 from .ring_backward import backward as backward_pass
-from .shards import LAYOUTS, shard_lengths
+from .shards import LAYOUTS
 from .variants import check as check_variants
 
 __all__ = ["ring_attention"]
@@ -124,8 +124,8 @@ def _prepare(q, k, v, *, group=None, causal=False, window=None, mask=None, scale
     comm = Group(group, optional_timeout(timeout))
     mask = _key_mask(mask, q, k)
     window, scale = _check(q, k, v, causal, window, scale, layout, block)
-    q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
-                            _option_facts(scale, **variants))
+    q_len, k_len = agreed_lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
+                                  scale, variants)
     window = None if window is None else min(window, q_len + k_len + 1)
     block = block or _default_block(q, k, v)
     split = check_variants(comm, q, k, q_len, k_len, layout, **variants)
@@ -232,72 +232,6 @@ def _key_mask(mask, q, k):
     return mask.to(q.device).expand(q.shape[0], k.shape[2])
 
 
-def _bits(x) -> int:
-    """A float (None: 0) as the int64 of its float64 bits: equal only where equal."""
-    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _option_facts(scale, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
-                  **_) -> dict[str, int]:
-    """What every rank must pass alike beside the shapes, as ints to gather: the scale,
-    the softcap, the sinks' and slopes' values (a weighted sum: the ranks pass the same
-    replicated tensor), and whether document ids came (each rank's are its own shard)."""
-
-    def values(t):
-        if not isinstance(t, torch.Tensor):
-            return _bits(None if t is None else -1.0)
-        flat = t.detach().to("cpu", torch.float64).reshape(-1)
-        return _bits(float((flat * torch.arange(1, flat.numel() + 1)).sum()) + flat.numel())
-
-    return {"scale": _bits(scale), "softcap": _bits(softcap),
-            "alibi_slopes": values(alibi_slopes), "sinks": values(sinks),
-            "document_ids": int(document_ids is not None)}
-
-
-def _lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
-             options: dict[str, int]) -> tuple[int, int]:
-    """The whole sequence's ``(q_len, k_len)``, every rank's shard checked against it
-    (and, without ``seq_len``, their shapes and ``options``)."""
-    if seq_len is not None:
-        if isinstance(seq_len, tuple | list) and len(seq_len) != 2:
-            raise ValueError(f"seq_len must be the whole sequence's length, or (q_len, "
-                             f"k_len) when they differ, got {seq_len!r}")
-        q_len, k_len = (seq_len, seq_len) if not isinstance(seq_len, tuple | list) else seq_len
-        for name, n in (("seq_len", q_len), ("seq_len", k_len)):
-            optional_positive_int(name, n)
-        mine = [(shard_lengths(q_len, comm.size, layout)[comm.rank], q.shape[2]),
-                (shard_lengths(k_len, comm.size, layout)[comm.rank], k.shape[2])]
-        if any(want != got for want, got in mine):
-            raise ValueError(f"rank {comm.rank}'s shards hold {q.shape[2]} queries and "
-                             f"{k.shape[2]} keys; a {layout} split of seq_len={seq_len} "
-                             f"over {comm.size} ranks gives it {mine[0][0]} and {mine[1][0]}")
-        return q_len, k_len
-    dtype = str(q.dtype)
-    facts = [q.shape[2], k.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3],
-             v.shape[3], mask is not None, causal, window or 0, LAYOUTS.index(layout),
-             sum(map(ord, dtype)), *options.values()]
-    every = comm.all_gather_ints(facts)
-    names = ["q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "v_dim", "mask",
-             "causal", "window", "layout", "dtype", *options]
-    for i, name in enumerate(names[2:], start=2):
-        column = [row[i] for row in every]
-        if len(set(column)) > 1:  # an option's value is its bits: say which rank differs
-            other = next(r for r, x in enumerate(column) if x != column[0])
-            seen = (f"{column} (rank 0, 1, ...)" if name not in options
-                    else f"rank {other}'s differs from rank 0's")
-            raise ValueError(f"the ranks disagree on {name}: {seen}; every rank must call "
-                             "with the same shapes and options")
-    q_len, k_len = sum(row[0] for row in every), sum(row[1] for row in every)
-    for name, total, col in (("queries", q_len, 0), ("keys", k_len, 1)):
-        want = shard_lengths(total, comm.size, layout)
-        got = [row[col] for row in every]
-        if got != want:
-            raise ValueError(f"the ranks hold {got} {name}; a {layout} split of {total} "
-                             f"over {comm.size} ranks holds {want} (split with "
-                             f"attnlab.distributed.shard(..., layout={layout!r}))")
-    return q_len, k_len
-
-
 # --------------------------------------------------------------------------- autograd
 
 
@@ -328,7 +262,7 @@ def _forward(call, q, k, v, mask, compute: bool = True):
     posted: list = []  # every message's work, drained if the call raises
     try:
         return _forward_ticks(call, q, k, v, mask, compute, posted)
-    except BaseException:
+    except Exception:
         call.comm.drain(posted)
         raise
 

@@ -22,7 +22,7 @@ def backward(call, q, k, v, mask, out, lse, grad_out, compute: bool = True):
     posted: list = []  # every message's work, drained if the call raises
     try:
         return _ticks(call, q, k, v, mask, out, lse, grad_out, compute, posted)
-    except BaseException as exc:
+    except Exception as exc:
         # The peers' receives of this tick's gradient sums stay open (their sends come
         # after the step that failed): the group cannot carry another call's messages.
         call.comm.drain(posted)

@@ -14,18 +14,19 @@ from __future__ import annotations
 import torch
 
 from ..functional import attention
+from .agree import agreed_lengths
 from .comm import Group
-from .ring import _check, _key_mask, _lengths, _option_facts, optional_timeout
+from .ring import _check, _key_mask, optional_timeout
 from .shards import shard, shard_lengths, unshard
 from .variants import check as check_variants
 
 __all__ = ["ulysses_attention"]
 
 
-# What ulysses_attention passes on to attention (or refuses with a reason) beside
-# ring_attention's own arguments.
-OPTIONS = ("dropout_p", "softcap", "alibi_slopes", "sinks", "document_ids", "mask_mod",
-           "score_mod", "return_weights")
+# The keywords ulysses_attention passes on to attention, and those it refuses with a
+# reason of its own (the rest are not attention's, or are ring_attention's alone).
+OPTIONS = ("dropout_p", "softcap", "alibi_slopes", "sinks", "document_ids")
+REFUSED = ("mask_mod", "score_mod", "return_weights")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
@@ -44,11 +45,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     shard of the ids, split like the sequence, gathered once. ``mask_mod`` and
     ``score_mod`` are refused (their functions see head numbers a rank does not have).
     """
-    unknown = sorted(set(options) - set(OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS) - set(REFUSED))
     if unknown:
         raise TypeError(f"ulysses_attention() got an unexpected keyword argument "
-                        f"{unknown[0]!r} (it takes {', '.join(OPTIONS)} beside "
-                        "ring_attention's arguments)")
+                        f"{unknown[0]!r} (beside q, k, v, group, causal, window, mask, scale, "
+                        f"layout, backend, seq_len and timeout it takes {', '.join(OPTIONS)})")
     if options.get("return_weights"):
         raise ValueError("return_weights is not supported by split attention (no rank holds "
                          "a whole row of weights); pass return_weights=False")
@@ -61,8 +62,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         raise ValueError(f"ulysses_attention splits the heads over the {n} ranks: q_heads "
                          f"({q.shape[1]}) and kv_heads ({k.shape[1]}) must both be divisible "
                          f"by {n}; use ring_attention, which has no such limit")
-    q_len, k_len = _lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
-                            _option_facts(scale, **options))
+    q_len, k_len = agreed_lengths(comm, q, k, v, mask, seq_len, causal, window, layout,
+                                  scale, options)
     q_lens, k_lens = shard_lengths(q_len, n, layout), shard_lengths(k_len, n, layout)
     options = _head_variants(comm, q, k, q_len, k_len, layout, options)
     qh = _Exchange.apply(q, comm, q_lens, layout, True)

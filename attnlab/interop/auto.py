@@ -223,11 +223,11 @@ def known_text(meta: dict, tokenizer: object, max_tokens: int = 40) -> str | Non
         text = tokenizer.decode(ids[:max_tokens])
     except (ValueError, TypeError, IndexError):
         return None
-    # One line to offer, and only one the tokenizer reads: a character model trained on
-    # lines of Chinese may have no space (joining the lines with one made the suggestion
-    # itself refused).
+    # The text on one line, and only one the tokenizer reads: a character model trained
+    # on lines of Chinese may have no space (the lines joined by one made the suggestion
+    # itself refused); then its first line.
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    for candidate in (first, " ".join(text.split())):
+    for candidate in (" ".join(text.split()), first):
         try:
             if candidate and tokenizer.encode(candidate):
                 return candidate

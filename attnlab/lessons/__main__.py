@@ -15,14 +15,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder to write DIR/en/NN-name.ipynb and DIR/zh/NN-name.ipynb into")
     args = parser.parse_args(argv)
     try:
-        import nbformat  # noqa: F401  (Jupyter's own writer; not needed to use attnlab)
-    except ImportError:
-        print(f"{parser.prog}: error: writing notebooks needs the nbformat package "
-              "(pip install nbformat)", file=sys.stderr)
-        return 2
-    try:
         written = write_notebooks(args.write_notebooks)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # ImportError: no nbformat
         print(f"{parser.prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     for path in written:

@@ -42,7 +42,7 @@ def _markdown(text: str, lang: str) -> str:
 
 def notebook(le: Lesson, lang: str):
     """Lesson ``le`` in ``lang`` as an ``nbformat`` v4 notebook (no outputs)."""
-    import nbformat
+    nbformat = _nbformat()
 
     title = f"# {'第 ' if lang == 'zh' else 'Lesson '}{le.number}" \
             f"{' 课' if lang == 'zh' else ''}: {le.title[lang]}"
@@ -90,8 +90,18 @@ def _as_written(path: Path) -> tuple[str, bool] | None:
         return None
 
 
+def _nbformat():
+    """Jupyter's notebook writer, which attnlab does not install: a clear error without."""
+    try:
+        import nbformat
+    except ImportError as exc:
+        raise ModuleNotFoundError("writing notebooks needs the nbformat package (pip install "
+                                  "nbformat)", name="nbformat") from exc
+    return nbformat
+
+
 def notebook_text(le: Lesson, lang: str) -> str:
-    import nbformat
+    nbformat = _nbformat()
 
     return nbformat.writes(notebook(le, lang)) + "\n"
 
@@ -112,6 +122,7 @@ def write_notebooks(folder: str | os.PathLike[str]) -> list[Path]:
     from ..io.outdir import check_writable, make_dir
     from .registry import all_lessons
 
+    _nbformat()  # before anything is made
     check_writable(folder, "--write-notebooks")
     plan = [(Path(folder) / lang / f"{le.name}.ipynb", le, lang)
             for lang in LANGS for le in all_lessons()]

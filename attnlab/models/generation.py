@@ -51,6 +51,9 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
                                 f"tensors, got a tensor of shape {tuple(r.shape)} dtype "
                                 f"{r.dtype}")
             return r.tolist()
+        if not isinstance(r, Sequence) or isinstance(r, str | bytes):
+            raise TypeError(f"ids must hold prompts as lists of ints or 1-D integer tensors, "
+                            f"got {r!r} among them")
         return list(r)
 
     nested = ids and isinstance(ids[0], Sequence | torch.Tensor)

@@ -21,6 +21,7 @@ from .. import masks as _masks
 from ..cache import KVCache
 from ..checks import non_negative_int
 from ..distributed import ContextParallel
+from ..distributed.context import whole_length
 from ..functional import may_decode
 from ..layouts.gguf import gguf_layout
 from ..layouts.hf import gpt_layout
@@ -247,13 +248,14 @@ class GPT(GenerationMixin, nn.Module):
                       and may_decode(mask=mask, weights=output_attentions))
         if fused_rows:
             x = (decoder or decoding.Decoder(self.blocks, Block))(x, caches)
-        for i, block in enumerate(() if fused_rows else self.blocks):
-            x, w = block(x, mask, None if caches is None else caches[i], positions,
-                         output_attentions, document_ids)
-            if output_attentions:
-                attentions.append(w)
-            if hidden is not None:
-                hidden.append(x)
+        with whole_length(split, whole if split is not None else 0):  # one gather, not one a layer
+            for i, block in enumerate(() if fused_rows else self.blocks):
+                x, w = block(x, mask, None if caches is None else caches[i], positions,
+                             output_attentions, document_ids)
+                if output_attentions:
+                    attentions.append(w)
+                if hidden is not None:
+                    hidden.append(x)
         x = self.norm(x)
         if hidden is not None:
             hidden[-1] = x  # transformers' convention: the last entry is after the final norm

@@ -36,14 +36,19 @@ def train_device() -> torch.device:
     """Where a CLI run trains: under torchrun with a GPU for each process of this machine,
     this process's own GPU (``LOCAL_RANK``); otherwise the CPU, as before.
 
-    With more processes on the machine than GPUs (two processes on a one-GPU laptop) the
-    ranks past the last GPU would ask for a device that does not exist, and the ranks
-    must agree on one backend (nccl or gloo): every rank then trains on the CPU, and
-    local rank 0 says so in one line."""
+    With more processes on the machine than GPUs it sees (two processes on a one-GPU
+    laptop) the ranks past the last GPU would ask for a device that does not exist, and
+    the ranks must agree on one backend (nccl or gloo): every rank then trains on the
+    CPU, and local rank 0 says so in one line. A process that sees one GPU because its
+    launcher gave it one (``CUDA_VISIBLE_DEVICES`` set, per process) trains on it. (The
+    rule reads this machine alone: machines of a run with different GPU counts must be
+    launched alike by the user.)"""
     if world_size() <= 1 or not torch.cuda.is_available():
         return torch.device("cpu")
     local = launch_env("LOCAL_WORLD_SIZE", world_size())
     gpus = torch.cuda.device_count()
+    if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return torch.device("cuda", 0)  # this process's own GPU, chosen by its launcher
     if local > gpus:
         if launch_env("LOCAL_RANK", 0) == 0:
             print(f"attnlab: {local} processes on this machine but {gpus} CUDA device"

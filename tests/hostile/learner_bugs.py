@@ -278,5 +278,24 @@ class MaskMadeInForwardNoScale(MaskMadeInForward):
     scaled = False
 
 
+def simplified_causal(x):
+    """Correct: the weight-free attention with its causal mask made inside."""
+    n = x.shape[-2]
+    scores = (x @ x.transpose(-2, -1)).masked_fill(torch.ones(n, n).triu(1).bool(), -torch.inf)
+    return torch.softmax(scores, dim=-1) @ x
+
+
+def drops_last_key(q, k, v):
+    """Wrong, and not causal: the last key and value are left out of every row."""
+    return good_attention(q, k[..., :-1, :], v[..., :-1, :])
+
+
+class WithContext(BookMultiHeadAttention):
+    """Correct: a second forward parameter that is not a mask."""
+
+    def forward(self, x, context=None):
+        return super().forward(x if context is None else context)
+
+
 def broken_import_free():
     """Nothing: a name that is neither attention nor a module (for the CLI's exit 2)."""

@@ -108,3 +108,5 @@ def test_a_list_of_prompt_tensors_is_the_list_of_their_ids(model):
                                             rf"integer tensors, got a tensor of shape "
                                             rf"{re.escape(str(shape))} dtype {dtype}"):
             model.generate([torch.tensor([1, 2]), bad], 3, temperature=0)
+    with pytest.raises(TypeError, match="1-D integer tensors, got 5 among them"):
+        model.generate([torch.tensor([1, 2]), 5], 3, temperature=0)

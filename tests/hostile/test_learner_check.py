@@ -58,13 +58,22 @@ def test_each_planted_bug_is_named_and_nothing_else(name, code):
     # fourth place is not taken for it; causal code is known by its outputs; a module
     # of one width is built with one the heads divide
     lb.attn_causal_flag, lb.attn_mask_after_causal, lb.attn_scale_like_sdpa,
-    lb.causal_inside, lb.MaskedSelfAttention, lb.MaskMadeInForward,
+    lb.causal_inside, lb.MaskedSelfAttention, lb.MaskMadeInForward, lb.simplified_causal,
+    lb.WithContext,
 ], ids=lambda o: f"{o.__module__.rsplit('.', 1)[-1]}.{o.__name__}")
 def test_the_library_and_clean_tutorial_code_pass(obj):
     report = attnlab.check(obj, lang="en")
     assert report.ok, report
     assert [f.code for f in report.findings] in ([], ["gqa_skipped"]), report
     assert report.lines()[0].startswith(f"OK: {obj.__name__} agrees with the oracle")
+
+
+def test_code_found_causal_by_its_outputs_says_so_and_dropping_a_key_is_not_causal():
+    assert "causal (by its outputs) (q, k, v)" in str(attnlab.check(lb.causal_inside, lang="en"))
+    assert "（由输出判断为）因果" in str(attnlab.check(lb.MaskMadeInForward, lang="zh"))
+    report = attnlab.check(lb.drops_last_key, lang="en")  # moving key 1 moves row 0
+    assert not report.ok and "causal_excludes_self" not in report.codes, report
+    assert "causal" not in report.lines()[0] and "differs" in report.codes, report
 
 
 def test_the_library_takes_grouped_query_inputs_and_causal():
