@@ -97,6 +97,28 @@ def byte_level_metadata(pre: str = "default", add_bos: bool | None = False) -> d
             "chat_template": CHAT_TEMPLATE}
 
 
+# A byte-level vocabulary made to tell the pre-tokenizers apart: each merge below joins
+# characters that some split puts in one piece and another split keeps apart (digits in
+# runs of one, three or more; "/t" and "'m" across a split; CamelCase runs; punctuation
+# runs; spaces).
+SPLIT_PROBE_MERGES = ("1 2", "12 3", "4 5", "45 6", "2 0", "20 2", "/ t", "' m", "' M", "t p",
+                      "tp R", "tpR e", "H t", "Ht tp", "$ 5", "! !", "< =", "Ġ Ġ", "ĠĠ Ġ",
+                      "Ġ x", "D O", "DO N", "M L", "X ML", "Ġ 1", "Ġ1 2", "Ġ $")
+SPLIT_PROBE_TEXTS = ("In 2024 we sold 1234567 units", "I'M i'm DON'T don't",
+                     "path/to/file $5+3<=4 x!!", "HelloWorld XMLHttpRequest   x 12")
+
+
+def split_probe_metadata(pre: str) -> dict:
+    """tokenizer.ggml.* of :data:`SPLIT_PROBE_MERGES` over the 256 byte tokens."""
+    from attnlab.text.gguf_tokenizer import _byte_spelling
+
+    tokens = ["<|endoftext|>", *sorted(set(_byte_spelling().values()))]
+    tokens += [m.replace(" ", "") for m in SPLIT_PROBE_MERGES]
+    return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": list(SPLIT_PROBE_MERGES),
+            "types": [3, *[1] * (len(tokens) - 1)], "add_bos": False, "bos": 0, "eos": 0,
+            "chat_template": CHAT_TEMPLATE}
+
+
 @functools.cache
 def _sentencepiece_pieces() -> tuple[tuple[str, ...], tuple[float, ...]]:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -15,8 +15,10 @@ import torch  # noqa: E402
 import transformers as T  # noqa: E402
 from gguf_files import (  # noqa: E402
     CORPUS,
+    SPLIT_PROBE_TEXTS,
     byte_level_metadata,
     sentencepiece_metadata,
+    split_probe_metadata,
     write_gguf,
 )
 
@@ -27,7 +29,7 @@ from attnlab.text.chat import render_chat  # noqa: E402
 
 TEXTS = [*CORPUS, "注意力 😀🚀 mixed 混合 text", "digits 12345 and it's 'll",
          "tabs\tand\nnew\n\nlines", "👩‍👩‍👧 family emoji and 中文标点，。！"]
-KINDS = {"bpe": lambda: byte_level_metadata(),
+KINDS = {"bpe": lambda: byte_level_metadata("gpt-2"),
          "bpe-llama3": lambda: byte_level_metadata("llama-bpe", add_bos=True),
          "bpe-qwen2": lambda: byte_level_metadata("qwen2", add_bos=None),
          "sentencepiece": sentencepiece_metadata}
@@ -207,3 +209,61 @@ def test_generate_chat_applies_the_template_and_stops_at_the_end_of_turn(tmp_pat
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(path), "--prompt", "the cat", "--chat", "x"])
     assert "not allowed with" in capsys.readouterr().err
+
+
+# What llama.cpp (llama-cpp-python 0.3.36, vocab only) gives for SPLIT_PROBE_TEXTS under
+# each kind of tokenizer.ggml.pre, as tokens: the splits differ in digits, "'M", "/t",
+# CamelCase and punctuation runs, and attnlab's must be llama.cpp's (a file's ids are).
+LLAMA_CPP_PIECES = {
+    "default": ["I n Ġ 202 4 Ġ w e Ġ s o l d Ġ 123 456 7 Ġ u n i t s",
+                "I ' M Ġ i ' m Ġ DON ' T Ġ d o n ' t",
+                "p a t h / t o / f i l e Ġ $ 5 + 3 <= 4 Ġx !!",
+                "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 12"],
+    "gpt-2": ["I n Ġ 202 4 Ġ w e Ġ s o l d Ġ 123 456 7 Ġ u n i t s",
+              "I ' M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+              "p a t h / t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+              "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 12"],
+    "llama-bpe": ["I n Ġ 202 4 Ġ w e Ġ s o l d Ġ 123 456 7 Ġ u n i t s",
+                  "I 'M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+                  "p a t h /t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+                  "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 12"],
+    "falcon": ["I n Ġ 202 4 Ġ w e Ġ s o l d Ġ 123 456 7 Ġ u n i t s",
+               "I ' M Ġ i ' m Ġ DON ' T Ġ d o n ' t",
+               "p a t h / t o / f i l e Ġ $ 5 + 3 <= 4 Ġx !!",
+               "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 12"],
+    "smollm": ["I n Ġ 2 0 2 4 Ġ w e Ġ s o l d Ġ 1 2 3 4 5 6 7 Ġ u n i t s",
+               "I ' M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+               "p a t h / t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+               "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 1 2"],
+    "qwen2": ["I n Ġ 2 0 2 4 Ġ w e Ġ s o l d Ġ 1 2 3 4 5 6 7 Ġ u n i t s",
+              "I 'M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+              "p a t h /t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+              "H e l l o W o r l d Ġ XML Ht tpRe q u e s t ĠĠ Ġx Ġ 1 2"],
+    "tekken": ["I n Ġ 2 0 2 4 Ġ w e Ġ s o l d Ġ 1 2 3 4 5 6 7 Ġ u n i t s",
+               "I 'M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+               "p a t h /t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+               "H e l l o W o r l d Ġ XML Http R e q u e s t ĠĠ Ġx Ġ 1 2"],
+    "gpt-4o": ["I n Ġ 202 4 Ġ w e Ġ s o l d Ġ 123 456 7 Ġ u n i t s",
+               "I 'M Ġ i 'm Ġ DON ' T Ġ d o n ' t",
+               "p a t h /t o / f i l e Ġ$ 5 + 3 <= 4 Ġx !!",
+               "H e l l o W o r l d Ġ XML Http R e q u e s t ĠĠ Ġx Ġ 12"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(LLAMA_CPP_PIECES))
+def test_each_pre_tokenizer_splits_as_llama_cpp(tmp_path, pre):
+    meta = split_probe_metadata(pre)
+    path = tmp_path / f"{pre}.gguf"
+    write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta)
+    tok = GGUFTokenizer.from_gguf(path)
+    got = [" ".join(meta["tokens"][i] for i in tok.encode(t)) for t in SPLIT_PROBE_TEXTS]
+    assert got == LLAMA_CPP_PIECES[pre]
+
+
+def test_a_pre_tokenizer_llama_cpp_has_and_attnlab_not_is_refused(tmp_path):
+    meta = split_probe_metadata("deepseek-coder")
+    path = tmp_path / "ds.gguf"
+    write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta)
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre='deepseek-coder' splits text by "
+                                         "rules attnlab does not have"):
+        GGUFTokenizer.from_gguf(path)

@@ -4,11 +4,12 @@ A GGUF file has no ``tokenizer.json``: llama.cpp stores the vocabulary
 (``tokenizer.ggml.tokens``), its kind (``tokenizer.ggml.model``: ``gpt2`` for byte-level
 BPE, ``llama`` for SentencePiece-style BPE with byte fallback), the merges or the token
 scores they are recovered from, each token's type (control tokens are special), the
-special ids and the chat template. :class:`GGUFTokenizer` builds the same
-``tokenizers.Tokenizer`` that transformers builds from those keys (the same pieces, the
-same added tokens, BOS added where the file says so), so ids agree with
-``AutoTokenizer.from_pretrained(folder, gguf_file=...)``, and keeps the chat template and
-the special ids beside it.
+special ids and the chat template. :class:`GGUFTokenizer` builds from those keys a
+``tokenizers.Tokenizer`` that gives llama.cpp's ids: the text split before byte-level BPE
+as llama.cpp splits it for the file's ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`,
+checked against llama.cpp itself), the same added tokens, BOS added where the file says
+so; where transformers' GGUF loader reads the file alike (Llama 3, Qwen2, GPT-2 splits,
+SentencePiece) its ids agree too. It keeps the chat template and the special ids beside it.
 """
 
 from __future__ import annotations
@@ -25,14 +26,59 @@ __all__ = ["GGUFTokenizer", "build_gguf_tokenizer"]
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's enum)
 
-# tokenizer.ggml.pre -> the regex that splits text before byte-level BPE (as the model's
-# own tokenizer.json and transformers' GGUF loader); other kinds get GPT-2's ByteLevel split.
+# tokenizer.ggml.pre -> the regexes that split text before byte-level BPE, each splitting
+# the pieces of the one before, and whether a piece that is a whole token skips the merges:
+# llama.cpp's table (llama-vocab.cpp, as of ggml-org/llama.cpp 00ad355), where the ids of
+# a GGUF file are llama.cpp's. A name it does not know gets its "default" (as it does); a
+# name it knows and attnlab does not is refused, not split another way.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3,
-                        "smaug-bpe": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_SUFFIX}"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_SUFFIX}"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_KINDS = {
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"), False),
+    "llama3": ((_LLAMA3,), True), "llama3-merged": ((_LLAMA3,), False),
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"), False),
+    "digits": ((r"\p{N}", _GPT2), False), "gpt2": ((_GPT2,), False),
+    "qwen2": ((_QWEN2,), False), "tekken": ((_TEKKEN,), True), "gpt-4o": ((_GPT4O,), False),
+}
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano"), "llama3"),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), "llama3-merged"), "falcon": "falcon",
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva-7b"), "digits"),
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
+                     "jina-v2-de", "a.x-4.0", "mellum", "jina-v1-en", "jina-v2-code",
+                     "roberta-bpe", "exaone4", "mpt", "olmo", "jais", "trillion",
+                     "granite-docling"), "gpt2"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan"),
+                    "qwen2"),
+    "tekken": "tekken", **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), "gpt-4o"),
+    "default": "default",
+}
+# Known to llama.cpp, split by rules attnlab does not have.
+_NOT_HERE = ("deepseek-llm", "deepseek-coder", "deepseek-v3", "minicpm5", "youtu", "poro-chat",
+             "glm4", "chatglm-bpe", "viking", "bloom", "gpt3-finnish", "chameleon", "superbpe",
+             "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan-dense",
+             "kimi-k2", "grok-2", "afmoe", "qwen35", "exaone-moe")
+
+
+def pre_tokenizer(pre: object, where: str) -> tuple[tuple[str, ...], bool]:
+    """The regexes and merge rule of ``tokenizer.ggml.pre`` (see :data:`PRE_TOKENIZERS`)."""
+    if pre in _NOT_HERE:
+        raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} splits text by rules attnlab does "
+                         f"not have (it has {', '.join(sorted(set(PRE_TOKENIZERS)))}); its ids "
+                         "would differ from llama.cpp's")
+    return _KINDS[PRE_TOKENIZERS.get(pre, "default") if isinstance(pre, str) else "default"]
 
 
 # The tokens llama.cpp ends a generation at (llama-vocab.cpp, special_eog_ids, as of
@@ -144,7 +190,8 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], where: str = "the GGUF file") 
         merges = [tuple(p) for p in pairs]
     try:
         if kind == "gpt2":
-            tok = _byte_level(tokens, merges or [], meta.get("tokenizer.ggml.pre"),
+            tok = _byte_level(tokens, merges or [],
+                              pre_tokenizer(meta.get("tokenizer.ggml.pre"), where),
                               Tokenizer, models, pre_tokenizers, decoders, Regex)
         else:
             scores = meta.get("tokenizer.ggml.scores")
@@ -178,6 +225,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], where: str = "the GGUF file") 
 
 
 def _byte_level(tokens, merges, pre, Tokenizer, models, pre_tokenizers, decoders, Regex):
+    splits, whole_tokens = pre
     spelling = _byte_spelling()
     alphabet = set(spelling.values())
     # A token spelled outside the byte alphabet (a raw special token) is respelled in it.
@@ -185,14 +233,10 @@ def _byte_level(tokens, merges, pre, Tokenizer, models, pre_tokenizers, decoders
              for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
                                continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False))
-    split = PRE_TOKENIZER_SPLITS.get(pre)
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                               fuse_unk=False, ignore_merges=whole_tokens))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
