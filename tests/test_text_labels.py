@@ -87,6 +87,36 @@ def test_char_and_word_tokenizer_labels_show_blanks():
     assert visible(" x") == "\u2423x" and visible("\t") == "\u21e5"
 
 
+def test_control_and_format_characters_get_labels_a_font_can_draw():
+    # a control character would ask the fonts for a glyph none has (matplotlib's "Glyph 27
+    # missing" warning, and an empty tick); a zero-width space or joiner alone is empty
+    text = "a\x1bb\x00\x7f\u200b\u200d\r"
+    ids, labels = token_labels(CharTokenizer.from_text(text), text)
+    assert labels == ["a", "U+001B", "b", "U+0000", "U+007F", "U+200B", "U+200D", "U+000D"]
+    assert visible("x\x07y") == "xU+0007y" and visible("\u200d\u200d") == "U+200DU+200D"
+    assert visible("👩\u200d👧") == "👩\u200d👧"  # a joiner inside an emoji stays
+
+
+def test_a_sentencepiece_space_token_and_added_tokens_are_labelled_as_they_read():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "\u2581", "注", "意", "力", "a", "b"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    # the prepended ▁ is a token of its own here, with the first character's offsets
+    assert token_labels(HFTokenizer(tok), "注意力")[1] == ["\u2423", "注", "意", "力"]
+    bpe = byte_level_bpe()
+    bpe.add_tokens(["café", "naïve"])  # an added token is spelled as its text, not in bytes
+    labels = token_labels(HFTokenizer(bpe), "café naïve")[1]
+    assert "café" in labels and "naïve" in labels and not any("<0x" in x for x in labels)
+
+
+def test_a_lowercased_word_vocabulary_reads_its_own_text():
+    for text in ("İstanbul İzmir", "İSTANBUL'A GİDİYORUM", "ΚΑΛΗΣ'ΑΣ"):
+        tok = WordTokenizer.from_text(text, lowercase=True)
+        assert tok.unk_id not in tok.encode(text), text
+
+
 def test_unknown_tokens_are_reported_in_one_line_naming_the_script():
     tok = HFTokenizer(wordpiece(with_chinese=False))
     text = "注意力机制让模型学会关注重要的词。"

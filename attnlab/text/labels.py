@@ -13,8 +13,13 @@ token into what a reader expects:
   WordPiece continuations keeping their ``##`` and byte-fallback tokens
   (``<0xE6>``) kept as they are;
 - special tokens (``[CLS]``, ``<s>``) and the unknown token as themselves;
-- everywhere: a word-initial space is shown as ``␣`` and a token of only blanks
-  as visible symbols (``␣``, ``⏎``, ``⇥``), so no label is empty.
+- a SentencePiece space that is a token of its own (``▁`` before a character the
+  vocabulary has no ``▁``-word for) as ``␣``, and a byte-level vocabulary's added tokens
+  as the text they cover;
+- everywhere: a word-initial space is shown as ``␣``, a control character as its code
+  point (``U+001B``), and a token with nothing to draw (blanks, a zero-width space or
+  joiner) as visible symbols (``␣``, ``⏎``, ``⇥``, ``U+200D``), so no label is empty and
+  none asks the fonts for a glyph they lack.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import codecs
 import functools
 import json
 import re
+import unicodedata
 from typing import Any
 
 __all__ = ["token_labels", "visible", "bytes_label", "unk_id", "unknown_note"]
 
 SPACE_MARK = "\u2423"  # ␣ OPEN BOX
-_BLANKS = {" ": SPACE_MARK, "\n": "\u23ce", "\t": "\u21e5", "\r": "\u240d"}
+# (Symbols the label fonts draw: DejaVu Sans has no Control Pictures, so a carriage
+# return or a control character is written as its code point.)
+_BLANKS = {" ": SPACE_MARK, "\n": "\u23ce", "\t": "\u21e5"}
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -40,10 +48,20 @@ def _hex_bytes(err: UnicodeDecodeError) -> tuple[str, int]:
 codecs.register_error("attnlab-hexbytes", _hex_bytes)
 
 
+def _unseen(c: str) -> bool:
+    """A character with nothing to draw: a blank, a control or a format character (a zero
+    width space, a joiner)."""
+    return not c.strip() or unicodedata.category(c) in ("Cc", "Cf")
+
+
 def visible(label: str) -> str:
-    """``label`` with a leading space as ``␣`` and, when it is only blanks, every blank shown."""
-    if label and not label.strip():
+    """``label`` with a leading space as ``␣``, control characters as their code points
+    (``U+001B``), and, when it has nothing else to draw (blanks, a zero-width joiner), every
+    character shown; so no label is empty and none asks a font for a glyph it lacks."""
+    if label and all(_unseen(c) for c in label):
         return "".join(_BLANKS.get(c, f"U+{ord(c):04X}") for c in label)
+    label = "".join(f"U+{ord(c):04X}" if unicodedata.category(c) == "Cc" and c not in "\n\t"
+                    else c for c in label)
     if label.startswith(" "):
         return SPACE_MARK + label[1:]
     return label
@@ -94,12 +112,16 @@ def _hf_labels(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
     enc = tokenizer.backend.encode(text)
     unk = unk_id(tokenizer)
     decoder = _byte_decoder()
+    added = tokenizer.backend.get_added_tokens_decoder()  # id -> AddedToken
     labels = []
     for i, tok, (start, end), special in zip(enc.ids, enc.tokens, enc.offsets,
                                              enc.special_tokens_mask, strict=True):
         if special or i == unk or start == end or _BYTE_TOKEN.fullmatch(tok):
             labels.append(tok)  # [CLS], [UNK], <0xE6>: the model sees exactly this
-        elif byte_level and all(c in decoder for c in tok):
+        elif tok and set(tok) == {"\u2581"}:  # SentencePiece's space, a token of its own
+            labels.append(SPACE_MARK * len(tok))  # (its offsets are the next character's)
+        elif byte_level and i not in added and all(c in decoder for c in tok):
+            # (an added token is spelled as the text itself, not in the byte alphabet)
             labels.append(bytes_label(bytes(decoder[c] for c in tok)))
         else:
             mark = prefix if prefix and tok.startswith(prefix) else ""

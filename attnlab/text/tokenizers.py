@@ -292,7 +292,10 @@ class WordTokenizer(Tokenizer):
         """
         _check_text(text)
         min_freq = positive_int("min_freq", min_freq)
-        words = re.findall(WORD_PATTERN, text.lower() if lowercase else text)
+        # Split, then lowercase each token, as tokenize() does: lowercasing first changes the
+        # split where a character's lower case is not a word character ('İ' -> 'i' + U+0307)
+        # or depends on its neighbours (a final 'Σ').
+        words = [w.lower() if lowercase else w for w in re.findall(WORD_PATTERN, text)]
         if not words:
             raise ValueError(
                 f"text: expected text with at least one word or punctuation mark, got {text[:50]!r}"
