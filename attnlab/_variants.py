@@ -196,10 +196,16 @@ def _score_mod(fn, s, rows, k_start, k_end):
         what = f"dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"score_mod {mod_name(fn)!r} must return a "
                         f"floating-point tensor of the score's shape, got {what}")
-    if out.shape != s.shape:
-        raise ValueError(f"score_mod {mod_name(fn)!r} returned shape "
-                         f"{tuple(out.shape)} for scores of shape {tuple(s.shape)}; it must "
-                         "keep the score's shape")
+    if out.shape != s.shape:  # one computed from the indices alone broadcasts, as in torch
+        try:
+            fits = torch.broadcast_shapes(out.shape, s.shape) == s.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"score_mod {mod_name(fn)!r} returned shape "
+                             f"{tuple(out.shape)} for scores of shape {tuple(s.shape)}; it "
+                             "must keep the score's shape or broadcast to it")
+        out = out.expand(s.shape)
     return out.to(s.dtype)
 
 

@@ -15,14 +15,16 @@ are written that way. Indices are the raw row and key numbers (not end-aligned).
 Memory is the partial tiles only: a causal-like or prefix-LM mask keeps O(seq x block).
 :func:`block_mask` caches what it builds per (function, what it reads, shape, device, block
 sizes), at most :data:`CACHE_SIZE` of them. What a function reads is what its default
-arguments, its closure and the globals its code names hold (and those of the functions
-among them, as ``and_masks`` holds its parts), each tensor by identity and version: so a
+arguments, its closure and the globals its code names hold (its comprehensions' and
+generator expressions' too, and those of the functions among them, as ``and_masks`` holds
+its parts), each tensor by identity and version: so a
 document-id tensor bound again to the same global name, or changed in place, is a new
 mask, as FlexAttention's ``create_block_mask`` evaluates the function on every call. A
 bound method counts as its object and function. Not seen: a Python list or dict (or a
-NumPy array) the function reads changed in place, and what it reaches through an
-attribute (``self.ids``) or a ``functools.partial``: bind a new one, or pass
-``cache=False``.
+NumPy array) the function reads changed in place, a tensor written without a version
+bump (through ``.data``, or through a NumPy array that shares its memory), and what it
+reaches through an attribute (``self.ids``) or a ``functools.partial``: bind a new one, or
+pass ``cache=False``.
 """
 
 from __future__ import annotations
@@ -280,8 +282,18 @@ def _reads(fn, held: list, depth: int = 0) -> tuple:
         except ValueError:  # an empty cell
             values.append(None)
     scope = fn.__globals__
-    values += [scope[name] for name in code.co_names if name in scope]
+    values += [scope[name] for name in _names(code) if name in scope]
     return tuple(_value(v, held, depth) for v in values)
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global names ``code`` reads, with those of the code nested in it (a generator
+    expression, or a comprehension before Python 3.12, is a code object of its own)."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += [n for n in _names(const) if n not in names]
+    return names
 
 
 def _value(v, held: list, depth: int):

@@ -103,8 +103,9 @@ def test_mask_mod_and_score_mod_must_be_functions():
 
 @pytest.mark.parametrize("backend", ["eager", "auto"])
 def test_a_score_mod_that_changes_the_shape_is_refused(backend):
-    _raises(ValueError, r"score_mod '<lambda>' returned shape .* it must keep the score's shape",
-            score_mod=lambda s, b, h, q, kv: s.sum(-1), backend=backend)
+    _raises(ValueError, r"score_mod '<lambda>' returned shape .* it must keep the score's "
+            r"shape or broadcast to it", score_mod=lambda s, b, h, q, kv: s.sum(-1),
+            backend=backend)
     _raises(TypeError, r"score_mod '<lambda>' must return a floating-point tensor",
             score_mod=lambda s, b, h, q, kv: q > kv, backend=backend)
     _raises(ValueError, r"score_mod '<lambda>' raised ZeroDivisionError",

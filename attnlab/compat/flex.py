@@ -7,10 +7,14 @@ device (torch's own runs on the CPU forward only, compiled per mask).
   ``(B, H, L, E)`` inputs;
   ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled score and the block mask's
   ``mask_mod`` are attnlab's, called vectorised (``attnlab.blockmask``): write them with
-  tensor operations, as FlexAttention's examples are. ``block_mask`` is one from
-  :func:`create_block_mask` or torch's own ``BlockMask``, read as torch's compiled kernel
-  (what GPU code runs) reads it: the blocks it lists, whole where it lists them full, its
-  ``mask_mod`` evaluated again on the others (``BlockMask.from_kv_blocks`` too). A row
+  tensor operations, as FlexAttention's examples are (a score_mod's result broadcasts to
+  the score's shape). A key and value of batch one serve every query batch, as in torch.
+  ``block_mask`` is one from :func:`create_block_mask` or torch's own ``BlockMask``, read
+  as torch's compiled kernel (what GPU code runs) reads it: the blocks it lists, whole
+  where it lists them full, its ``mask_mod`` evaluated again on the others
+  (``BlockMask.from_kv_blocks`` too), at the call's every ``b`` and ``h`` (also where it
+  was made with ``B`` or ``H`` None), and again once a tensor it reads has changed (as for
+  attnlab's own: ``attnlab.blockmask``). A row
   that may attend nothing gives zeros and, with ``return_lse``, an lse of ``-inf``
   (FlexAttention's). ``kernel_options`` are accepted and ignored.
 - ``and_masks``, ``or_masks``, ``noop_mask``: torch's own (they broadcast as attnlab calls
@@ -29,7 +33,7 @@ import weakref
 import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
-from ..blockmask import BLOCK_SIZE, BlockMask, block_mask
+from ..blockmask import BLOCK_SIZE, BlockMask, _reads, block_mask
 from ..checks import boolean, positive_int
 from ..functional import attention, attention_with_lse
 
@@ -37,10 +41,12 @@ __all__ = ["flex_attention", "create_block_mask", "and_masks", "or_masks", "noop
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BLOCK_SIZE,
-                      _compile=False):
+                      _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
+                      dq_kv_order=True):
     """FlexAttention's ``create_block_mask``: ``mask_mod`` evaluated into a block mask of
     ``(B or 1, H or 1, Q_LEN, KV_LEN)`` in blocks of ``BLOCK_SIZE`` (an int, or a pair
-    (query rows, keys)). ``_compile`` is accepted and changes nothing."""
+    (query rows, keys)). ``_compile``, ``separate_full_blocks``, ``compute_dq_write_order``
+    and ``dq_kv_order`` are torch's kernel settings: accepted, and they change no number."""
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}")
@@ -55,7 +61,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BL
                       device=device)
 
 
-# torch BlockMask -> attnlab's, per object (a BlockMask hashes by identity).
+# torch BlockMask -> (what its mask_mod reads, the call's batch and heads, device) and
+# attnlab's, per object (a BlockMask hashes by identity).
 _FROM_TORCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -68,12 +75,14 @@ def _listed(num, indices, nk: int) -> torch.Tensor:
     return out[..., :nk]
 
 
-def _from_torch(torch_mask, mod, shape, sizes, device) -> BlockMask:
+def _from_torch(torch_mask, mod, shape, sizes, device, batch, heads) -> BlockMask:
     """A torch BlockMask as its compiled kernel reads it: blocks it does not list are empty,
     its full blocks are whole (the mask_mod is not asked there), its partial blocks are the
-    mask_mod's (torch's eager path asks the mask_mod everywhere; from_kv_blocks masks
-    carry noop_mask, so only the blocks say anything)."""
-    batch, heads, q_len, k_len = (int(x) for x in shape)
+    mask_mod's at each (b, h) of the call, ``batch`` x ``heads`` (torch's kernels ask it
+    with the real b and h, also where the mask was made with B or H None; torch's eager
+    path asks the mask_mod everywhere; from_kv_blocks masks carry noop_mask, so only the
+    blocks say anything)."""
+    q_len, k_len = (int(x) for x in shape[2:])
     evaluated = block_mask(mod, batch, heads, q_len, k_len, block_q=int(sizes[0]),
                            block_k=int(sizes[1]), device=device).dense()
     nk = -(-k_len // int(sizes[1]))
@@ -84,8 +93,10 @@ def _from_torch(torch_mask, mod, shape, sizes, device) -> BlockMask:
 
     allowed = expand(_listed(torch_mask.kv_num_blocks, torch_mask.kv_indices, nk)) & evaluated
     if torch_mask.full_kv_num_blocks is not None:
-        allowed |= expand(_listed(torch_mask.full_kv_num_blocks, torch_mask.full_kv_indices,
-                                  nk))
+        allowed = allowed | expand(_listed(torch_mask.full_kv_num_blocks,
+                                           torch_mask.full_kv_indices, nk))
+
+    allowed = allowed.expand(batch, heads, q_len, k_len)  # (a mask of one b or h: stored once)
 
     def by_blocks(b, h, q_idx, kv_idx):
         return allowed[b, h, q_idx, kv_idx]
@@ -108,11 +119,23 @@ def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
     if getattr(block_mask_, "kv_num_blocks", None) is None:
         return block_mask(mod, int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]),
                           block_q=int(sizes[0]), block_k=int(sizes[1]), device=query.device)
-    found = _FROM_TORCH.get(block_mask_)
-    if found is None or found.device != query.device:
-        found = _from_torch(block_mask_, mod, shape, sizes, query.device)
-        _FROM_TORCH[block_mask_] = found
-    return found
+    # Evaluated again where torch's kernel would ask the mask_mod something new: at the
+    # call's batch and heads where the mask has one of them, and once a tensor it reads has
+    # changed (in place, or bound again).
+    batch = query.shape[0] if int(shape[0]) == 1 else int(shape[0])
+    heads = query.shape[1] if int(shape[1]) == 1 else int(shape[1])
+    held: list = []
+    try:
+        key = (_reads(mod, held), batch, heads, str(query.device))
+    except TypeError:  # an unhashable value read: evaluated at each call
+        key = None
+    entry = _FROM_TORCH.get(block_mask_)
+    if key is None or entry is None or entry[0] != key:
+        found = _from_torch(block_mask_, mod, shape, sizes, query.device, batch, heads)
+        if key is not None:
+            _FROM_TORCH[block_mask_] = (key, found, held)
+        return found
+    return entry[1]
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -148,6 +171,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
                          "grouped-query attention needs enable_gqa=True (as FlexAttention)")
+    if key.shape[0] == 1 and value.shape[0] == 1 and query.shape[0] > 1:
+        # one key/value batch for every query batch, as FlexAttention broadcasts it
+        key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))
     kw = dict(scale=scale, score_mod=score_mod,
               mask_mod=_as_block_mask(block_mask, query, key))
     if not return_lse:

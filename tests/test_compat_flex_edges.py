@@ -1,0 +1,94 @@
+"""``attnlab.compat.flex_attention`` where FlexAttention code leans on torch's own
+behaviour: a torch ``BlockMask`` made with ``H``/``B`` None for a mask that reads ``h``/``b``,
+one reused after a tensor it reads changed, a mask_mod that reads a global inside a
+comprehension, a score_mod that returns a broadcast score, torch's newer keywords and a
+key/value batch of one. Each against torch's own eager FlexAttention on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+from attnlab.compat import create_block_mask, flex_attention
+
+L = 64
+g = torch.Generator().manual_seed(11)
+Q, K, V = (torch.randn(2, 2, L, 8, generator=g) for _ in range(3))
+DOC = torch.tensor([0] * 20 + [1] * 30 + [2] * 14)
+IDS = torch.zeros(1, L, dtype=torch.long)
+
+
+def _torch(q, k, v, block=None, score_mod=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "unfused implementation": the one compared here
+        return torch_flex.flex_attention(q, k, v, block_mask=block, score_mod=score_mod)
+
+
+def per_head(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (kv_idx % (h + 2) == 0)
+
+
+def documents(b, h, q_idx, kv_idx):
+    return DOC[q_idx] == DOC[kv_idx]
+
+
+def documents_in_a_comprehension(b, h, q_idx, kv_idx):
+    return torch.stack([IDS[0, q_idx] == IDS[0, kv_idx] for _ in range(1)]).all(0)
+
+
+def test_a_torch_mask_made_for_every_head_is_asked_at_each_head():
+    # torch's kernels call the mask_mod with the real h on partial blocks; asking it at
+    # h = 0 alone gave head 1 head 0's mask (off by 1.9)
+    block = torch_flex.create_block_mask(per_head, None, None, L, L, device="cpu",
+                                         BLOCK_SIZE=16)
+    torch.testing.assert_close(flex_attention(Q, K, V, block_mask=block),
+                               _torch(Q, K, V, block), atol=2e-5, rtol=2e-5)
+
+
+def test_a_torch_mask_is_asked_again_once_a_tensor_it_reads_changed():
+    block = torch_flex.create_block_mask(documents, None, None, L, L, device="cpu",
+                                         BLOCK_SIZE=16)
+    before = DOC.clone()
+    try:
+        flex_attention(Q, K, V, block_mask=block)
+        DOC[20:24] = 0  # a boundary moves within the partial blocks it was in
+        torch.testing.assert_close(flex_attention(Q, K, V, block_mask=block),
+                                   _torch(Q, K, V, block), atol=2e-5, rtol=2e-5)
+    finally:
+        DOC.copy_(before)
+
+
+def test_a_global_read_inside_a_comprehension_is_part_of_the_cache_key():
+    try:
+        block = create_block_mask(documents_in_a_comprehension, None, None, L, L,
+                                  BLOCK_SIZE=16)
+        flex_attention(Q, K, V, block_mask=block)
+        IDS[0, 32:] = 1
+        block = create_block_mask(documents_in_a_comprehension, None, None, L, L,
+                                  BLOCK_SIZE=16)
+        want = torch_flex.create_block_mask(documents_in_a_comprehension, None, None, L, L,
+                                            device="cpu", BLOCK_SIZE=16)
+        torch.testing.assert_close(flex_attention(Q, K, V, block_mask=block),
+                                   _torch(Q, K, V, want), atol=2e-5, rtol=2e-5)
+    finally:
+        IDS.zero_()
+
+
+def test_a_score_mod_of_the_indices_alone_broadcasts():
+    def distance(score, b, h, q_idx, kv_idx):
+        return -(q_idx - kv_idx).abs().float()  # no score in it: (1, 1, 1, L, S) here
+
+    torch.testing.assert_close(flex_attention(Q, K, V, score_mod=distance),
+                               _torch(Q, K, V, score_mod=distance), atol=2e-5, rtol=2e-5)
+
+
+def test_torchs_newer_keywords_and_one_key_batch_for_every_query_batch():
+    block = create_block_mask(documents, 2, None, L, L, BLOCK_SIZE=16,
+                              separate_full_blocks=False, compute_dq_write_order=False,
+                              dq_kv_order=True)
+    want = _torch(Q, K[:1], V[:1], torch_flex.create_block_mask(documents, 2, None, L, L,
+                                                                device="cpu"))
+    torch.testing.assert_close(flex_attention(Q, K[:1], V[:1], block_mask=block), want,
+                               atol=2e-5, rtol=2e-5)
