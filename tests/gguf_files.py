@@ -103,7 +103,9 @@ def byte_level_metadata(pre: str = "default", add_bos: bool | None = False) -> d
 # runs; spaces).
 SPLIT_PROBE_MERGES = ("1 2", "12 3", "4 5", "45 6", "2 0", "20 2", "/ t", "' m", "' M", "t p",
                       "tp R", "tpR e", "H t", "Ht tp", "$ 5", "! !", "< =", "Ġ Ġ", "ĠĠ Ġ",
-                      "Ġ x", "D O", "DO N", "M L", "X ML", "Ġ 1", "Ġ1 2", "Ġ $")
+                      "Ġ x", "D O", "DO N", "M L", "X ML", "Ġ 1", "Ġ1 2", "Ġ $", "Å ¿",
+                      "Å¿ t", "' Å¿")  # (the last three: the long s, ſ, with the letter after
+                                      # it or the apostrophe before)
 SPLIT_PROBE_TEXTS = ("In 2024 we sold 1234567 units", "I'M i'm DON'T don't",
                      "path/to/file $5+3<=4 x!!", "HelloWorld XMLHttpRequest   x 12")
 

@@ -92,3 +92,41 @@ def test_torchs_newer_keywords_and_one_key_batch_for_every_query_batch():
                                                                 device="cpu"))
     torch.testing.assert_close(flex_attention(Q, K[:1], V[:1], block_mask=block), want,
                                atol=2e-5, rtol=2e-5)
+
+
+def test_a_torch_mask_of_one_b_and_h_is_kept_once_and_freed_with_its_owner():
+    # evaluated at the call's batch and heads, a mask that reads neither is still stored
+    # once (it was stored per (b, h): 64 MB of tiles for a causal 8 x 32 x 2048); and a
+    # mask_mod reading the module that owns the mask (self.docs) lets the module go
+    import gc
+    import weakref
+
+    from attnlab.compat.flex import _as_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block = torch_flex.create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    ours = _as_block_mask(block, Q, K)
+    assert tuple(ours.kinds.shape[:2]) == (1, 1)
+
+    class Owner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("docs", DOC.clone())
+            self.block = torch_flex.create_block_mask(
+                lambda b, h, q, k: self.docs[q] == self.docs[k], None, None, L, L,
+                device="cpu", BLOCK_SIZE=16)
+
+        def forward(self, x):
+            return flex_attention(x, x, x, block_mask=self.block)
+
+    owner = Owner()
+    owner(Q)
+    gone = weakref.ref(owner)
+    del owner
+    from attnlab import blockmask
+
+    blockmask._CACHE.clear()  # (its own cache holds what a mask_mod reads, by design)
+    gc.collect()
+    assert gone() is None

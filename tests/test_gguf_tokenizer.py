@@ -260,10 +260,27 @@ def test_each_pre_tokenizer_splits_as_llama_cpp(tmp_path, pre):
     assert got == LLAMA_CPP_PIECES[pre]
 
 
-def test_a_pre_tokenizer_llama_cpp_has_and_attnlab_not_is_refused(tmp_path):
-    meta = split_probe_metadata("deepseek-coder")
+@pytest.mark.parametrize("pre", ["deepseek-coder", "a-name-nobody-knows"])
+def test_a_pre_tokenizer_attnlab_does_not_have_is_refused(tmp_path, pre):
+    # llama.cpp has DeepSeek's split and refuses a name it does not know; attnlab refuses
+    # both rather than split another way
+    meta = split_probe_metadata(pre)
     path = tmp_path / "ds.gguf"
     write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta)
-    with pytest.raises(ValueError, match="tokenizer.ggml.pre='deepseek-coder' splits text by "
-                                         "rules attnlab does not have"):
+    with pytest.raises(ValueError, match=f"tokenizer.ggml.pre='{pre}' is not a split attnlab "
+                                         "has"):
         GGUFTokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("tekken", True),
+                                          ("qwen2", False), ("gpt-2", False)])
+def test_bos_by_default_where_llama_cpp_adds_it(tmp_path, pre, bos):
+    # a byte-level file with no add_bos_token key: llama.cpp adds BOS for the Llama 3 and
+    # Tekken splits; and its contractions are spelt case by case, so the long s is no 's
+    meta = {**split_probe_metadata(pre), "add_bos": None}
+    path = tmp_path / "nobos.gguf"
+    write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta)
+    tok = GGUFTokenizer.from_gguf(path)
+    assert (tok.encode("hi")[0] == 0) is bos
+    pieces = [meta["tokens"][i] for i in tok.encode("x'\u017ft", add_special_tokens=False)]
+    assert pieces == ["x", "'", "Å¿t"]  # 'ſt one piece, 'ſ not a contraction as (?i:'s) took it

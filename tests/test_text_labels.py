@@ -95,6 +95,8 @@ def test_control_and_format_characters_get_labels_a_font_can_draw():
     assert labels == ["a", "U+001B", "b", "U+0000", "U+007F", "U+200B", "U+200D", "U+000D"]
     assert visible("x\x07y") == "xU+0007y" and visible("\u200d\u200d") == "U+200DU+200D"
     assert visible("👩\u200d👧") == "👩\u200d👧"  # a joiner inside an emoji stays
+    assert visible("\ufe0f") == "U+FE0F" and visible("❤\ufe0f") == "❤\ufe0f"  # (SmolLM2
+    # makes the emoji variation selector of "I ❤️ you" a token of its own)
 
 
 def test_a_sentencepiece_space_token_and_added_tokens_are_labelled_as_they_read():

@@ -28,7 +28,7 @@ device (torch's own runs on the CPU forward only, compiled per mask).
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 
 import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
@@ -61,9 +61,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BL
                       device=device)
 
 
-# torch BlockMask -> (what its mask_mod reads, the call's batch and heads, device) and
-# attnlab's, per object (a BlockMask hashes by identity).
-_FROM_TORCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a torch BlockMask that keeps attnlab's evaluation of it: (what its
+# mask_mod reads, the call's batch and heads, device), the BlockMask, and the objects the key
+# names. On the object itself, not in a table: a mask_mod that reads the module owning the
+# mask (``self.docs``) then makes a cycle the collector frees, not an entry held forever.
+_EVALUATED = "_attnlab_evaluated"
 
 
 def _listed(num, indices, nk: int) -> torch.Tensor:
@@ -96,10 +98,10 @@ def _from_torch(torch_mask, mod, shape, sizes, device, batch, heads) -> BlockMas
         allowed = allowed | expand(_listed(torch_mask.full_kv_num_blocks,
                                            torch_mask.full_kv_indices, nk))
 
-    allowed = allowed.expand(batch, heads, q_len, k_len)  # (a mask of one b or h: stored once)
+    one_b, one_h = allowed.shape[0] == 1, allowed.shape[1] == 1
 
-    def by_blocks(b, h, q_idx, kv_idx):
-        return allowed[b, h, q_idx, kv_idx]
+    def by_blocks(b, h, q_idx, kv_idx):  # a mask of one b or h keeps it: stored once
+        return allowed[b[:1] * 0 if one_b else b, h[:, :1] * 0 if one_h else h, q_idx, kv_idx]
     return block_mask(by_blocks, batch, heads, q_len, k_len, block_q=int(sizes[0]),
                       block_k=int(sizes[1]), device=device, cache=False)
 
@@ -125,17 +127,14 @@ def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
     batch = query.shape[0] if int(shape[0]) == 1 else int(shape[0])
     heads = query.shape[1] if int(shape[1]) == 1 else int(shape[1])
     held: list = []
-    try:
-        key = (_reads(mod, held), batch, heads, str(query.device))
-    except TypeError:  # an unhashable value read: evaluated at each call
-        key = None
-    entry = _FROM_TORCH.get(block_mask_)
-    if key is None or entry is None or entry[0] != key:
-        found = _from_torch(block_mask_, mod, shape, sizes, query.device, batch, heads)
-        if key is not None:
-            _FROM_TORCH[block_mask_] = (key, found, held)
-        return found
-    return entry[1]
+    reads = (_reads(mod, held), batch, heads, str(query.device))
+    entry = getattr(block_mask_, _EVALUATED, None)
+    if entry is not None and entry[0] == reads:
+        return entry[1]
+    found = _from_torch(block_mask_, mod, shape, sizes, query.device, batch, heads)
+    with contextlib.suppress(AttributeError):  # (one that takes none: evaluated each call)
+        setattr(block_mask_, _EVALUATED, (reads, found, held))
+    return found
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,

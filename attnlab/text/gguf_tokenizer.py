@@ -27,58 +27,67 @@ __all__ = ["GGUFTokenizer", "build_gguf_tokenizer"]
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's enum)
 
 # tokenizer.ggml.pre -> the regexes that split text before byte-level BPE, each splitting
-# the pieces of the one before, and whether a piece that is a whole token skips the merges:
-# llama.cpp's table (llama-vocab.cpp, as of ggml-org/llama.cpp 00ad355), where the ids of
-# a GGUF file are llama.cpp's. A name it does not know gets its "default" (as it does); a
-# name it knows and attnlab does not is refused, not split another way.
+# the pieces of the one before; whether a piece that is a whole token skips the merges;
+# whether BOS is added where the file has no add_bos_token. llama.cpp's table and regexes
+# (llama-vocab.cpp, as of ggml-org/llama.cpp 00ad355, checked against llama-cpp-python
+# 0.3.36), where the ids of a GGUF file are llama.cpp's: its contractions spelt case by case
+# ('[sS], not (?i:'s), which also matches the long s), and Tekken's and GPT-4o's letter runs
+# as it rewrites them (no combining marks in a run: there Hugging Face's tokenizer.json
+# differs). A missing key is llama.cpp's "default"; any other name attnlab does not have is
+# refused, as llama.cpp refuses a name it does not know.
+_S = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_SUFFIX}"
-          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_SUFFIX}"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = _S + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
+_QWEN2 = _S + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
+_UPPER, _LOWER = r"(?:(?=\p{L})[^a-z])", r"(?:(?=\p{L})[^A-Z])"
+_SLASH_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _cased(suffix: str) -> str:
+    """A run of capitals then lower case, or of capitals: Tekken's and GPT-4o's words."""
+    lead = r"[^\r\n\p{L}\p{N}]?"
+    return f"{lead}{_UPPER}*{_LOWER}+{suffix}|{lead}{_UPPER}+{_LOWER}*{suffix}"
+
+
+_TEKKEN = _cased("") + r"|\p{N}" + _SLASH_TAIL
+_GPT4O = _cased(_S + "?") + r"|\p{N}{1,3}" + _SLASH_TAIL
 _KINDS = {
-    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"), False),
-    "llama3": ((_LLAMA3,), True), "llama3-merged": ((_LLAMA3,), False),
-    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"), False),
-    "digits": ((r"\p{N}", _GPT2), False), "gpt2": ((_GPT2,), False),
-    "qwen2": ((_QWEN2,), False), "tekken": ((_TEKKEN,), True), "gpt-4o": ((_GPT4O,), False),
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"), False, False),
+    "llama3": ((_LLAMA3,), True, True), "llama3-merged": ((_LLAMA3,), False, False),
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"), False, False),
+    "digits": ((r"\p{N}", _GPT2), False, False), "gpt2": ((_GPT2,), False, False),
+    "qwen2": ((_QWEN2,), False, False), "tekken": ((_TEKKEN,), True, True),
+    "gpt-4o": ((_GPT4O,), False, False),
 }
 PRE_TOKENIZERS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                      "midm-2.0", "lfm2", "jina-v5-nano"), "llama3"),
     **dict.fromkeys(("dbrx", "smaug-bpe"), "llama3-merged"), "falcon": "falcon",
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva-7b"), "digits"),
+                     "minerva-7b", "mellum2"), "digits"),
     **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                      "jina-v2-de", "a.x-4.0", "mellum", "jina-v1-en", "jina-v2-code",
                      "roberta-bpe", "exaone4", "mpt", "olmo", "jais", "trillion",
-                     "granite-docling"), "gpt2"),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan"),
-                    "qwen2"),
-    "tekken": "tekken", **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), "gpt-4o"),
+                     "granite-docling", "modern-bert"), "gpt2"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan",
+                     "f2llmv2", "solar-open"), "qwen2"),
+    "tekken": "tekken",
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"), "gpt-4o"),
     "default": "default",
 }
-# Known to llama.cpp, split by rules attnlab does not have.
-_NOT_HERE = ("deepseek-llm", "deepseek-coder", "deepseek-v3", "minicpm5", "youtu", "poro-chat",
-             "glm4", "chatglm-bpe", "viking", "bloom", "gpt3-finnish", "chameleon", "superbpe",
-             "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan-dense",
-             "kimi-k2", "grok-2", "afmoe", "qwen35", "exaone-moe")
 
 
-def pre_tokenizer(pre: object, where: str) -> tuple[tuple[str, ...], bool]:
-    """The regexes and merge rule of ``tokenizer.ggml.pre`` (see :data:`PRE_TOKENIZERS`)."""
-    if pre in _NOT_HERE:
-        raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} splits text by rules attnlab does "
-                         f"not have (it has {', '.join(sorted(set(PRE_TOKENIZERS)))}); its ids "
-                         "would differ from llama.cpp's")
-    return _KINDS[PRE_TOKENIZERS.get(pre, "default") if isinstance(pre, str) else "default"]
+def pre_tokenizer(pre: object, where: str) -> tuple[tuple[str, ...], bool, bool]:
+    """``(regexes, whole tokens skip the merges, BOS by default)`` of
+    ``tokenizer.ggml.pre`` (see :data:`PRE_TOKENIZERS`)."""
+    if pre is None or pre == "":
+        return _KINDS["default"]
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} is not a split attnlab has (it "
+                         f"has {', '.join(sorted(PRE_TOKENIZERS))}); its ids would differ "
+                         "from llama.cpp's")
+    return _KINDS[PRE_TOKENIZERS[pre]]
 
 
 # The tokens llama.cpp ends a generation at (llama-vocab.cpp, special_eog_ids, as of
@@ -225,7 +234,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], where: str = "the GGUF file") 
 
 
 def _byte_level(tokens, merges, pre, Tokenizer, models, pre_tokenizers, decoders, Regex):
-    splits, whole_tokens = pre
+    splits, whole_tokens, _ = pre
     spelling = _byte_spelling()
     alphabet = set(spelling.values())
     # A token spelled outside the byte alphabet (a raw special token) is respelled in it.
@@ -296,7 +305,11 @@ class GGUFTokenizer(HFTokenizer):
                 raise ValueError(f"{where}: tokenizer.ggml.{name}_token_id={value} is not a "
                                  f"token id (the vocabulary has {n})")
             ids[name] = value
-        default_bos = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp's default
+        # llama.cpp's default where the file says nothing: SentencePiece adds BOS, and so
+        # do byte-level files of the Llama 3 and Tekken splits.
+        default_bos = meta.get("tokenizer.ggml.model") == "llama" or (
+            meta.get("tokenizer.ggml.model") == "gpt2"
+            and pre_tokenizer(meta.get("tokenizer.ggml.pre"), where)[2])
         add = {"bos": _field(meta, "tokenizer.ggml.add_bos_token", bool, where),
                "eos": _field(meta, "tokenizer.ggml.add_eos_token", bool, where)}
         add["bos"] = default_bos if add["bos"] is None else add["bos"]

@@ -51,7 +51,9 @@ codecs.register_error("attnlab-hexbytes", _hex_bytes)
 def _unseen(c: str) -> bool:
     """A character with nothing to draw: a blank, a control or a format character (a zero
     width space, a joiner)."""
-    return not c.strip() or unicodedata.category(c) in ("Cc", "Cf")
+    code = ord(c)
+    return (not c.strip() or unicodedata.category(c) in ("Cc", "Cf")
+            or 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF)  # variation selectors
 
 
 def visible(label: str) -> str:
