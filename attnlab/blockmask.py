@@ -23,12 +23,14 @@ mask, as FlexAttention's ``create_block_mask`` evaluates the function on every c
 bound method counts as its object and function. Not seen: a Python list or dict (or a
 NumPy array) the function reads changed in place, a tensor written without a version
 bump (through ``.data``, or through a NumPy array that shares its memory), and what it
-reaches through an attribute (``self.ids``) or a ``functools.partial``: bind a new one, or
-pass ``cache=False``.
+reaches through an attribute (``self.ids``) or a callable object's state: bind a new one,
+or pass ``cache=False``. (A ``functools.partial`` counts as its function and the values it
+binds.)
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import OrderedDict
 from collections.abc import Callable
@@ -271,6 +273,10 @@ def _reads(fn, held: list, depth: int = 0) -> tuple:
     if isinstance(fn, types.MethodType):  # a bound method: a new object at each access
         held.append(fn.__self__)
         return (("self", id(fn.__self__)), *_reads(fn.__func__, held, depth))
+    if isinstance(fn, functools.partial) and depth < 4:  # its function and what it binds
+        bound = [*fn.args, *sorted(fn.keywords.items())]
+        return (("partial", id(fn)), *_reads(fn.func, held, depth + 1),
+                *(_value(v, held, depth + 1) for v in bound))
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
         return (_value(fn, held, depth),)

@@ -130,3 +130,20 @@ def test_a_torch_mask_of_one_b_and_h_is_kept_once_and_freed_with_its_owner():
     blockmask._CACHE.clear()  # (its own cache holds what a mask_mod reads, by design)
     gc.collect()
     assert gone() is None
+
+
+def test_a_partial_mask_mod_is_evaluated_again_once_what_it_binds_changes():
+    import functools
+
+    def same_doc(ids, b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    ids = DOC.clone()
+    mod = functools.partial(same_doc, ids)
+    flex_attention(Q, K, V, block_mask=create_block_mask(mod, None, None, L, L, BLOCK_SIZE=16))
+    ids[20:24] = 0
+    got = flex_attention(Q, K, V, block_mask=create_block_mask(mod, None, None, L, L,
+                                                               BLOCK_SIZE=16))
+    want = _torch(Q, K, V, torch_flex.create_block_mask(mod, None, None, L, L, device="cpu",
+                                                        BLOCK_SIZE=16))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
