@@ -50,8 +50,9 @@ _INFERRED = {"en": "causal (by its outputs) ", "zh": "（由输出判断为）�
 
 
 def _causal_only(target: Target, cases: list[Case]) -> list[Case]:
-    """``cases`` as they are, or all causal and square where the target's causality was
-    inferred (``Target._inferred_causal``)."""
+    """``cases`` as they are, or, where the target's outputs showed it causal with no flag
+    saying so (``always_causal``, from :meth:`Target.behaves_causal`), all causal and
+    square: a rule written for one sequence has no say on q_len != k_len."""
     if not getattr(target, "always_causal", False):
         return cases
     return [dataclasses.replace(c, causal=True) for c in cases if c.q_len == c.k_len]
@@ -113,13 +114,6 @@ class Target:
             return False
         return True
 
-    def _inferred_causal(self) -> None:
-        """For code with no causal flag: every case causal, and self-attention only (a
-        rule written for one sequence has no say on q_len != k_len), where its outputs
-        show it is causal; the OK line says how it was known."""
-        self.always_causal = False
-        self.always_causal = self.behaves_causal()
-
     def probe_rank(self, ranks: tuple[int, ...], first: Case, square: Case) -> None:
         """Use the first input rank the learner's code takes (a tutorial function may be
         written for ``(seq, d)`` only); try the square case too, where ``q @ k`` runs."""
@@ -164,9 +158,8 @@ class FunctionQKV(Target):
         self.head_dim = self.d_model = self.d_in = 8
         base = Case("batch=2 heads=3 seq=5", 2, 3, 3, 5, 5)
         self.probe_rank((4, 3, 2), base, Case("batch=2 heads=3 seq=8=head_dim", 2, 3, 3, 8, 8))
-        self.always_causal = False  # a causal function that takes no causal flag
-        if self.causal_name is None:
-            self._inferred_causal()
+        # a causal function that takes no causal flag (the OK line says how it was known)
+        self.always_causal = self.causal_name is None and self.behaves_causal()
         kind = _INFERRED if self.always_causal else {"en": "", "zh": ""}
         self.what = {"en": f"{kind['en']}(q, k, v) of rank {self.rank}",
                      "zh": f"{kind['zh']}{self.rank} 维的 (q, k, v)"}
@@ -231,7 +224,7 @@ class FunctionX(Target):
         self.head_dim = self.d_model = self.d_in = 8
         self.probe_rank((3, 2), Case("batch=2 seq=5", 2, 1, 1, 5, 5),
                         Case("batch=2 seq=8=d", 2, 1, 1, 8, 8))
-        self._inferred_causal()
+        self.always_causal = self.behaves_causal()
         kind = _INFERRED if self.always_causal else {"en": "", "zh": ""}
         self.what = {"en": f"{kind['en']}x of rank {self.rank}",
                      "zh": f"{kind['zh']}{self.rank} 维的 x"}
