@@ -286,3 +286,27 @@ def test_more_processes_than_gpus_train_on_the_cpu(monkeypatch, capsys, gpus, lo
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local_rank + 4))
         assert str(train_device()) == "cuda:0"
+
+
+def test_train_never_replaces_a_saved_model_without_overwrite(tmp_path, capsys):
+    # a model saved with save_checkpoint has no training state; `train --out` replaced it
+    # (only a run's state was protected), while --resume refused it
+    import hashlib
+
+    import torch
+
+    import attnlab
+    from attnlab.cli import main
+    from attnlab.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    attnlab.save_checkpoint(GPT(GPTConfig(vocab_size=50, context_length=32, d_model=32,
+                                          num_layers=1, num_heads=2)), tmp_path / "mine")
+    saved = tmp_path / "mine" / "model.safetensors"
+    before = hashlib.sha256(saved.read_bytes()).hexdigest()
+    args = ["train", "--steps", "2", "--batch-size", "2", "--context", "16", "--out",
+            str(tmp_path / "mine")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds a saved model (model.safetensors): add --overwrite" in err
+    assert hashlib.sha256(saved.read_bytes()).hexdigest() == before

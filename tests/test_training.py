@@ -784,3 +784,19 @@ def test_a_rank_that_left_its_group_ends_without_finalising(monkeypatch, capsys)
     with pytest.raises(RuntimeError, match="a collective failed"):
         cli.run()
     assert ended == [1, 3]
+
+
+def test_the_api_checkpoints_every_tenth_of_the_run_when_not_told(tmp_path):
+    # as the CLI does (default_checkpoint_every): a run of the API killed at its last step
+    # had nothing to resume from
+    from unittest import mock
+
+    from attnlab import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    model = ToyAttnLM(ToyConfig(vocab_size=10, context_length=8, d_model=16))
+    data = torch.randint(0, 10, (2000,), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(ckpt, "save_training_state", wraps=ckpt.save_training_state) as save:
+        train(model, data, TrainConfig(steps=20, context=8, batch_size=4, eval_every=10),
+              out=tmp_path / "run", progress=False, log=None)
+    assert [c.args[4] for c in save.call_args_list] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]

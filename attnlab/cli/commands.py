@@ -8,6 +8,7 @@ import functools
 import json
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -85,6 +86,7 @@ def _check_not_replacing(args: argparse.Namespace) -> None:
     """A run already in --out is continued (--resume) or replaced on purpose
     (--overwrite), never replaced because --resume was forgotten."""
     from ..checkpoint import has_checkpoint
+    from ..io.files import MODEL_FILE
 
     if args.resume and args.overwrite:
         raise ValueError("give --resume (continue the run in --out) or --overwrite (replace "
@@ -92,6 +94,12 @@ def _check_not_replacing(args: argparse.Namespace) -> None:
     if not args.resume and not args.overwrite and has_checkpoint(args.out):
         raise ValueError(f"--out {args.out!r} holds a run already: add --resume to continue "
                          "it, or --overwrite to train a new model in its place")
+    saved = Path(args.out) / MODEL_FILE
+    if not args.resume and not args.overwrite and (saved.exists() or saved.is_symlink()):
+        # a model saved with save_checkpoint: no training state, but a model all the same
+        raise ValueError(f"--out {args.out!r} holds a saved model ({MODEL_FILE}): add "
+                         "--overwrite to train a new model in its place, or choose another "
+                         "--out")
 
 
 def _train(args: argparse.Namespace) -> int:

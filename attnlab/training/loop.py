@@ -49,6 +49,7 @@ from .distributed import _dist_setup, _leave_group, _mean_across, context_split
 from .settings import (
     TrainConfig,
     check_training_fits,
+    default_checkpoint_every,
     lr_at,
 )
 
@@ -78,8 +79,9 @@ def train(
             ``cfg.context + 1`` (:func:`~attnlab.training.packing.pack`); the last
             documents, 10% of the tokens, are held out.
         cfg: hyperparameters; ``cfg.steps`` is the total number of steps.
-        out: checkpoint directory (written every ``cfg.checkpoint_every`` steps and
-            at the end; see :func:`default_checkpoint_every`); None = no checkpoints.
+        out: checkpoint directory (written every ``cfg.checkpoint_every`` steps, every
+            tenth of the run where that is None (:func:`default_checkpoint_every`), and
+            at the end); None = no checkpoints.
             An existing ``out`` must be empty or attnlab's (:func:`check_out_dir`).
         resume: continue from the checkpoint in ``out``; with none there yet (a run
             killed before its first checkpoint) start from step 0, with a note on
@@ -303,7 +305,7 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
             elapsed = time.perf_counter() - start
             show.step(step, train_loss,
                       (step - start_step) * cfg.batch_size * cfg.context / max(elapsed, 1e-9))
-        due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        due = step % (cfg.checkpoint_every or default_checkpoint_every(cfg.steps)) == 0
         if out is not None and rank == 0 and (due or step == cfg.steps):
             bad = next((n for n, p in model.named_parameters()
                         if not bool(torch.isfinite(p).all())), None)
