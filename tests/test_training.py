@@ -800,3 +800,21 @@ def test_the_api_checkpoints_every_tenth_of_the_run_when_not_told(tmp_path):
         train(model, data, TrainConfig(steps=20, context=8, batch_size=4, eval_every=10),
               out=tmp_path / "run", progress=False, log=None)
     assert [c.args[4] for c in save.call_args_list] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+
+
+def test_a_resumed_run_knows_how_far_past_its_best_it_was_and_whether_it_warned():
+    # neither is in the checkpoint: replayed from the history, a resumed run warns once,
+    # when and as the whole run does (it warned again, or never)
+    from attnlab.training.loop import _Best
+
+    model = ToyAttnLM(ToyConfig(vocab_size=10, context_length=8, d_model=16))
+    evals = [3.0, 2.5, 2.6, 2.7, 2.95, 3.2, 2.4, 2.5, 2.9]
+    live, history = _Best(keep=False), []
+    for i, loss in enumerate(evals):
+        live.update(i, loss, model)
+        live.overfitting(i, loss, 1.0, 100, 10, None)
+        history += [[i * 2 + 1, 1.0, None], [i * 2 + 2, 1.0, loss]]
+        resumed = _Best(keep=False)
+        resumed.replay(history)
+        assert (resumed.evals_past, resumed.warned) == (live.evals_past, live.warned), i
+    assert live.warned

@@ -209,6 +209,21 @@ class _Best:
         else:
             self.evals_past += 1
 
+    def replay(self, history: list) -> None:
+        """``evals_past`` and ``warned`` as the run had them when it saved: they are not in
+        the checkpoint, its history gives them back (a resumed run then warns once, when
+        and as the whole run does)."""
+        loss = math.inf
+        for _, _, eval_loss in history:
+            if eval_loss is None:
+                continue
+            if eval_loss < loss:
+                loss, self.evals_past = eval_loss, 0
+                continue
+            self.evals_past += 1
+            self.warned |= (self.evals_past >= self.EVALS_PAST
+                            and eval_loss >= loss * (1 + self.RISE) + self.RISE)
+
     def record(self) -> dict | None:
         if not self.keep or self.weights is None:
             return None
@@ -252,6 +267,7 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
         if out is not None and has_checkpoint(out):
             step, history = restore_training_state(Path(out), model, optimizer, gen, settings)
             best = _Best(keep=rank == 0, saved=read_best(Path(out)))
+            best.replay(history)
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
         elif rank == 0:
