@@ -39,7 +39,8 @@ import torch
 
 from ._tracing import reads_values
 
-__all__ = ["BlockMask", "block_mask", "evaluate_mod", "mod_name", "CACHE_SIZE", "BLOCK_SIZE"]
+__all__ = ["BlockMask", "block_mask", "evaluate_mod", "mod_name", "reads", "CACHE_SIZE",
+           "BLOCK_SIZE"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 BLOCK_SIZE = 128  # FlexAttention's default
@@ -265,17 +266,17 @@ def _checked(mask_mod, allowed, target) -> torch.Tensor:
     return allowed.expand(allowed.shape[0], allowed.shape[1], *target[2:])
 
 
-def _reads(fn, held: list, depth: int = 0) -> tuple:
+def reads(fn, held: list, depth: int = 0) -> tuple:
     """What ``fn`` reads besides its arguments, as a hashable key: its default arguments'
     values, its closure's values and the globals its code names, tensors as (identity,
     version) and kept alive in ``held`` (so that no new tensor takes a cached one's
     identity), functions by their own reads."""
     if isinstance(fn, types.MethodType):  # a bound method: a new object at each access
         held.append(fn.__self__)
-        return (("self", id(fn.__self__)), *_reads(fn.__func__, held, depth))
+        return (("self", id(fn.__self__)), *reads(fn.__func__, held, depth))
     if isinstance(fn, functools.partial) and depth < 4:  # its function and what it binds
         bound = [*fn.args, *sorted(fn.keywords.items())]
-        return (("partial", id(fn)), *_reads(fn.func, held, depth + 1),
+        return (("partial", id(fn)), *reads(fn.func, held, depth + 1),
                 *(_value(v, held, depth + 1) for v in bound))
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
@@ -313,7 +314,7 @@ def _value(v, held: list, depth: int):
     if depth < 4 and isinstance(v, tuple):
         return tuple(_value(x, held, depth + 1) for x in v)
     if depth < 4 and isinstance(v, types.FunctionType):
-        return ("function", id(v), _reads(v, held, depth + 1))
+        return ("function", id(v), reads(v, held, depth + 1))
     held.append(v)  # a list, a module, any other object: by identity
     return ("object", id(v))
 
@@ -328,7 +329,7 @@ def block_mask(mask_mod: Callable, batch: int, heads: int, q_len: int, k_len: in
     device = torch.device("cpu" if device is None else device)
     held: list = []
     try:
-        key = (mask_mod, _reads(mask_mod, held), batch, heads, q_len, k_len, block_q,
+        key = (mask_mod, reads(mask_mod, held), batch, heads, q_len, k_len, block_q,
                block_k, str(device))
         found = _CACHE.get(key) if cache else None
     except TypeError:  # an unhashable callable or value: built each time

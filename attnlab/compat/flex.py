@@ -33,7 +33,7 @@ import contextlib
 import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
-from ..blockmask import BLOCK_SIZE, BlockMask, _reads, block_mask
+from ..blockmask import BLOCK_SIZE, BlockMask, block_mask, reads
 from ..checks import boolean, positive_int
 from ..functional import attention, attention_with_lse
 
@@ -127,13 +127,13 @@ def _as_block_mask(block_mask_, query, key) -> BlockMask | None:
     batch = query.shape[0] if int(shape[0]) == 1 else int(shape[0])
     heads = query.shape[1] if int(shape[1]) == 1 else int(shape[1])
     held: list = []
-    reads = (_reads(mod, held), batch, heads, str(query.device))
+    seen = (reads(mod, held), batch, heads, str(query.device))
     entry = getattr(block_mask_, _EVALUATED, None)
-    if entry is not None and entry[0] == reads:
+    if entry is not None and entry[0] == seen:
         return entry[1]
     found = _from_torch(block_mask_, mod, shape, sizes, query.device, batch, heads)
     with contextlib.suppress(AttributeError):  # (one that takes none: evaluated each call)
-        setattr(block_mask_, _EVALUATED, (reads, found, held))
+        setattr(block_mask_, _EVALUATED, (seen, found, held))
     return found
 
 
