@@ -92,6 +92,42 @@ def test_a_packed_batch_has_the_loss_of_its_documents_run_one_by_one(make):
     assert abs(float(got) - total / count) < 1e-5
 
 
+def test_shares_of_a_packed_batch_average_to_its_token_mean():
+    """Under DDP each process scores its share of a step's rows and the gradients are
+    averaged: weighted by the whole batch's token count, the mean of the shares' losses
+    (and gradients) is the batch's own, though the shares hold different numbers of
+    tokens (a process's own mean would weigh them otherwise)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=30, context_length=24, d_model=24, num_layers=1,
+                          num_heads=4))
+    packed = pack(_docs(n=30, seed=3), 25)
+    counts = (packed.labels != -100).sum(1)
+    order = torch.argsort(counts, descending=True)
+    rows = torch.cat([order[:2], order[-2:]])  # the fullest rows, then the emptiest
+    assert int(counts[rows[:2]].sum()) != int(counts[rows[2:]].sum())
+    whole = packed_loss(model, packed, rows)
+    want = torch.autograd.grad(whole, list(model.parameters()))
+    shares = [packed_loss(model, packed, part, batch=rows) for part in (rows[:2], rows[2:])]
+    assert float(sum(shares) / 2) == pytest.approx(float(whole), abs=1e-6)
+    grads = [torch.autograd.grad(s, list(model.parameters())) for s in shares]
+    for w, a, b in zip(want, *grads):
+        torch.testing.assert_close((a + b) / 2, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_training_in_two_processes_matches_one(tmp_path):
+    from test_training import _one_and_two_processes
+
+    text = "\n\n".join("".join(random.Random(i).choice("abcab xyz") for _ in range(n))
+                       for i, n in enumerate([3, 30, 4, 17, 2, 12, 25, 6, 33, 5] * 4))
+    (tmp_path / "docs.txt").write_text(text)
+    one, two = _one_and_two_processes(tmp_path, [
+        "train", "--model", "toy", "--steps", "6", "--context", "16", "--batch-size", "4",
+        "--seed", "1", "--pack", "--text", str(tmp_path / "docs.txt")])
+    assert [h[1] for h in one["history"]] == pytest.approx([h[1] for h in two["history"]],
+                                                           abs=1e-5)
+
+
 def _packed_setup(seed=0):
     text = "\n\n".join("".join(random.Random(i).choice("abcab xyz") for _ in range(n))
                        for i, n in enumerate([9, 30, 4, 17, 40, 12, 25, 6, 33, 21] * 3))

@@ -97,7 +97,9 @@ class Stream:
     def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
         return sample(self.tokens, batch, context, gen)
 
-    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None,
+             batch: torch.Tensor | None = None) -> torch.Tensor:
+        # Every row predicts context tokens: a process's mean weighs them as the batch's.
         return lm_loss(model, rows, split)
 
 
@@ -115,10 +117,13 @@ class PackedRows:
     def sample(self, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
         return torch.randint(0, len(self.packed), (batch,), generator=gen)
 
-    def loss(self, model: nn.Module, rows: torch.Tensor, split=None) -> torch.Tensor:
+    def loss(self, model: nn.Module, rows: torch.Tensor, split=None,
+             batch: torch.Tensor | None = None) -> torch.Tensor:
+        """``batch``: the whole step's rows where ``rows`` is this process's share of
+        them (see :func:`.packing.packed_loss`)."""
         if split is not None:  # train() refuses pack with context_parallel first
             raise ValueError("packed rows are not supported with context_parallel")
-        return packed_loss(model, self.packed, rows)
+        return packed_loss(model, self.packed, rows, batch)
 
 
 def split_documents_held_out(documents: Sequence[Sequence[int]], context: int,

@@ -290,7 +290,8 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = train_data.sample(cfg.batch_size, cfg.context, gen)
-        loss = train_data.loss(wrapped, rows[first:first + per_rank], sharding)
+        loss = train_data.loss(wrapped, rows[first:first + per_rank], sharding,
+                               batch=rows if world > 1 else None)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The mean over ranks: a NaN on any rank stops every rank at the same step.

@@ -133,12 +133,24 @@ def pack(documents: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> Pa
                   padding_one_per_row=len(pieces) * length - tokens)
 
 
-def packed_loss(model: nn.Module, packed: Packed, rows: torch.Tensor) -> torch.Tensor:
+def packed_loss(model: nn.Module, packed: Packed, rows: torch.Tensor,
+                batch: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token loss of ``packed``'s ``rows`` (indices), over the positions that
-    predict a token of their own document."""
+    predict a token of their own document.
+
+    ``batch``: the whole step's rows, when ``rows`` is one process's equal share of them
+    under DistributedDataParallel. Rows hold different numbers of such positions, so each
+    process's own mean would weigh its tokens otherwise than one process does; this
+    process's sum is divided by the whole batch's count instead, times the number of
+    shares, so that DDP's mean over the processes is the batch's token mean."""
     device = next(model.parameters()).device
     ids = packed.ids[rows, :-1].to(device)
     logits = model(ids, document_ids=packed.document_ids[rows, :-1].to(device))
     labels = packed.labels[rows].to(device)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE)
+    if batch is None:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                            ignore_index=IGNORE, reduction="sum")
+    counted = int((packed.labels[batch] != IGNORE).sum())
+    return total * (len(batch) / len(rows)) / counted
