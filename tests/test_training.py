@@ -19,7 +19,7 @@ import torch
 from attnlab.checkpoint import load_checkpoint, same_weights
 from attnlab.demo import run_demo
 from attnlab.io import load_tensors
-from attnlab.models import ToyAttnLM, ToyConfig
+from attnlab.models import GPT, GPTConfig, ToyAttnLM, ToyConfig
 from attnlab.text import CharTokenizer
 from attnlab.text.corpus import pattern_corpus
 from attnlab.training import TrainConfig, lr_at, train
@@ -406,6 +406,33 @@ def test_resume_with_other_settings_is_refused(tmp_path, change, words):
     for w in words:
         assert w in str(info.value), str(info.value)
     assert _files(out) == before
+
+
+@pytest.mark.parametrize("change", [{"attn_softcap": 5.0}, {"window": 4}, {"sinks": True},
+                                    {"positions": "alibi"}])
+def test_resume_into_a_model_of_other_settings_but_the_same_weights_is_refused(tmp_path,
+                                                                              change):
+    """A softcap, a window, sinks or ALiBi change no weight's shape (sinks: a new one):
+    the checkpoint's weights would load into another model and train it as if resumed."""
+    out = tmp_path / "run"
+    text = pattern_corpus(n_runs=300, seed=1)
+    tok = CharTokenizer.from_text(text)
+    tokens = torch.tensor(tok.encode(text))
+    sizes = dict(vocab_size=tok.vocab_size, context_length=16, d_model=16, num_layers=1,
+                 num_heads=2, positions="rope")
+    base = dict(batch_size=4, context=16)
+    train(GPT(GPTConfig(**sizes)), tokens, TrainConfig(steps=2, **base), out=out,
+          tokenizer=tok, progress=False, log=None)
+    before = _files(out)
+    field, value = next(iter(change.items()))
+    with pytest.raises(ValueError, match=rf"GPT with {field}=.* \(given {value!r}\)"):
+        train(GPT(GPTConfig(**{**sizes, **change})), tokens, TrainConfig(steps=4, **base),
+              out=out, resume=True, progress=False, log=None)
+    assert _files(out) == before
+    # another kernel for the same attention resumes
+    got = train(GPT(GPTConfig(**sizes, backend="eager")), tokens,
+                TrainConfig(steps=3, **base), out=out, resume=True, progress=False, log=None)
+    assert got["resumed_from"] == 2
 
 
 def test_resume_on_another_text_is_refused_and_a_run_saved_before_the_check_resumes(

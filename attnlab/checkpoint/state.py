@@ -4,6 +4,7 @@ and the best checkpoint kept in ``OUT/best/``; written in the same atomic swap a
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -172,6 +173,7 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
     state = read_json(out / STATE_JSON, STATE_LIMIT)
     try:  # before the weights: a changed --context is named, not met as a shape
         _check_same_settings(state["train_config"], train_config, out)
+        _check_same_model(meta.get("config"), model, out)
     except CheckpointError:
         raise
     except (KeyError, ValueError, TypeError) as exc:
@@ -203,6 +205,30 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
         raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise _damaged(out, exc) from None
+
+
+# Model settings a resume may change: which kernel computes the same attention.
+RESUMABLE_MODEL_CHANGES = ("backend",)
+
+
+def _check_same_model(saved: dict, model: nn.Module, out: Path) -> None:
+    """The model being resumed is the one trained: the same config but for
+    :data:`RESUMABLE_MODEL_CHANGES`. A softcap, window or sink setting changes no weight's
+    shape, so the weights alone would load into another model and train it."""
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(saved, dict):
+        return
+    # The saved config through the class: fields added since it was written take their
+    # defaults; JSON's lists compare equal to the tuples a config may hold.
+    was = json.loads(json.dumps(type(config).from_dict(saved).to_dict()))
+    now = json.loads(json.dumps(config.to_dict()))
+    changed = [k for k in now if k not in RESUMABLE_MODEL_CHANGES and was.get(k) != now[k]]
+    if changed:
+        diff = ", ".join(f"{k}={was.get(k)!r} (given {now[k]!r})" for k in changed[:4])
+        raise CheckpointError(
+            f"--resume: the checkpoint in {str(out)!r} is a {type(model).__name__} with "
+            f"{diff}{' ...' if len(changed) > 4 else ''}; resume with the model it was "
+            "trained with, or choose another --out")
 
 
 def _damaged(out: Path, exc: Exception) -> CheckpointError:
