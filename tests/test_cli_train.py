@@ -310,3 +310,53 @@ def test_train_never_replaces_a_saved_model_without_overwrite(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds a saved model (model.safetensors): add --overwrite" in err
     assert hashlib.sha256(saved.read_bytes()).hexdigest() == before
+
+
+def test_train_shapes_the_gpt_from_its_options_and_resume_keeps_them(tmp_path, capsys):
+    import torch
+
+    from attnlab.checkpoint import load_checkpoint
+    from attnlab.cli import main
+
+    out = tmp_path / "run"
+    common = ["train", "--context", "16", "--batch-size", "4", "--out", str(out)]
+    shape = ["--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-model", "32",
+             "--positions", "alibi", "--window", "4", "--softcap", "20", "--sinks"]
+    assert main([*common, "--steps", "2", *shape]) == 0
+    want = {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "d_model": 32,
+            "positions": "alibi", "window": 4, "attn_softcap": 20.0, "sinks": True}
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert {k: config[k] for k in want} == want
+    # The window reaches the attention: one layer of window 4, so the logits of
+    # positions 10.. depend on tokens 7.. only, and those before on changed tokens.
+    model = load_checkpoint(out)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator()
+                        .manual_seed(0))
+    other = ids.clone()
+    other[0, :7] = (other[0, :7] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a, b = model(ids), model(other)
+    assert torch.equal(a[0, 10:], b[0, 10:])
+    assert all(not torch.allclose(a[0, t], b[0, t]) for t in range(10))
+    # --resume takes the checkpoint's shape where no option is given, and refuses another
+    assert main([*common, "--steps", "3", "--resume"]) == 0
+    assert main([*common, "--steps", "4", "--resume", "--softcap", "10"]) == 2
+    assert "attn_softcap=20.0 (given 10.0)" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["config"] == config
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "toy", "--sinks"], "--sinks shapes --model gpt, not --model toy"),
+    (["--heads", "3"], "--d-model=128 must be divisible by --heads=3"),
+    (["--kv-heads", "3"], "--kv-heads=3 must divide --heads=4"),
+    (["--d-model", "1000000"], "needs about"),
+])
+def test_train_shape_options_are_checked_before_anything_is_read(tmp_path, capsys, args,
+                                                                  words):
+    from attnlab.cli import main
+
+    assert main(["train", "--text", str(tmp_path / "missing.txt"), "--out",
+                 str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()

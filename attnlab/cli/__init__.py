@@ -92,6 +92,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "into each row with document ids: no token attends across "
                             "documents; prints the padding tokens this saves against one "
                             "document per row")
+    arch = train.add_argument_group(
+        "the gpt model's shape and attention (--model gpt; with --resume, the "
+        "checkpoint's where not given)")
+    arch.add_argument("--layers", type=_positive_int, default=None,
+                      help="transformer blocks (default: 4)")
+    arch.add_argument("--heads", type=_positive_int, default=None,
+                      help="query heads (default: 4)")
+    arch.add_argument("--kv-heads", type=_positive_int, default=None,
+                      help="key/value heads, fewer than --heads for grouped-query attention "
+                      "(default: --heads)")
+    arch.add_argument("--d-model", type=_positive_int, default=None,
+                      help="width of the residual stream (default: 128)")
+    arch.add_argument("--positions", choices=["learned", "rope", "alibi"], default=None,
+                      help="learned position embeddings, rotary (RoPE) or ALiBi's distance "
+                      "penalty (default: learned)")
+    arch.add_argument("--window", type=_positive_int, default=None,
+                      help="sliding window: each token sees itself and the window - 1 before "
+                      "it (default: the whole context)")
+    arch.add_argument("--softcap", type=_positive_float, default=None,
+                      help="cap attention scores at softcap * tanh(score / softcap), as "
+                      "Gemma 2 does (default: none)")
+    arch.add_argument("--sinks", action="store_const", const=True, default=None,
+                      help="a learned sink logit per head that joins each softmax, as "
+                      "gpt-oss has (default: off)")
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "

@@ -57,6 +57,55 @@ _TRAIN_MODELS = {"toy": {"d_model": 64},
                  "gpt": {"d_model": 128, "num_layers": 4, "num_heads": 4}}
 
 
+# The options of `attnlab train` that shape the gpt model, and the GPTConfig field of each.
+_ARCH_OPTIONS = {"layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
+                 "d_model": "d_model", "positions": "positions", "window": "window",
+                 "softcap": "attn_softcap", "sinks": "sinks"}
+
+
+def _train_sizes(args: argparse.Namespace, saved: dict | None = None) -> dict:
+    """The model's config besides vocabulary and context: the --model's defaults, then
+    what the checkpoint being resumed was trained with (``saved``), then the options
+    given."""
+    given = {field: getattr(args, option) for option, field in _ARCH_OPTIONS.items()
+             if getattr(args, option) is not None}
+    if args.model != "gpt" and given:
+        option = next(o for o, f in _ARCH_OPTIONS.items() if f in given)
+        raise ValueError(f"--{option.replace('_', '-')} shapes --model gpt, not --model "
+                         f"{args.model}")
+    sizes = dict(_TRAIN_MODELS[args.model])
+    if saved is not None and args.model == "gpt":
+        sizes.update({f: saved[f] for f in _ARCH_OPTIONS.values() if f in saved})
+    return {**sizes, **given}
+
+
+def _gpt_config(**fields):
+    """The GPTConfig of ``fields``; an error about a field an option sets names the option."""
+    import re
+
+    from ..models import GPTConfig
+
+    try:
+        return GPTConfig(**fields, dropout=0.0)
+    except ValueError as exc:
+        names = "|".join(_ARCH_OPTIONS.values())
+        raise ValueError(re.sub(rf"\b(?:GPTConfig\.)?({names})\b",
+                                lambda m: "--" + next(o for o, f in _ARCH_OPTIONS.items()
+                                                      if f == m.group(1)).replace("_", "-"),
+                                str(exc))) from None
+
+
+def _saved_config(out: str) -> dict | None:
+    """The model config of the run in ``out`` that --resume continues, if there is one."""
+    from ..checkpoint import has_checkpoint
+    from ..checkpoint.format import read_config
+
+    if not has_checkpoint(out):
+        return None
+    config = read_config(out).get("config")
+    return config if isinstance(config, dict) else None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from types import SimpleNamespace
 
@@ -68,7 +117,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Before anything is touched: --batch-size and --context that cannot fit are named
     # as such (a lower bound, the vocabulary of one token; the model's own check, once
     # the text is read, would only say the model is too large).
-    check_training_fits(SimpleNamespace(vocab_size=1, **_TRAIN_MODELS[args.model]),
+    sizes = _train_sizes(args)
+    if args.model == "gpt":  # a bad shape is named before anything is read or trained
+        _gpt_config(vocab_size=1, context_length=args.context, **sizes)
+    check_training_fits(SimpleNamespace(vocab_size=1, **sizes),
                         args.batch_size, args.context,
                         world=world_size())
     # Before anything is read or trained: a bad --out is known at once, and the
@@ -106,7 +158,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from ..checkpoint import load_checkpoint_tokenizer
-    from ..models import GPT, GPTConfig, ToyAttnLM, ToyConfig
+    from ..models import GPT, ToyAttnLM, ToyConfig
     from ..text import CharTokenizer
     from ..training import TrainConfig, default_checkpoint_every, train, train_device
     from ..training.distributed import launch_env
@@ -129,12 +181,10 @@ def _train(args: argparse.Namespace) -> int:
     else:
         tokens = torch.tensor(tokenizer.encode(text))
     torch.manual_seed(args.seed)
+    saved = _saved_config(args.out) if args.resume else None
     sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,
-             **_TRAIN_MODELS[args.model]}
-    if args.model == "toy":
-        model = ToyAttnLM(ToyConfig(**sizes))
-    else:
-        model = GPT(GPTConfig(**sizes, dropout=0.0))
+             **_train_sizes(args, saved)}
+    model = ToyAttnLM(ToyConfig(**sizes)) if args.model == "toy" else GPT(_gpt_config(**sizes))
     model.to(train_device())
     summary = train(model, tokens, cfg, out=args.out, resume=args.resume, tokenizer=tokenizer,
                     context_parallel=args.context_parallel)
