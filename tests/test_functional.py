@@ -582,6 +582,24 @@ def test_the_lse_of_a_causal_call_with_a_scale_of_zero_or_below(backend, scale):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("q_len, k_len", [(3, 0), (0, 3), (0, 0)])
+@pytest.mark.parametrize("backend", ["sdpa", "tiled", FLASH, "auto"])
+def test_the_lse_of_an_empty_sequence_is_the_textbooks(backend, q_len, k_len):
+    # torch's CPU flash kernel, which the sdpa route calls for the lse, divided by zero
+    # here: the process died of SIGFPE
+    from attnlab.functional import attention_with_lse
+
+    q = torch.randn(1, 2, q_len, 4, requires_grad=True)
+    k, v = (torch.randn(1, 2, k_len, 4, requires_grad=True) for _ in range(2))
+    for causal in (False, True):
+        want = attention_with_lse(q, k, v, causal=causal, backend="eager")
+        got = attention_with_lse(q, k, v, causal=causal, backend=backend)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        grads = torch.autograd.grad(got[0].sum(), (q, k, v), allow_unused=True)
+        assert all(g is None or not g.any() for g in grads)
+
+
 @pytest.mark.parametrize("rows", [[], (), range(0)])
 def test_no_rows_of_weights_asked_give_an_empty_weights_tensor(rows):
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
