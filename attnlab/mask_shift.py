@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ._tracing import reads_values
 from .masks import Documents, KeyRule
 
 
@@ -71,7 +72,9 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     if not rule.full(0, q_len, 0, k_len):
         row_top = _allowed_max(mask.detach(), rule)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
-        if not torch.equal(row_top, top.expand_as(row_top)):
+        # One shift for all rows keeps the mask's shape; comparing is a data-dependent
+        # branch a torch.compile trace cannot take, so a trace shifts row by row.
+        if not reads_values() or not torch.equal(row_top, top.expand_as(row_top)):
             top = row_top
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     return ((mask - top).clamp(max=0.0), top) if with_shift else (mask - top).clamp(max=0.0)

@@ -240,6 +240,29 @@ def test_per_head_variants_and_a_gpt_compile_whole(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("rule", [dict(causal=True), dict(window=3),
+                                  dict(causal=True, window=5)])
+@pytest.mark.parametrize("backend", ["flash", "auto", "sdpa", "eager"])
+def test_an_additive_mask_with_a_causal_or_window_rule_compiles_whole(backend, rule):
+    """The mask's shift, taken over the keys the rule allows, compared the rows' shifts to
+    keep one: a data-dependent branch that stopped the fullgraph trace."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 1, 8, 8)
+    bias[..., 0, 5:] = 30.0  # a large entry the rule forbids: the shift must ignore it
+
+    def call(q, k, v):
+        return attnlab.attention(q, k, v, mask=bias, backend=backend, **rule)
+
+    got = torch.compile(call, backend="eager", fullgraph=True)(q, k, v)
+    want = call(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_a_block_mask_with_a_score_mod_and_a_flashattention_band_compile_whole():
     """A block mask built ahead together with a score_mod (the tiled path asks the block
     mask about each tile), and FlashAttention's windows that are no attnlab rule (a band
