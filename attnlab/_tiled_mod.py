@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _variants
 from . import masks as _masks
+from .blockmask import mod_name, reads
 
 _NEG_INF = float("-inf")
 
@@ -32,9 +33,18 @@ def _slice(mask, q_start, q_end, k_start, k_end, kv_heads):
     return _masks.group_view(mask[:, :, qs, ks], kv_heads)
 
 
-def _block(ctx, q_start, q_end, lo, hi, mask, block_k, q, k, v, sinks):
+def _block(ctx, q_start, q_end, lo, hi, mask, block_k, q, k, v, sinks, seen=None):
     """Output ``(B, Hkv, G, n, Dv)`` and lse ``(B, Hkv, G, n)`` of query rows
-    ``[q_start, q_end)``, from the keys ``[lo, hi)``, differentiably."""
+    ``[q_start, q_end)``, from the keys ``[lo, hi)``, differentiably. ``seen``: what the
+    score_mod read at the forward (:func:`~attnlab.blockmask.reads`, and the list that
+    keeps those tensors alive), which its recomputation in the backward must read again."""
+    if seen is not None and reads(ctx.variants.score_mod, []) != seen[0]:
+        # checkpoint's recomputation would read the new values: a silently wrong gradient
+        raise RuntimeError(
+            f"score_mod {mod_name(ctx.variants.score_mod)!r} reads a tensor that was "
+            "modified in place (or a name now bound to another value) after the forward and "
+            "before the backward, which recomputes the scores from it; change a clone of it "
+            "instead")
     c = ctx.compute
     q_blk = ctx.grouped(q)[:, :, :, q_start:q_end].to(c) * ctx.scale
     b, hkv, g, n, d = q_blk.shape
@@ -77,13 +87,17 @@ def attention(ctx, q, k, v, mask, sinks, block_q: int, block_k: int):
     if mask is not None:
         while mask.ndim < 4:
             mask = mask.unsqueeze(0)
+    seen = None
+    if recompute and ctx.variants is not None and ctx.variants.score_mod is not None:
+        held: list = []
+        seen = (reads(ctx.variants.score_mod, held), held)
     outs, lses = [], []
     for q_start in range(0, ctx.q_len, block_q):
         q_end = min(q_start + block_q, ctx.q_len)
         lo, hi = ctx.rule.block(q_start, q_end)
         args = (ctx, q_start, q_end, lo, max(lo, hi), mask, block_k, q, k, v, sinks)
         if recompute:
-            out, lse = checkpoint(_block, *args, use_reentrant=False)
+            out, lse = checkpoint(_block, *args, seen, use_reentrant=False)
         else:
             out, lse = _block(*args)
         outs.append(out)

@@ -166,6 +166,9 @@ def check(q, k, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=Non
         if alibi_slopes.requires_grad:
             raise ValueError("alibi_slopes must not require grad: ALiBi's slopes are fixed "
                              "and get no gradient; pass alibi_slopes.detach()")
+        # A copy (a few numbers): the backward rebuilds the bias from the slopes, and the
+        # caller may change theirs in place before it runs.
+        alibi_slopes = alibi_slopes.clone()
     if sinks is not None:
         sinks = _per_head("sinks", sinks, q, batched=False).reshape(-1)
     if score_mod is not None and not callable(score_mod):

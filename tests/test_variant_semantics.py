@@ -136,6 +136,53 @@ def test_a_score_mod_closing_over_a_learned_bias_trains_it(backend):
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "flash"])
+def test_slopes_changed_in_place_before_the_backward_leave_its_gradient_alone(backend):
+    """The backward rebuilds ALiBi's bias from the slopes: it read the caller's tensor,
+    so slopes changed in place after the forward (a reused buffer) gave another
+    gradient, silently (tiled 0.9 off in float32, flash in float64)."""
+    if backend == "flash" and not _native.available():
+        pytest.skip("native kernel not built")
+    grads = []
+    for change in (False, True):
+        slopes = torch.tensor([0.5, 1.0, 0.25, 2.0], dtype=torch.float64)
+        q = Q.clone().requires_grad_()
+        out = attnlab.attention(q, K, V, causal=True, alibi_slopes=slopes, backend=backend)
+        if change:
+            slopes.mul_(10)
+        out.pow(2).sum().backward()
+        grads.append(q.grad)
+    torch.testing.assert_close(grads[1], grads[0], **TOL)
+
+
+def test_a_score_mod_whose_tensor_changed_before_the_backward_is_refused():
+    """The tiled path recomputes the scores in the backward: a tensor the score_mod
+    reads, changed in place meanwhile (or its name bound again), gave a gradient of
+    other scores, silently (eager autograd refuses or is unaffected)."""
+    scales = torch.linspace(0.5, 2.0, 12, dtype=torch.float64)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scales[kv_idx]
+
+    def bind_again():
+        nonlocal scales
+        scales = scales * 10
+
+    for change in (lambda: scales.mul_(10), bind_again):
+        q = Q.clone().requires_grad_()
+        out = attnlab.attention(q, K, V, causal=True, score_mod=scaled, backend="tiled")
+        change()
+        with pytest.raises(RuntimeError, match="score_mod 'scaled' reads a tensor that was "
+                                               "modified in place"):
+            out.sum().backward()
+    q = Q.clone().requires_grad_()  # unchanged: the gradient is eager's
+    attnlab.attention(q, K, V, causal=True, score_mod=scaled, backend="tiled").sum().backward()
+    want = Q.clone().requires_grad_()
+    attnlab.attention(want, K, V, causal=True, score_mod=scaled,
+                      backend="eager").sum().backward()
+    torch.testing.assert_close(q.grad, want.grad, **TOL)
+
+
 def test_the_score_mod_path_keeps_memory_o_seq():
     """No q_len x k_len tensor anywhere, forward or backward: score_mod only ever sees
     tiles, and what autograd saves is O(seq x dim)."""
