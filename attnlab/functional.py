@@ -383,17 +383,58 @@ def may_decode(backend: str = "auto", *, dropout_p: float = 0.0, mask: object = 
 def decode_step(qkv: torch.Tensor, cache, rotary, window: int | None, num_heads: int,
                 num_kv_heads: int, *, backend: str = "auto", scale: float | None = None,
                 softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                sinks: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor | None:
     """Attention of one new token: RoPE, cache append and attention over the cache in
     one call of the decoding backend (:func:`attnlab._decode.step` has the arguments;
-    ``scale``, ``softcap``, ``alibi_slopes`` and ``sinks`` as :func:`attention` takes them).
-    Returns ``(B, 1, num_heads * head_dim)``, or None (the cache unchanged) where the
-    backend stands aside for these tensors; the caller then runs :func:`attention`.
-    ValueError for a ``backend`` with no decoding step (ask :func:`may_decode` first)."""
+    ``window``, ``scale``, ``softcap``, ``alibi_slopes`` ``(num_heads,)`` and ``sinks``
+    as :func:`attention` takes them). Returns ``(B, 1, num_heads * head_dim)``, or None
+    (the cache unchanged) where the backend stands aside for these tensors; the caller
+    then runs :func:`attention`. ValueError for a ``backend`` with no decoding step (ask
+    :func:`may_decode` first), and for arguments :func:`attention` would refuse.
+    ``validate=False`` skips those checks: for a module that checked its own settings
+    once and calls this for every token of every layer."""
     step = _DECODERS.get(backend)
     if step is None:
         one_of("backend", backend, BACKENDS)
         raise ValueError(f"backend={backend!r} has no fused decoding step; use backend="
                          f"{' or '.join(map(repr, _DECODERS))} (ask may_decode first)")
+    if validate:
+        softcap, alibi_slopes, sinks = _check_decode(qkv, cache, window, num_heads,
+                                                     num_kv_heads, scale, softcap,
+                                                     alibi_slopes, sinks)
     return step(qkv, cache, rotary, window, num_heads, num_kv_heads, scale=scale,
                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _check_decode(qkv, cache, window, num_heads, num_kv_heads, scale, softcap, alibi_slopes,
+                  sinks):
+    """:func:`decode_step`'s arguments checked as :func:`attention` checks its own; the
+    variants as checked (``softcap``, ``alibi_slopes``, ``sinks``)."""
+    from .checks import positive_int
+
+    if not isinstance(qkv, torch.Tensor) or not qkv.dtype.is_floating_point:
+        raise TypeError(f"qkv must be a floating-point torch.Tensor, got "
+                        f"{getattr(qkv, 'dtype', type(qkv).__name__)}")
+    positive_int("num_heads", num_heads)
+    positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads or num_kv_heads != cache.num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} and num_kv_heads={num_kv_heads}: expected "
+                         f"num_kv_heads to divide num_heads and equal the cache's "
+                         f"{cache.num_kv_heads}")
+    width = (num_heads + 2 * num_kv_heads) * cache.head_dim
+    if qkv.ndim != 3 or tuple(qkv.shape) != (cache.batch_size, 1, width):
+        raise ValueError(f"qkv must have shape ({cache.batch_size}, 1, {width}) (the cache's "
+                         f"batch, one token, q|k|v of head_dim {cache.head_dim}), got "
+                         f"{_shape(qkv)}")
+    optional_positive_int("window", window)
+    if scale is not None:
+        finite_float("scale", scale)
+    q = qkv[..., :num_heads * cache.head_dim].unflatten(-1, (num_heads, -1)).transpose(1, 2)
+    variants = _variants.check(q, q, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if variants is None:
+        return None, None, None
+    slopes = variants.alibi_slopes
+    if slopes is not None and slopes.shape[0] != 1:
+        raise ValueError(f"alibi_slopes must have shape ({num_heads},) for decode_step (one "
+                         f"per head), got {_shape(alibi_slopes)}")
+    return variants.softcap, None if slopes is None else slopes.reshape(-1), variants.sinks

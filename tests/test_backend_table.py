@@ -183,6 +183,31 @@ def test_decoding(name, window):
         assert not may_decode(name)  # the step has no backward
 
 
+@pytest.mark.parametrize("change, words", [
+    (dict(window=0), "window must be a positive int >= 1 or None, got 0"),
+    (dict(window=-3), "window must be a positive int >= 1 or None, got -3"),
+    (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0])), "sinks must hold finite"),
+    (dict(sinks=torch.zeros(3)), r"sinks must have shape \(4,\)"),
+    (dict(softcap=-1.0), "softcap must be a positive finite number"),
+    (dict(alibi_slopes=torch.zeros(2, 4)), "alibi_slopes must have shape"),
+    (dict(scale=float("nan")), "scale"),
+    (dict(qkv=torch.zeros(1, 1, 60)), r"qkv must have shape \(1, 1, 64\)"),
+    (dict(qkv=torch.zeros(2, 1, 64)), r"qkv must have shape \(1, 1, 64\)"),
+    (dict(num_kv_heads=4), "num_kv_heads=4: expected"),
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_decode_step_refuses_what_attention_refuses(change, words, grad):
+    """decode_step read a window of 0 or below as none, ran NaN sinks into NaN heads and
+    left the rest to the kernel's RuntimeError (or, with gradients on, to a silent None)."""
+    qkv, cache, _ = _cache_and_step(None)
+    args = dict(qkv=qkv, num_kv_heads=2, window=None)
+    args.update(change)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=words):
+        decode_step(args.pop("qkv"), cache, None, args.pop("window"), 4,
+                    args.pop("num_kv_heads"), backend="auto", **args)
+    assert cache.seq_len == 5
+
+
 @settings(max_examples=60, deadline=None)
 @given(t=st.integers(1, 300), s=st.integers(1, 300), causal=st.booleans(),
        window=st.one_of(st.none(), st.integers(1, 400)), rows=st.booleans(),

@@ -293,7 +293,7 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
                                dropout_p=self.dropout if self.training else 0.0)):
             # Decoding one token: RoPE, cache append and attention in one backend call.
             out = decode_step(qkv, cache, rot, self.window, heads, kv_heads,
-                              backend=self.backend, **options)
+                              backend=self.backend, validate=False, **options)
             if out is not None:
                 return self._project(out)
         if rot is not None:
