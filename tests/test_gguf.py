@@ -111,6 +111,23 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(originals, tmp
             assert float((got - originals[name](ids).logits).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("key_length", [False, True])
+def test_a_qwen3_file_of_heads_hidden_over_heads_wide_loads(tmp_path, key_length):
+    # llama.cpp's head width is key_length, else n_embd / n_head; attnlab passed it on only
+    # where it differed from hidden / heads, and the Qwen3 converter then took
+    # transformers' default of 128: a file of 4 heads of 16 over 64 was refused.
+    torch.manual_seed(0)
+    hf = _sharpened(T.Qwen3ForCausalLM(T.Qwen3Config(**_SMALL, head_dim=16)))
+    extra = (("add_uint32", "qwen3.attention.key_length", 16),
+             ("add_uint32", "qwen3.attention.value_length", 16)) if key_length else ()
+    ours = GPT.from_gguf(_write(tmp_path, hf, "qwen3", "F32", extra=extra),
+                         dtype=torch.float32)
+    assert ours.config.head_dim == 16
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours(ids) - hf(ids).logits).abs().max()) < 1e-4
+
+
 def test_a_llama_file_with_biases_reads_them_as_llama_cpp_does(tmp_path):
     # llama.cpp takes a Llama layer's q/k/v/output and MLP biases where a file has them;
     # attnlab refused such a file ("has no place in the model its metadata describes").

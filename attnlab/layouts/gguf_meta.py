@@ -91,8 +91,9 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
                 raise ValueError(f"{where}: metadata {arch}.{key}={value} is not the "
                                  f"heads' width {head_dim}; not supported (attnlab rotates "
                                  "and attends over whole heads)")
-        if head_dim != hidden // heads or arch.startswith("gemma"):
-            cfg["head_dim"] = head_dim
+        # Always given: llama.cpp's width is key_length, else n_embd / n_head, where
+        # transformers' converters would take their own defaults (Qwen3's 128, Gemma's 256).
+        cfg["head_dim"] = head_dim
         if arch.startswith("gemma"):
             _gemma(meta, arch, cfg, where)
     return cfg
