@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -138,6 +139,30 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_naming_both(tmp_path)
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="config has no 'n_layer'"):
         GPT.from_hf(folder)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gpt2"])
+def test_a_layer_count_beyond_the_weights_is_refused_before_a_list_of_its_layers(tmp_path,
+                                                                                 kind):
+    """Qwen2's and Gemma's converters listed a type per declared layer before the layers
+    were counted: num_hidden_layers of 2e8 took 19 s and 1.9 GB, 1e9 filled memory."""
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    make = {"qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**small)),
+            "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**small)),
+            "gpt2": gpt2}[kind]
+    folder = tmp_path / kind
+    make().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    key = "n_layer" if kind == "gpt2" else "num_hidden_layers"
+    cfg[key] = 10**9
+    cfg.pop("layer_types", None)  # (Qwen2.5's configs on the hub have none)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"{key}=1000000000, but the weights hold \d+ "
+                                              "tensors"):
+        GPT.from_hf(folder)
+    assert time.perf_counter() - start < 2.0
 
 
 @pytest.mark.parametrize("make", [gpt2, lambda: llama(False)], ids=["gpt2", "llama"])

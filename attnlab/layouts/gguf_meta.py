@@ -66,6 +66,11 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: Mapping[str, Any] | set,
         value = _scalar(meta, f"{arch}.{key}", where)
         if value is not None:
             cfg[hf_key] = value
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > len(tensor_names):
+        # Before any list of the layers is made: a block_count of 4e9 would fill memory.
+        raise ValueError(f"{where}: metadata {arch}.block_count={layers}, but the file holds "
+                         f"{len(tensor_names)} tensors; every layer needs some")
     if "vocab_size" not in cfg and isinstance(meta.get("tokenizer.ggml.tokens"), list):
         cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names

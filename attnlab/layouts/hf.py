@@ -266,6 +266,13 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
     if kind not in _GPT:
         raise _unsupported(kind, "GPT")
     _, make_config, make_state = _GPT[kind]
+    for key in ("num_hidden_layers", "n_layer"):  # (GPT-2 and BLOOM: n_layer)
+        layers = cfg.get(key)
+        if isinstance(layers, int) and layers > len(state):
+            # Before the converters make a list of the layers (Qwen2's and Gemma's layer
+            # types): a count of 1e9 would fill memory before the layers are counted.
+            raise ShapeMismatch(f"config {key}={layers}, but the weights hold {len(state)} "
+                                "tensors; every layer needs some")
     config = make_config(cfg)
     try:
         return config, make_state(state, config, cfg)
