@@ -121,8 +121,21 @@ def test_encoder_ignores_padding():
     torch.testing.assert_close(padded[:, :4], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_serves_the_last_token_that_no_model_call_sees():
+    """The last new token is never fed back, so a prompt and new tokens one past the
+    context fit; the cache refused it (15 + 2 over 16) while use_cache=False served it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1,
+                          num_heads=2)).eval()
+    prompt = torch.randint(0, 50, (1, 15), generator=torch.Generator().manual_seed(1))
+    want = model.generate(prompt, 2, temperature=0, use_cache=False)
+    assert torch.equal(model.generate(prompt, 2, temperature=0), want)
+    with pytest.raises(ValueError, match="needs 17 positions"):
+        model.generate(prompt, 3, temperature=0)
+
+
 @pytest.mark.parametrize("call, words", [
-    (lambda m: m.generate(torch.tensor([[1] * 40]), 20), ["context_length=48", "60"]),
+    (lambda m: m.generate(torch.tensor([[1] * 40]), 20), ["context_length=48", "59 positions"]),
     (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=-1), ["temperature"]),
     (lambda m: m.generate(torch.tensor([[1]]), 5, top_p=0), ["top_p"]),
     (lambda m: m.generate(torch.tensor([[1]]), 5, temperature=float("nan")), ["temperature"]),

@@ -242,7 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = model.decoder([ids]) if hasattr(model, "decoder") else None
     for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, generator=gen,
-                              use_cache=len(ids) + args.max_new_tokens <= model.context_length,
+                              use_cache=len(ids) + args.max_new_tokens - 1 <= model.context_length,
                               tokenizer=tokenizer, decoder=decoder, eos_id=eos_id):
         sys.stdout.write(piece)
         sys.stdout.flush()

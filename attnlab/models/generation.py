@@ -226,10 +226,12 @@ class GenerationMixin:
         batch, prompt_len = ids.shape
         total = prompt_len + max_new_tokens
         limit = self.context_length
-        if use_cache and total > limit:
+        # The last new token is never fed back: the model sees total - 1 positions.
+        if use_cache and total - 1 > limit:
             raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
-                f"exceeds the model's context_length={limit}; use fewer tokens"
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs "
+                f"{total - 1} positions (the last new token is not fed back), beyond the "
+                f"model's context_length={limit}; use fewer tokens"
             )
         if mask is not None:  # allocated once for the run, like the caches
             full_mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
@@ -237,7 +239,7 @@ class GenerationMixin:
             mask = full_mask[:, :prompt_len]
         # (dtype only when asked: a model's new_cache may take just the two sizes)
         kept_dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
-        caches = self.new_cache(batch, total, **kept_dtype) if use_cache else None
+        caches = self.new_cache(batch, total - 1, **kept_dtype) if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         seq, seq_mask = ids, mask
         # Without padding the layers read positions off the cache (a cheap slice);
