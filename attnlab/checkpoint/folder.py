@@ -63,6 +63,16 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     if holds_working_dir(out):
         raise ValueError(f"{name} {str(out)!r} is the current directory or holds it; a "
                          "checkpoint replaces its folder as a whole: name a folder inside it")
+    where = os.path.realpath(out)
+    if os.path.ismount(where):
+        raise ValueError(f"{name} {str(out)!r} is a mount point; a checkpoint replaces its "
+                         "folder as a whole (a rename), which a mount point refuses: name a "
+                         "folder inside it")
+    try:
+        os.fsencode(where).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} {str(out)!r} is not a UTF-8 path, which safetensors needs "
+                         "to write a checkpoint: name a folder whose path is UTF-8") from None
     out = Path(out)
     if not out.exists():
         return

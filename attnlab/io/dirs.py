@@ -10,6 +10,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,11 +118,39 @@ def _leftovers(final: Path) -> tuple[list[Path], list[Path], list[Path]]:
 
 
 def _remove(path: Path) -> None:
+    """Delete ``path``; a folder's marker last, so that a delete cut short (Ctrl-C, a kill)
+    leaves a folder still proven attnlab's, which the next write or recovery removes
+    (``rmtree`` may take the marker first and leave the rest unowned for ever)."""
     if path.is_dir() and not path.is_symlink():
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(path):
+                if entry.name == ATOMIC_MARKER:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _keep_modes(new: Path, live: Path) -> None:
+    """Give ``new`` (a copy about to replace ``live``) the permission bits of ``live`` and
+    of each of its entries that ``live`` holds under the same name: a user's ``chmod 700``
+    folder or ``600`` file stays private across checkpoints."""
+    for folder, dirs, files in os.walk(new):
+        for name in ("", *dirs, *files):
+            there = live / os.path.relpath(os.path.join(folder, name), new)
+            try:
+                info = os.lstat(there)
+            except OSError:
+                continue
+            if not stat.S_ISLNK(info.st_mode):
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(folder, name), stat.S_IMODE(info.st_mode))
 
 
 def _discard(path: Path, final: Path) -> None:
@@ -228,10 +257,12 @@ def atomic_dir(final_dir: PathLike,
         old_suffix = f"{pid}-{secrets.token_hex(4)}"
         old = parent / f"{final.name}.old-{old_suffix}"
         tmp.mkdir()
-        moved_aside = False
+        moved_aside = marked_live = False
         try:
             _mark(tmp, final, suffix)
             yield tmp
+            if final.is_dir():
+                _keep_modes(tmp, final)
             _fsync_tree(tmp)
             os.rename(tmp, ready)
             _fsync_dir(parent)
@@ -239,6 +270,7 @@ def atomic_dir(final_dir: PathLike,
                 if check is not None:
                     check(final)
                 _mark(final, final, old_suffix)  # so the copy set aside is provably ours
+                marked_live = True
                 os.rename(final, old)
                 moved_aside = True
             os.rename(ready, final)
@@ -249,6 +281,9 @@ def atomic_dir(final_dir: PathLike,
             if moved_aside and not final.exists() and old.exists():
                 os.rename(old, final)  # roll back: the old copy goes back in place
                 _fsync_dir(parent)
+            if marked_live and final.is_dir():  # the live folder as it was, unmarked
+                with contextlib.suppress(OSError):
+                    (final / ATOMIC_MARKER).unlink()
             _remove(tmp)
             if ready.exists():
                 _discard(ready, final)

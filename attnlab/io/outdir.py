@@ -145,6 +145,8 @@ def check_writable(out: PathLike, name: str = "--out") -> None:
     (the files written into it, a checkpoint's marker). Nothing is created: the writer
     makes the missing folders."""
     out_path = Path(os.path.abspath(out))
+    if out_path.is_symlink():  # written where it points (atomic_dir), so checked there
+        out_path = Path(os.path.realpath(out_path))
     parent = out_path.parent
     existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,11 +66,17 @@ def save_tensors(
 
 
 def check_file(path: Path) -> None:
-    """CheckpointError naming ``path`` unless it is an existing regular file."""
+    """CheckpointError naming ``path`` unless it is an existing regular file that
+    safetensors can open (it takes UTF-8 paths only)."""
     if not path.exists():
         raise CheckpointError(f"{str(path)!r}: file not found")
     if not path.is_file():
         raise CheckpointError(f"{str(path)!r}: not a regular file")
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{str(path)!r}: safetensors opens only UTF-8 paths, and this "
+                              "one is not; rename it, or link it under a UTF-8 name") from None
 
 
 def load_tensors(path: PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:

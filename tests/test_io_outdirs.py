@@ -1,0 +1,117 @@
+"""Output folders as users have them: a delete cut short, private modes, mount points,
+links to elsewhere, paths that are not UTF-8."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_io import _read_ckpt, _siblings, _write_ckpt
+
+from attnlab import io
+from attnlab.checkpoint import check_out_dir, save_checkpoint
+from attnlab.models import ToyAttnLM, ToyConfig
+
+
+def test_a_delete_cut_short_leaves_a_folder_the_next_write_removes(tmp_path, monkeypatch):
+    """The old copy is deleted after each swap; a Ctrl-C in the middle left a hidden
+    folder the size of the model for ever when ``rmtree`` took the marker first."""
+    final = tmp_path / "ckpt"
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 1)
+        for i in range(20):  # enough entries that the marker is not last by chance
+            (tmp / f"extra-{i}").write_bytes(b"x")
+    real_unlink = os.unlink
+    removed: list[str] = []
+
+    def unlink(path, *args, **kwargs):
+        if ".tmp-" in str(path) or ".old-" in str(path) or "dir_fd" in kwargs:  # the old copy
+            name = os.path.basename(path)
+            if name != io.ATOMIC_MARKER and len(removed) >= 3:
+                raise KeyboardInterrupt  # Ctrl-C a few files into the delete
+            removed.append(name)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt), io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 2)
+    monkeypatch.undo()
+    assert io.ATOMIC_MARKER not in removed
+    assert _read_ckpt(final) == 2
+    assert len(_siblings(final)) == 1  # the half-deleted old copy, still marked
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 3)
+    assert _read_ckpt(final) == 3 and _siblings(final) == []
+
+
+def test_a_checkpoint_keeps_the_modes_of_the_folder_and_files_it_replaces(tmp_path):
+    out = tmp_path / "private"
+    out.mkdir(mode=0o700)
+    os.chmod(out, 0o700)  # (whatever the umask)
+    model = ToyAttnLM(ToyConfig(vocab_size=8, context_length=8, d_model=8))
+    save_checkpoint(model, out)
+    assert (out.stat().st_mode & 0o777) == 0o700
+    os.chmod(out / "model.safetensors", 0o600)
+    save_checkpoint(model, out)
+    assert (out.stat().st_mode & 0o777) == 0o700
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o600
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o644 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_mount_point_is_refused_before_work_and_a_failed_swap_leaves_no_marker(
+        tmp_path, monkeypatch):
+    """A Docker volume as --out trained, then failed at the first checkpoint (a mount
+    point cannot be renamed) and left attnlab's marker in the user's folder."""
+    out = tmp_path / "volume"
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(out) or real_ismount(p))
+    with pytest.raises(ValueError, match="is a mount point; a checkpoint replaces its folder"):
+        check_out_dir(out)
+    monkeypatch.undo()
+    with io.atomic_dir(out) as tmp:
+        _write_ckpt(tmp, 1)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="busy"), io.atomic_dir(out) as tmp:
+        _write_ckpt(tmp, 2)
+    monkeypatch.undo()
+    assert _read_ckpt(out) == 1
+    assert not (out / io.ATOMIC_MARKER).exists() and _siblings(out) == []
+
+
+def test_an_out_that_links_elsewhere_is_checked_where_it_is_written(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "a-file" / "run")  # its folder cannot be made
+    with pytest.raises(ValueError, match="cannot be written: .*a-file' is a file"):
+        check_out_dir(link)
+
+
+def test_paths_that_are_not_utf8_are_named_as_such(tmp_path):
+    """safetensors opens only UTF-8 paths: a checkpoint failed after training began, and a
+    good file under such a name was called corrupt."""
+    name = os.fsdecode(b"run\xe9")
+    with pytest.raises(ValueError, match="is not a UTF-8 path"):
+        check_out_dir(tmp_path / name)
+    good = tmp_path / "good.safetensors"
+    io.save_tensors(good, {"w": torch.ones(2)})
+    odd = tmp_path / os.fsdecode(b"w\xe9.safetensors")
+    os.link(good, odd)
+    with pytest.raises(io.CheckpointError, match="safetensors opens only UTF-8 paths"):
+        io.load_tensors(odd)
