@@ -115,3 +115,24 @@ def test_paths_that_are_not_utf8_are_named_as_such(tmp_path):
     os.link(good, odd)
     with pytest.raises(io.CheckpointError, match="safetensors opens only UTF-8 paths"):
         io.load_tensors(odd)
+
+
+def test_a_json_list_is_attnlabs_only_when_every_record_is_signed(tmp_path):
+    """A user's file merged from one of attnlab's records and notes of their own was
+    taken for attnlab's (only its start was read) and replaced by ablate --json."""
+    from attnlab.io.outdir import check_out_file, is_signed, signed
+
+    ours = tmp_path / "ours.json"
+    io.atomic_write_json(ours, signed([{"case": "x"}, {"case": "y"}]))
+    assert is_signed(ours)
+    check_out_file(ours)
+    merged = tmp_path / "merged.json"
+    merged.write_text('[{"written_by": "attnlab 0.1.0", "case": "x"},\n'
+                      ' {"my_notes": "do not lose"}]\n')
+    assert not is_signed(merged)
+    with pytest.raises(ValueError):
+        check_out_file(merged)
+    assert "do not lose" in merged.read_text()
+    record = tmp_path / "one.json"
+    io.atomic_write_json(record, signed({"case": "x", "notes": [{"mine": 1}]}))
+    assert is_signed(record)  # one record: its own signature is the file's

@@ -229,7 +229,30 @@ def is_signed(path: PathLike) -> bool:
         return _png_signed(head)
     if _SVG_SIGNED.search(head) or _HTML_SIGNED.search(head):
         return True
-    return _JSON_SIGNED.match(head) is not None
+    if _JSON_SIGNED.match(head) is None:
+        return False
+    return not head.lstrip().startswith(b"[") or _every_record_signed(target)
+
+
+# A list of records is read whole to see every record's signature; attnlab's are far smaller.
+_JSON_LIST_BYTES = 64 * 1024 * 1024
+
+
+def _every_record_signed(path: Path) -> bool:
+    """Whether every object in the JSON list at ``path`` starts with attnlab's signature
+    (a user's file that begins with one signed record and goes on with their own is theirs)."""
+    import json
+
+    try:
+        if path.stat().st_size > _JSON_LIST_BYTES:
+            return False
+        with open(path, "rb") as f:
+            records = json.loads(f.read(_JSON_LIST_BYTES + 1))
+    except (OSError, ValueError):
+        return False
+    return isinstance(records, list) and all(
+        not isinstance(r, dict) or str(next(iter(r), "")) == "written_by"
+        and str(r["written_by"]).startswith("attnlab") for r in records)
 
 
 def check_out_file(path: PathLike, name: str = "--json") -> None:
