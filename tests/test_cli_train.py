@@ -360,3 +360,24 @@ def test_train_shape_options_are_checked_before_anything_is_read(tmp_path, capsy
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_demo_and_ablate_replace_their_own_output_only(tmp_path, capsys):
+    """`attnlab demo --out DIR` (and ablate, which trains the demo first) replaced a
+    model trained there, which `train` itself replaces only with --overwrite."""
+    import hashlib
+
+    from attnlab.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--batch-size", "2", "--context", "8",
+                 "--out", str(run)]) == 0
+    before = hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
+    for args in (["demo", "--steps", "2"], ["ablate", "--layer", "0"]):
+        capsys.readouterr()
+        assert main([*args, "--out", str(run)]) == 2
+        assert "holds a model that is not the demo's" in capsys.readouterr().err
+    assert hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest() == before
+    demo = tmp_path / "demo"
+    for _ in range(2):  # the demo's own output is replaced, as `make demo` twice needs
+        assert main(["demo", "--steps", "2", "--out", str(demo)]) == 0
