@@ -150,3 +150,18 @@ def test_single_character_labels_stand_upright_and_words_turn():
     ax = next(a for a in viz.heatmap(weights(2), ["注意力", "cat"]).axes
               if a.get_label() != "<colorbar>")
     assert {t.get_rotation() for t in ax.get_xticklabels()} == {90.0}
+
+
+def test_an_english_lesson_picture_asks_for_no_cjk_font(monkeypatch, capsys):
+    """A lesson's heatmap asked for the Chinese axis names whatever its language: English
+    lessons told the user to install CJK fonts their pictures do not need."""
+    from attnlab.lessons import kit
+
+    monkeypatch.setattr(fonts, "label_fonts", lambda: ("DejaVu Sans",))
+    monkeypatch.setattr(fonts, "_hinted", False)
+    monkeypatch.setitem(kit._STATE, "lang", "en")
+    kit.heatmap(weights(3), ["a", "b", "c"], title="three")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setitem(kit._STATE, "lang", "zh")
+    kit.heatmap(weights(3), ["a", "b", "c"], title="three")
+    assert "fonts-noto-cjk" in capsys.readouterr().err

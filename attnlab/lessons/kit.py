@@ -213,12 +213,13 @@ def heatmap(weights: Any, tokens: Sequence[str], title: str = ""):
     """:func:`attnlab.viz.heatmap` with a title and the axes named in the lesson's language."""
     from ..viz import heatmap as draw
 
-    with _font([*tokens, title, "查询键注意力权重"]):
+    labels = T("key", "键 (key)"), T("query", "查询 (query)"), T("attention weight", "注意力权重")
+    with _font([*tokens, title, *labels]):  # what is drawn: no CJK font asked for in English
         fig = draw(weights, list(tokens))
         ax = fig.axes[0]
-        ax.set_xlabel(T("key", "键 (key)"))
-        ax.set_ylabel(T("query", "查询 (query)"))
-        fig.axes[-1].set_ylabel(T("attention weight", "注意力权重"))  # the colour bar
+        ax.set_xlabel(labels[0])
+        ax.set_ylabel(labels[1])
+        fig.axes[-1].set_ylabel(labels[2])  # the colour bar
         if title:
             ax.set_title(title)
     return fig
