@@ -327,6 +327,16 @@ def test_a_bad_lesson_or_sentence_is_told_in_the_learners_language(tmp_path, arg
         assert words in proc.stderr, proc.stderr
 
 
+def test_a_long_sentence_is_refused_in_a_short_line():
+    """The error echoed the whole --text (22 KB for 3000 words) as its one line."""
+    from attnlab.lessons.cells import check_sentence
+
+    for lang in ("en", "zh"):
+        with pytest.raises(ValueError) as info:
+            check_sentence("word " * 3000, lang)
+        assert len(str(info.value)) < 300 and "15000" in str(info.value)
+
+
 def test_the_chinese_lessons_comment_their_code_in_chinese():
     # One code cell, two languages: the same program (its syntax tree), its comments in
     # the learner's language (a comment that is only symbols is the same in both).

@@ -138,9 +138,11 @@ def check_sentence(text: object, lang: str = "en") -> str:
                          f"text (--text) must be a non-empty sentence, got {text!r}")
     n = len(words(text))
     if not 2 <= n <= MAX_WORDS:
+        shown = repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text)} 字符)" \
+            if zh else repr(text[:60]) + f"... ({len(text)} characters)"
         raise ValueError(
             f"text (--text) 必须有 2 到 {MAX_WORDS} 个词（中文按已知词或单字计，"
-            f"每个表情符号算一个），{text!r} 有 {n} 个" if zh else
+            f"每个表情符号算一个），{shown} 有 {n} 个" if zh else
             f"text (--text) must have 2 to {MAX_WORDS} words (Chinese: known words or "
-            f"characters; each emoji one), got {n} in {text!r}")
+            f"characters; each emoji one), got {n} in {shown}")
     return text
