@@ -174,3 +174,24 @@ def test_a_page_that_keeps_some_layers_says_which(tiny, tmp_path, monkeypatch):
     page = payload_of(shown["html"].read_text())
     assert page["layer_ids"] == [1] and page["model_layers"] == 2 and page["topk"] == 2
     assert "1 of the model's 2 layers are kept (1)" in page["left_out"]
+
+
+def test_a_file_of_the_users_that_comes_while_show_computes_is_kept(tiny, tmp_path,
+                                                                   monkeypatch):
+    """--out was checked for files of the user's only before the model ran: an
+    attention.png dropped into it meanwhile was replaced."""
+    from attnlab.viz import show as show_mod
+
+    model, tok = tiny
+    out = tmp_path / "o"
+    real = show_mod._show
+
+    def slow_show(*args, **kwargs):
+        out.mkdir(exist_ok=True)
+        (out / "attention.png").write_bytes(b"the user's own picture")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(show_mod, "_show", slow_show)
+    with pytest.raises(ValueError, match="holds files attnlab did not write"):
+        viz.show_attention(model, tok, "abc", out)
+    assert (out / "attention.png").read_bytes() == b"the user's own picture"

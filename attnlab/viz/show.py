@@ -107,6 +107,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
                           example, head_labels)
         picked = None
     with output_lock(out):
+        check_own_dir(out)  # again: a file of the user's may have come while it computed
         make_dir(out)
         atomic_write_bytes(picture, figure_bytes(fig, fmt, dpi=fig.dpi))
         return ShowResult(picture, page.save(Path(out) / EXPLORER_FILE), page, picked)
