@@ -95,27 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     arch = train.add_argument_group(
         "the gpt model's shape and attention (--model gpt; with --resume, the "
         "checkpoint's where not given)")
-    arch.add_argument("--layers", type=_positive_int, default=None,
-                      help="transformer blocks (default: 4)")
-    arch.add_argument("--heads", type=_positive_int, default=None,
-                      help="query heads (default: 4)")
-    arch.add_argument("--kv-heads", type=_positive_int, default=None,
-                      help="key/value heads, fewer than --heads for grouped-query attention "
-                      "(default: --heads)")
-    arch.add_argument("--d-model", type=_positive_int, default=None,
-                      help="width of the residual stream (default: 128)")
-    arch.add_argument("--positions", choices=["learned", "rope", "alibi"], default=None,
-                      help="learned position embeddings, rotary (RoPE) or ALiBi's distance "
-                      "penalty (default: learned)")
-    arch.add_argument("--window", type=_positive_int, default=None,
-                      help="sliding window: each token sees itself and the window - 1 before "
-                      "it (default: the whole context)")
-    arch.add_argument("--softcap", type=_positive_float, default=None,
-                      help="cap attention scores at softcap * tanh(score / softcap), as "
-                      "Gemma 2 does (default: none)")
-    arch.add_argument("--sinks", action="store_const", const=True, default=None,
-                      help="a learned sink logit per head that joins each softmax, as "
-                      "gpt-oss has (default: off)")
+    for flag, kind, text in (
+            ("--layers", _positive_int, "transformer blocks (default: 4)"),
+            ("--heads", _positive_int, "query heads (default: 4)"),
+            ("--kv-heads", _positive_int, "key/value heads, fewer than --heads for "
+             "grouped-query attention (default: --heads)"),
+            ("--d-model", _positive_int, "width of the residual stream (default: 128)"),
+            ("--positions", ["learned", "rope", "alibi"], "learned position embeddings, "
+             "rotary (RoPE) or ALiBi's distance penalty (default: learned)"),
+            ("--window", _positive_int, "sliding window: each token sees itself and the "
+             "window - 1 before it (default: the whole context)"),
+            ("--softcap", _positive_float, "cap attention scores at softcap * tanh(score / "
+             "softcap), as Gemma 2 does (default: none)"),
+            ("--sinks", None, "a learned sink logit per head that joins each softmax, as "
+             "gpt-oss has (default: off)")):
+        if kind is None:  # a switch; None when not given, so --resume keeps the checkpoint's
+            arch.add_argument(flag, action="store_const", const=True, default=None, help=text)
+        elif isinstance(kind, list):
+            arch.add_argument(flag, choices=kind, default=None, help=text)
+        else:
+            arch.add_argument(flag, type=kind, default=None, help=text)
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="sample from a checkpoint, a Hugging Face "
