@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import one_of, probability
+from ..checks import is_int, one_of, probability
 from ..modules import MultiHeadAttention
 from ..recipe import train_demo_model
-from .layers import attention_layers, scores_from_qk_alone
+from .layers import attention_layers, is_decoder, scores_from_qk_alone, token_batch
 
 ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
 # The ablations whose point is equal weights: ALiBi's distances and sinks are set aside
@@ -103,18 +103,19 @@ def ablated(model: nn.Module, kind: str | None, record: dict | None = None) -> I
 
 @torch.no_grad()
 def lm_loss(model: nn.Module, ids: torch.Tensor, **kw) -> float:
-    """Next-token cross-entropy of a decoder model on ``ids`` ``(batch, seq)``."""
+    """Next-token cross-entropy of a decoder model on ``ids`` ``(batch, seq)``, seq >= 2."""
+    ids = token_batch(model, ids)
     logits = model(ids[:, :-1], **kw)
     if isinstance(logits, tuple):
         logits = logits[0]
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
 
 
-def _allowed(mha: MultiHeadAttention, q_len: int, k_len: int) -> torch.Tensor:
+def _allowed(mha: MultiHeadAttention, q_len: int, k_len: int, device) -> torch.Tensor:
     from .. import masks
 
-    rule = masks.structural(q_len, k_len, causal=mha.causal, window=mha.window)
-    return torch.ones(q_len, k_len, dtype=torch.bool) if rule is None else rule
+    rule = masks.structural(q_len, k_len, causal=mha.causal, window=mha.window, device=device)
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device) if rule is None else rule
 
 
 def _row_spread(record: dict) -> float:
@@ -128,7 +129,7 @@ def _row_spread(record: dict) -> float:
         t, s = q.shape[2], k.shape[2]
         k = k.double().repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
         scores = q.double() @ k.transpose(-1, -2) / math.sqrt(mha.head_dim)  # (B, H, T, S)
-        allowed = _allowed(mha, t, s)
+        allowed = _allowed(mha, t, s, scores.device)
         hi = scores.masked_fill(~allowed, -math.inf).amax(dim=-2)
         lo = scores.masked_fill(~allowed, math.inf).amin(dim=-2)
         spread = (hi - lo)[allowed.any(dim=0).expand_as(hi)]
@@ -140,7 +141,7 @@ def _row_spread(record: dict) -> float:
 def _dev_from_uniform(attentions: list[torch.Tensor], record: dict) -> float:
     worst = 0.0
     for mha, w in zip(record["modules"], attentions):
-        allowed = _allowed(mha, w.shape[-2], w.shape[-1])
+        allowed = _allowed(mha, w.shape[-2], w.shape[-1], w.device)
         n = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
         uniform = allowed / n
         worst = max(worst, float((w.double() - uniform).abs().max()))
@@ -154,6 +155,7 @@ def qkv_ablation(model: nn.Module, ids: torch.Tensor) -> dict[str, dict[str, flo
     Returns ``{"baseline": {"loss"}, "constant_q": {"loss", "max_row_spread"},
     "zero_v": {"loss", "max_abs_output"}, "constant_k": {"loss", "max_dev_from_uniform"}}``.
     """
+    ids = token_batch(model, ids)
     was_training = model.training
     model.eval()
     try:
@@ -180,6 +182,7 @@ def qkv_ablation(model: nn.Module, ids: torch.Tensor) -> dict[str, dict[str, flo
 @torch.no_grad()
 def uniform_attention(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     """Loss with every attention replaced by a uniform average over the allowed keys."""
+    ids = token_batch(model, ids)
     was_training = model.training
     model.eval()
     try:
@@ -207,27 +210,41 @@ def saliency(model: nn.Module, ids: torch.Tensor, target: int | None = None) -> 
         Set it beside the attention weights of the last row: weights show where a
         head looked, this shows what changed the output.
     """
-    ids = ids[None] if ids.ndim == 1 else ids
+    if isinstance(ids, torch.Tensor) and ids.ndim == 1:
+        ids = ids[None]
+    if not is_decoder(model):
+        raise ValueError(f"saliency explains a next-token prediction, which needs a decoder; "
+                         f"{type(model).__name__} is an encoder")
+    ids = token_batch(model, ids, least=1)
+    if ids.shape[0] != 1:
+        raise ValueError(f"ids must be (seq,) or (1, seq): one text, got shape "
+                         f"{tuple(ids.shape)}")
     was_training = model.training
     model.eval()
     captured = {}
 
     def keep(module, inputs, out):
-        out.retain_grad()
-        captured["emb"] = out
+        # The embeddings as a leaf of their own: their gradient needs none of the weights'
+        # (frozen, int8), and the weights' .grad are left as the caller had them.
+        captured["emb"] = out.detach().requires_grad_()
+        return captured["emb"]
 
     handle = model.tok_emb.register_forward_hook(keep)
     try:
-        logits = model(ids)
-        last = logits[0, -1].log_softmax(-1)
-        target = int(last.argmax()) if target is None else target
-        last[target].backward()
+        with torch.enable_grad():
+            last = model(ids)[0, -1].float().log_softmax(-1)
+            vocab = last.shape[0]
+            if target is None:
+                target = int(last.argmax())
+            elif not is_int(target) or not 0 <= target < vocab:
+                raise ValueError(f"target must be a token id in [0, {vocab}), got {target!r}")
+            target = int(target)
+            emb = captured["emb"]
+            grad, = torch.autograd.grad(last[target], emb)
     finally:
         handle.remove()
-        model.zero_grad(set_to_none=True)
         model.train(was_training)
-    emb = captured["emb"]
-    scores = (emb.grad[0] * emb[0]).sum(-1).abs().detach()
+    scores = (grad[0].float() * emb[0].detach().float()).sum(-1).abs()
     return scores / scores.sum().clamp(min=1e-12)
 
 
@@ -246,7 +263,7 @@ def explain(model: nn.Module, tokenizer, text: str) -> dict:
     tokens, attentions = capture(model, tokenizer, text)  # per layer (heads, seq, seq)
     ids = torch.tensor(tokenizer.encode(text))
     return {"tokens": tokens,
-            "attention": torch.stack([a[:, -1].mean(0) for a in attentions]).numpy(),
+            "attention": torch.stack([a[:, -1].float().mean(0) for a in attentions]).numpy(),
             "rollout": rollout(attentions)[-1],
             "saliency": saliency(model, ids).numpy()}
 
@@ -276,10 +293,13 @@ def dropout_placement(*, p: float = 0.2, steps: int = 200, seed: int = 0,
 def held_out_batch(tokenizer, *, batch: int = 16, length: int = 25, seed: int = 0
                    ) -> torch.Tensor:
     """``(batch, length)`` windows of a pattern corpus the demo model never saw."""
+    from ..checks import bounded_int, positive_int
     from ..text.corpus import pattern_corpus
     from ..training import sample
 
+    positive_int("batch", batch)
     stream = torch.tensor(tokenizer.encode(pattern_corpus(n_runs=400, seed=seed + 1000)))
+    bounded_int("length", length, 2, len(stream) - 1)  # a token and the next, at least
     return sample(stream, batch, length - 1, torch.Generator().manual_seed(seed))
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import one_of
-from .layers import attention_layers, scores_from_qk_alone
+from .layers import attention_layers, is_decoder, layer_head, scores_from_qk_alone, token_batch
 
 KNOCKOUTS = ("zero", "uniform")
 
@@ -60,13 +60,7 @@ def knocked_out(model: nn.Module, heads: Iterable[tuple[int, int]], how: str = "
     layers = attention_layers(model)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
-        if not 0 <= layer < len(layers):
-            raise ValueError(f"layer (--layer) must be in [0, {len(layers) - 1}] (the model "
-                             f"has {len(layers)} layers), got {layer}")
-        n = layers[layer].num_heads
-        if not 0 <= head < n:
-            raise ValueError(f"head (--head) must be in [0, {n - 1}] (layer {layer} has {n} "
-                             f"heads), got {head}")
+        layer, head = layer_head(layers, layer, head)
         by_layer.setdefault(layer, []).append(head)
     handles, previous = [], {}
     stack = contextlib.ExitStack()
@@ -102,10 +96,6 @@ def knocked_out(model: nn.Module, heads: Iterable[tuple[int, int]], how: str = "
             layers[layer].qkv_hook = hook
 
 
-def is_decoder(model: nn.Module) -> bool:
-    return hasattr(model, "generate")
-
-
 @torch.no_grad()
 def measure(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
             intact: torch.Tensor | None = None) -> float:
@@ -138,6 +128,17 @@ def pooled(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return F.normalize((hidden * w).sum(1) / w.sum(1).clamp(min=1e-9), dim=-1)
 
 
+def _batch(model: nn.Module, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` checked: a decoder's rows of two tokens or more (an encoder's of
+    one), integer ids as int64, a mask of their shape."""
+    ids = token_batch(model, ids, least=2 if is_decoder(model) else 1)
+    mask = torch.as_tensor(mask)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got "
+                         f"{tuple(mask.shape)}")
+    return ids, mask
+
+
 def knockout(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
              heads: Iterable[tuple[int, int]]) -> dict:
     """The measure with ``heads`` knocked out each way, against the intact model.
@@ -145,7 +146,9 @@ def knockout(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     Returns ``{"measure", "baseline", "heads": [[layer, head], ...], "zero",
     "uniform"}`` where ``zero``/``uniform`` are the measure knocked out that way.
     """
-    heads = [(int(layer), int(head)) for layer, head in heads]
+    layers = attention_layers(model)
+    heads = [layer_head(layers, layer, head) for layer, head in heads]
+    ids, mask = _batch(model, ids, mask)
     was_training = model.training
     model.eval()
     try:
@@ -173,6 +176,7 @@ def head_importance(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> 
     """
     layers = attention_layers(model)
     n_heads = layers[0].num_heads
+    ids, mask = _batch(model, ids, mask)
     was_training = model.training
     model.eval()
     try:

@@ -3,13 +3,54 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterable, Iterator
 
+import torch
 from torch import nn
 
 from ..modules import MultiHeadAttention
 
-__all__ = ["attention_layers", "scores_from_qk_alone"]
+__all__ = ["attention_layers", "scores_from_qk_alone", "is_decoder", "token_batch",
+           "layer_head"]
+
+
+def is_decoder(model: nn.Module) -> bool:
+    return hasattr(model, "generate")
+
+
+def token_batch(model: nn.Module, ids, *, least: int = 2, name: str = "ids") -> torch.Tensor:
+    """``ids`` checked as a batch ``(batch, seq)`` of integer token ids, as int64; ``least``:
+    the shortest row (2 for a next-token loss: a token and the next). A loss is asked of
+    an encoder (``least`` 2) is refused: it has no next-token prediction."""
+    if least >= 2 and not is_decoder(model):
+        raise ValueError(f"a next-token loss needs a decoder; {type(model).__name__} is an "
+                         "encoder (head_importance measures how its embeddings move)")
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or \
+            ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < least:
+        raise ValueError(f"{name} must be (batch, seq) with batch >= 1 and seq >= {least}"
+                         f"{' (a token and the next)' if least >= 2 else ''}, got shape "
+                         f"{tuple(ids.shape)}")
+    return ids.long()
+
+
+def layer_head(model_layers: list, layer, head) -> tuple[int, int]:
+    """``(layer, head)`` checked against the model's attention modules: whole numbers in
+    range (a float head was truncated, a negative one counted from the end)."""
+    for name, value in (("layer", layer), ("head", head)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} (--{name}) must be an integer, got {value!r}")
+    if not 0 <= layer < len(model_layers):
+        raise ValueError(f"layer (--layer) must be in [0, {len(model_layers) - 1}] (the model "
+                         f"has {len(model_layers)} layers), got {layer}")
+    n = model_layers[layer].num_heads
+    if not 0 <= head < n:
+        raise ValueError(f"head (--head) must be in [0, {n - 1}] (layer {layer} has {n} "
+                         f"heads), got {head}")
+    return int(layer), int(head)
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:

@@ -106,8 +106,10 @@ class Comparison:
 
     def figure(self, layer: int | None = None, head: int | None = None):
         """:func:`compare_figure` of ``(layer, head)`` (default: :attr:`layer`, :attr:`head`)."""
-        layer = self.layer if layer is None else layer
-        head = self.head if head is None else head
+        from .capture import pick
+
+        layer = self.layer if layer is None else pick(len(self.a), layer, "layer")[0]
+        head = self.head if head is None else pick(self.a[layer].shape[0], head, "head")[0]
         label = None if self.labels is None else self.labels[layer][head]
         return compare_figure(self.tokens_a, self.a, self.tokens_b, self.b, layer=layer,
                               head=head, titles=self.titles, mask_a=self.masks[0],

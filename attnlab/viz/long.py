@@ -17,6 +17,7 @@ pass, and only each row's top ``k`` are kept.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,14 @@ class TopKeys:
     @property
     def k(self) -> int:
         return int(self.index.shape[-1])
+
+    def only(self, layers: Sequence[int]) -> TopKeys:
+        """The same keys of the kept ``layers`` (model numbers) alone: what a picture of
+        some layers draws while the page holds them all."""
+        at = [self.layer_ids.index(i) for i in layers if i in self.layer_ids]
+        return dataclasses.replace(self, index=self.index[at], weight=self.weight[at],
+                                   layer_ids=tuple(self.layer_ids[i] for i in at),
+                                   rules=tuple(self.rules[i] for i in at), kept=self.kept[at])
 
     def note(self) -> str:
         """What the page leaves out, in one sentence or two."""
@@ -121,7 +130,9 @@ def top_keys(record: list, seq: int, layers: Sequence[int] | None = None) -> Top
         module, q, keys, v = record[layer]
         for start in range(0, seq, ROW_BLOCK):
             stop = min(seq, start + ROW_BLOCK)
-            w = module.attention_rows(q[None], keys[None], v[None], range(start, stop))[0]
+            with torch.no_grad():  # (a learned sink would make the weights need grad)
+                w = module.attention_rows(q[None], keys[None], v[None],
+                                          range(start, stop))[0]
             top = torch.topk(w.float(), k, dim=-1)  # of (H, rows, seq): no more is kept
             index[n, :, start:stop] = top.indices.numpy().astype(np.uint16)
             weight[n, :, start:stop] = top.values.numpy()
