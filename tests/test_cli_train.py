@@ -320,10 +320,10 @@ def test_train_shapes_the_gpt_from_its_options_and_resume_keeps_them(tmp_path, c
 
     out = tmp_path / "run"
     common = ["train", "--context", "16", "--batch-size", "4", "--out", str(out)]
-    shape = ["--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-model", "32",
+    shape = ["--layers", "1", "--heads", "6", "--kv-heads", "3", "--d-model", "48",
              "--positions", "alibi", "--window", "4", "--softcap", "20", "--sinks"]
     assert main([*common, "--steps", "2", *shape]) == 0
-    want = {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "d_model": 32,
+    want = {"num_layers": 1, "num_heads": 6, "num_kv_heads": 3, "d_model": 48,
             "positions": "alibi", "window": 4, "attn_softcap": 20.0, "sinks": True}
     config = json.loads((out / "config.json").read_text())["config"]
     assert {k: config[k] for k in want} == want
@@ -343,6 +343,9 @@ def test_train_shapes_the_gpt_from_its_options_and_resume_keeps_them(tmp_path, c
     assert main([*common, "--steps", "4", "--resume", "--softcap", "10"]) == 2
     assert "attn_softcap=20.0 (given 10.0)" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["config"] == config
+    # the options given on a resume are checked with the checkpoint's shape, not the
+    # defaults (--kv-heads 3 does not divide the default 4 heads)
+    assert main([*common, "--steps", "4", "--resume", "--kv-heads", "3"]) == 0
 
 
 @pytest.mark.parametrize("args, words", [
@@ -350,6 +353,8 @@ def test_train_shapes_the_gpt_from_its_options_and_resume_keeps_them(tmp_path, c
     (["--heads", "3"], "--d-model=128 must be divisible by --heads=3"),
     (["--kv-heads", "3"], "--kv-heads=3 must divide --heads=4"),
     (["--d-model", "1000000"], "needs about"),
+    (["--d-model", "28", "--positions", "rope"], "the head width --d-model / --heads = 7 "
+                                                 "must be even"),
 ])
 def test_train_shape_options_are_checked_before_anything_is_read(tmp_path, capsys, args,
                                                                   words):

@@ -132,7 +132,48 @@ def test_a_json_list_is_attnlabs_only_when_every_record_is_signed(tmp_path):
     assert not is_signed(merged)
     with pytest.raises(ValueError):
         check_out_file(merged)
+    notes = tmp_path / "notes.json"
+    notes.write_text('[{"written_by": "attnlab 0.1.0"}, "my notes: do not lose", [1, 2], 42]')
+    assert not is_signed(notes)
     assert "do not lose" in merged.read_text()
     record = tmp_path / "one.json"
     io.atomic_write_json(record, signed({"case": "x", "notes": [{"mine": 1}]}))
     assert is_signed(record)  # one record: its own signature is the file's
+
+
+def test_a_delete_that_fails_keeps_the_marker_and_the_next_write_retries(tmp_path, monkeypatch):
+    """A file the delete may not remove (EPERM, a busy NFS file): the marker went with the
+    rest and the half-deleted copy was nobody's for ever."""
+    final = tmp_path / "ckpt"
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 1)
+    real_unlink = os.unlink
+    blocked = {"on": True}
+
+    def unlink(path, *args, **kwargs):
+        if blocked["on"] and os.path.basename(path) == "model.safetensors" and (
+                ".tmp-" in str(path) or ".old-" in str(path) or "dir_fd" in kwargs):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 2)
+    left = _siblings(final)
+    assert len(left) == 1 and (final.parent / left[0] / io.ATOMIC_MARKER).exists()
+    blocked["on"] = False
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 3)
+    assert _read_ckpt(final) == 3 and _siblings(final) == []
+
+
+def test_a_read_only_subfolder_does_not_make_the_copies_undeletable(tmp_path):
+    final = tmp_path / "ckpt"
+    with io.atomic_dir(final) as tmp:
+        _write_ckpt(tmp, 1)
+    os.chmod(final / "sub", 0o555)
+    for version in (2, 3):
+        with io.atomic_dir(final) as tmp:
+            _write_ckpt(tmp, version)
+    assert (final / "sub").stat().st_mode & 0o777 == 0o755  # the user's bits, and u+w
+    assert _siblings(final) == []

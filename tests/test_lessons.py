@@ -332,9 +332,10 @@ def test_a_long_sentence_is_refused_in_a_short_line():
     from attnlab.lessons.cells import check_sentence
 
     for lang in ("en", "zh"):
-        with pytest.raises(ValueError) as info:
-            check_sentence("word " * 3000, lang)
-        assert len(str(info.value)) < 300 and "15000" in str(info.value)
+        for text, length in (("word " * 3000, "15000"), (" " * 5000, "5000")):
+            with pytest.raises(ValueError) as info:
+                check_sentence(text, lang)
+            assert len(str(info.value)) < 300 and length in str(info.value)
 
 
 def test_the_chinese_lessons_comment_their_code_in_chinese():

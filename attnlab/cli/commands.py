@@ -89,20 +89,28 @@ def _gpt_config(**fields):
         return GPTConfig(**fields, dropout=0.0)
     except ValueError as exc:
         names = "|".join(_ARCH_OPTIONS.values())
-        raise ValueError(re.sub(rf"\b(?:GPTConfig\.)?({names})\b",
-                                lambda m: "--" + next(o for o, f in _ARCH_OPTIONS.items()
-                                                      if f == m.group(1)).replace("_", "-"),
-                                str(exc))) from None
+        text = re.sub(rf"\b(?:GPTConfig\.)?({names})\b",
+                      lambda m: "--" + next(o for o, f in _ARCH_OPTIONS.items()
+                                            if f == m.group(1)).replace("_", "-"), str(exc))
+        # (the head width is --d-model / --heads)
+        raise ValueError(re.sub(r"GPTConfig\.head_dim=(\d+)",
+                                r"the head width --d-model / --heads = \1", text)) from None
 
 
-def _saved_config(out: str) -> dict | None:
-    """The model config of the run in ``out`` that --resume continues, if there is one."""
+def _saved_config(out: str, recover: bool = True) -> dict | None:
+    """The model config of the run in ``out`` that --resume continues, if there is one
+    (``recover=False``: as the folder is, not repaired first)."""
     from ..checkpoint import has_checkpoint
     from ..checkpoint.format import read_config
+    from ..io import CONFIG_FILE, read_json
+    from ..io.reading import CONFIG_LIMIT
 
-    if not has_checkpoint(out):
-        return None
-    config = read_config(out).get("config")
+    if recover:
+        meta = read_config(out) if has_checkpoint(out) else {}
+    else:
+        path = Path(out) / CONFIG_FILE
+        meta = read_json(path, CONFIG_LIMIT) if path.is_file() else {}
+    config = meta.get("config")
     return config if isinstance(config, dict) else None
 
 
@@ -117,7 +125,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Before anything is touched: --batch-size and --context that cannot fit are named
     # as such (a lower bound, the vocabulary of one token; the model's own check, once
     # the text is read, would only say the model is too large).
-    sizes = _train_sizes(args)
+    # (on --resume the checkpoint's shape, read as it is: recovering it needs the lock)
+    sizes = _train_sizes(args, _saved_config(args.out, recover=False) if args.resume else None)
     if args.model == "gpt":  # a bad shape is named before anything is read or trained
         _gpt_config(vocab_size=1, context_length=args.context, **sizes)
     check_training_fits(SimpleNamespace(vocab_size=1, **sizes),

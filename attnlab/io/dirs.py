@@ -131,7 +131,11 @@ def _remove(path: Path) -> None:
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
-        shutil.rmtree(path, ignore_errors=True)
+        # The marker and the folder go only once all else has: a delete that failed (a file
+        # it may not remove, a busy NFS file) stays marked, and the next write retries it.
+        with contextlib.suppress(OSError):
+            if set(os.listdir(path)) <= {ATOMIC_MARKER}:
+                shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -140,7 +144,9 @@ def _remove(path: Path) -> None:
 def _keep_modes(new: Path, live: Path) -> None:
     """Give ``new`` (a copy about to replace ``live``) the permission bits of ``live`` and
     of each of its entries that ``live`` holds under the same name: a user's ``chmod 700``
-    folder or ``600`` file stays private across checkpoints."""
+    folder or ``600`` file stays private across checkpoints. Folders keep their owner's
+    read, write and search bits (a ``555`` folder could not be emptied when its copy is
+    set aside and deleted)."""
     for folder, dirs, files in os.walk(new):
         for name in ("", *dirs, *files):
             there = live / os.path.relpath(os.path.join(folder, name), new)
@@ -149,8 +155,11 @@ def _keep_modes(new: Path, live: Path) -> None:
             except OSError:
                 continue
             if not stat.S_ISLNK(info.st_mode):
+                mode = stat.S_IMODE(info.st_mode)
+                if stat.S_ISDIR(info.st_mode):  # always attnlab's to empty when set aside
+                    mode |= stat.S_IRWXU
                 with contextlib.suppress(OSError):
-                    os.chmod(os.path.join(folder, name), stat.S_IMODE(info.st_mode))
+                    os.chmod(os.path.join(folder, name), mode)
 
 
 def _discard(path: Path, final: Path) -> None:

@@ -250,8 +250,9 @@ def _every_record_signed(path: Path) -> bool:
             records = json.loads(f.read(_JSON_LIST_BYTES + 1))
     except (OSError, ValueError):
         return False
-    return isinstance(records, list) and all(
-        not isinstance(r, dict) or str(next(iter(r), "")) == "written_by"
+    # attnlab's lists hold records only; a string or number among them is the user's
+    return isinstance(records, list) and bool(records) and all(
+        isinstance(r, dict) and next(iter(r), None) == "written_by"
         and str(r["written_by"]).startswith("attnlab") for r in records)
 
 

@@ -133,13 +133,13 @@ def check_sentence(text: object, lang: str = "en") -> str:
     from .kit import words
 
     zh = lang == "zh"
+    shown = repr(text) if not isinstance(text, str) or len(text) <= 80 else \
+        repr(text[:60]) + (f"... ({len(text)} 字符)" if zh else f"... ({len(text)} characters)")
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"text (--text) 必须是一个非空的句子，得到 {text!r}" if zh else
-                         f"text (--text) must be a non-empty sentence, got {text!r}")
+        raise ValueError(f"text (--text) 必须是一个非空的句子，得到 {shown}" if zh else
+                         f"text (--text) must be a non-empty sentence, got {shown}")
     n = len(words(text))
     if not 2 <= n <= MAX_WORDS:
-        shown = repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text)} 字符)" \
-            if zh else repr(text[:60]) + f"... ({len(text)} characters)"
         raise ValueError(
             f"text (--text) 必须有 2 到 {MAX_WORDS} 个词（中文按已知词或单字计，"
             f"每个表情符号算一个），{shown} 有 {n} 个" if zh else
