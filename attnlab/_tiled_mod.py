@@ -33,12 +33,36 @@ def _slice(mask, q_start, q_end, k_start, k_end, kv_heads):
     return _masks.group_view(mask[:, :, qs, ks], kv_heads)
 
 
+def _reads(score_mod) -> tuple:
+    """What ``score_mod`` reads (:func:`~attnlab.blockmask.reads`), with the tensors inside
+    the objects it reads by identity (a module's parameters and buffers, a dict's or a
+    list's tensors: ``self.rel[k]``), each as (identity, version); and the list that keeps
+    them alive."""
+    held: list = []
+    key = reads(score_mod, held)
+    inside = []
+    for obj in list(held):
+        if isinstance(obj, torch.nn.Module):
+            found = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, dict):
+            found = list(obj.values())
+        elif isinstance(obj, list | tuple):
+            found = list(obj)
+        else:
+            continue
+        for t in found:
+            if isinstance(t, torch.Tensor):
+                held.append(t)
+                inside.append((id(t), None if t.is_inference() else t._version))
+    return (key, tuple(inside)), held
+
+
 def _block(ctx, q_start, q_end, lo, hi, mask, block_k, q, k, v, sinks, seen=None):
     """Output ``(B, Hkv, G, n, Dv)`` and lse ``(B, Hkv, G, n)`` of query rows
     ``[q_start, q_end)``, from the keys ``[lo, hi)``, differentiably. ``seen``: what the
     score_mod read at the forward (:func:`~attnlab.blockmask.reads`, and the list that
     keeps those tensors alive), which its recomputation in the backward must read again."""
-    if seen is not None and reads(ctx.variants.score_mod, []) != seen[0]:
+    if seen is not None and _reads(ctx.variants.score_mod)[0] != seen[0]:
         # checkpoint's recomputation would read the new values: a silently wrong gradient
         raise RuntimeError(
             f"score_mod {mod_name(ctx.variants.score_mod)!r} reads a tensor that was "
@@ -88,9 +112,9 @@ def attention(ctx, q, k, v, mask, sinks, block_q: int, block_k: int):
         while mask.ndim < 4:
             mask = mask.unsqueeze(0)
     seen = None
-    if recompute and ctx.variants is not None and ctx.variants.score_mod is not None:
-        held: list = []
-        seen = (reads(ctx.variants.score_mod, held), held)
+    if (recompute and ctx.variants is not None and ctx.variants.score_mod is not None
+            and not torch.compiler.is_compiling()):  # (a trace cannot read versions)
+        seen = _reads(ctx.variants.score_mod)
     outs, lses = [], []
     for q_start in range(0, ctx.q_len, block_q):
         q_end = min(q_start + block_q, ctx.q_len)

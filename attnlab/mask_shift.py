@@ -69,11 +69,15 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
         return (mask, mask.new_zeros(*mask.shape[:-1], 1)) if with_shift else mask
     top = mask.detach().amax(dim=-1, keepdim=True)  # (..., q_len or 1, 1)
     rule = KeyRule(q_len, k_len, causal=causal, window=window, documents=documents)
-    if not rule.full(0, q_len, 0, k_len):
+    # One shift for all rows keeps the mask's shape. Whether it fits every row is a
+    # data-dependent branch, which a torch.compile trace or vmap cannot take: there a mask
+    # of one row for every query (key padding) keeps the one shift, exact up to rounding
+    # unless a forbidden key holds a value ~80 above every allowed one, and only a mask of
+    # a row per query (q_len x k_len already) is shifted row by row.
+    per_row = reads_values() or (mask.shape[-2] == q_len and q_len > 1)
+    if per_row and not rule.full(0, q_len, 0, k_len):
         row_top = _allowed_max(mask.detach(), rule)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
-        # One shift for all rows keeps the mask's shape; comparing is a data-dependent
-        # branch a torch.compile trace cannot take, so a trace shifts row by row.
         if not reads_values() or not torch.equal(row_top, top.expand_as(row_top)):
             top = row_top
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))

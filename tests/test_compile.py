@@ -263,6 +263,49 @@ def test_an_additive_mask_with_a_causal_or_window_rule_compiles_whole(backend, r
     torch._dynamo.reset()
 
 
+def test_a_padding_mask_keeps_its_shape_where_values_cannot_be_read():
+    """Under a trace or vmap the shift could not compare the rows' maxima, and a key
+    padding mask (one row for every query) grew to q_len x k_len: flash and tiled lost
+    their O(seq) memory under the default torch.compile and vmap."""
+    from attnlab.mask_shift import shift_rows
+
+    pad = torch.zeros(3, 1, 1, 64)
+    pad[..., -10:] = -1e9
+    eager = shift_rows(pad[0], 64, 64, causal=True)
+    mapped = torch.func.vmap(lambda m: shift_rows(m, 64, 64, causal=True))(pad)
+    assert mapped.shape == (3, 1, 1, 64) and eager.shape == (1, 1, 64)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+
+    def call(q, k, v):
+        return attnlab.attention(q, k, v, mask=pad[:1], causal=True, backend="flash")
+
+    torch.testing.assert_close(torch.compile(call, backend="eager", fullgraph=True)(q, k, v),
+                               call(q, k, v), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_a_tiled_score_mod_with_gradients_compiles_whole():
+    """The check that a score_mod's tensors did not change before the backward read
+    tensor versions, which a trace cannot."""
+    rel = torch.linspace(0.5, 2.0, 40)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * rel[kv_idx]
+
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+
+    def call(q, k, v):
+        return attnlab.attention(q, k, v, causal=True, score_mod=scaled, backend="tiled")
+
+    got = torch.compile(call, backend="eager", fullgraph=True)(q, k, v)
+    want = call(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)),
+                    torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_a_block_mask_with_a_score_mod_and_a_flashattention_band_compile_whole():
     """A block mask built ahead together with a score_mod (the tiled path asks the block
     mask about each tile), and FlashAttention's windows that are no attnlab rule (a band

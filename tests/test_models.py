@@ -132,6 +132,9 @@ def test_the_cache_serves_the_last_token_that_no_model_call_sees():
     assert torch.equal(model.generate(prompt, 2, temperature=0), want)
     with pytest.raises(ValueError, match="needs 17 positions"):
         model.generate(prompt, 3, temperature=0)
+    # no new token: the prompt back, with or without the cache
+    for cache in (True, False):
+        assert torch.equal(model.generate([[5]], 0, use_cache=cache), torch.tensor([[5]]))
 
 
 @pytest.mark.parametrize("call, words", [

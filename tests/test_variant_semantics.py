@@ -183,6 +183,34 @@ def test_a_score_mod_whose_tensor_changed_before_the_backward_is_refused():
     torch.testing.assert_close(q.grad, want.grad, **TOL)
 
 
+def test_a_score_mod_reading_a_module_or_a_dict_is_checked_too():
+    """A score_mod method reading self.rel (an nn.Module's parameter) or a dict's tensor:
+    the objects were compared by identity only, and the changed values gave another
+    gradient silently."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rel = torch.nn.Parameter(torch.linspace(0.5, 2.0, 12, dtype=torch.float64))
+
+        def mod(self, score, b, h, q_idx, kv_idx):
+            return score * self.rel[kv_idx]
+
+    table = {"s": torch.linspace(0.5, 2.0, 12, dtype=torch.float64)}
+
+    def from_table(score, b, h, q_idx, kv_idx):
+        return score * table["s"][kv_idx]
+
+    module = Scaled()
+    for fn, change in ((module.mod, lambda: module.rel.mul_(10)),
+                       (from_table, lambda: table["s"].mul_(10))):
+        q = Q.clone().requires_grad_()
+        out = attnlab.attention(q, K, V, causal=True, score_mod=fn, backend="tiled")
+        with torch.no_grad():
+            change()
+        with pytest.raises(RuntimeError, match="reads a tensor that was modified in place"):
+            out.sum().backward()
+
+
 def test_the_score_mod_path_keeps_memory_o_seq():
     """No q_len x k_len tensor anywhere, forward or backward: score_mod only ever sees
     tiles, and what autograd saves is O(seq x dim)."""

@@ -239,7 +239,7 @@ class GenerationMixin:
             mask = full_mask[:, :prompt_len]
         # (dtype only when asked: a model's new_cache may take just the two sizes)
         kept_dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
-        caches = self.new_cache(batch, total - 1, **kept_dtype) if use_cache else None
+        caches = self.new_cache(batch, max(total - 1, 1), **kept_dtype) if use_cache else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         seq, seq_mask = ids, mask
         # Without padding the layers read positions off the cache (a cheap slice);
