@@ -28,6 +28,22 @@ def test_exposed_communication_counts_from_when_the_piece_was_sent():
     assert distributed._exposed(ring, 0, 0) == 0.0
 
 
+def test_a_case_of_no_timed_rounds_takes_its_slowest_rank():
+    """The T=65536 case runs no timed rounds: its median was rank 0's first call, where
+    its own times_ms (and the suite's definition of a step) take the slowest rank."""
+    case = distributed.cases(quick=False)[-1]
+    ring = [{"times_ms": [], "first_ms": f, "peak_mb": 10.0} for f in (100., 180., 150., 120.)]
+    single = {"times_ms": [], "first_ms": 200., "peak_mb": 20., "gflops": 1.}
+    record = distributed._records(case, distributed._spec(65536, rounds=0), ring, single)[0]
+    assert record["median_ms"] == 180.0 and record["times_ms"] == [180.0]
+
+
+def test_under_load_is_said_to_be_left_out():
+    lines = []
+    distributed.run_cases([], log=lines.append, under_load=True)
+    assert len(lines) == 1 and "run quiet only" in lines[0]
+
+
 @pytest.mark.slow
 def test_a_small_case_gives_exact_records_with_memory_and_overlap():
     spec = distributed._spec(97, world=2, heads=4, kv_heads=2, dim=16, backward=True,

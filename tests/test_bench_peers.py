@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -123,6 +125,29 @@ def test_share_of_the_read_bound_is_its_arithmetic():
         pytest.approx(1 / 3)
 
 
+def test_quick_says_which_installed_peers_it_leaves_out(monkeypatch):
+    """--quick ran attnlab's own engines only, and said nothing of the peers it dropped."""
+    monkeypatch.setattr(peers, "_installed", lambda module: True)
+    for module, names in ((generate, "llama.cpp f32, llama.cpp bf16"),
+                          (encode, "onnxruntime, openvino")):
+        for quick in (False, True):
+            lines = []
+            module.prologue(log=lines.append, quick=quick)
+            said = [line for line in lines if line.startswith("--quick")]
+            assert bool(said) == quick and (not quick or names in said[0])
+
+
+def test_the_encode_probe_counts_the_step_not_the_imports():
+    """Its baseline came before any library was imported: sentence-transformers' import
+    alone (about 400 MB) counted as its embedding's memory."""
+    code = ("import sys; from attnlab.bench import encode; encode.preload(); "
+            "print('attnlab.interop.minilm' in sys.modules, 'torch' in sys.modules, "
+            "'sentence_transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["True", "True", "True"], done.stderr
+
+
 def test_bytes_per_token_at_each_precision():
     shapes = generate.matrix_shapes("tiny-llama")
     params = sum(a * b for a, b in shapes)
@@ -135,6 +160,14 @@ def test_bytes_per_token_at_each_precision():
         (params - down) * 34 / 32 + down * 2)
     assert engines.precision_of("llama.cpp q8_0") == "q8_0"
     assert engines.precision_of("attnlab") == engines.precision_of("transformers") == "f32"
+    # attnlab's int8 pads a row of 688 to 704 (22 blocks) where the file keeps F16: its
+    # bytes are those its own layers hold (counted +20% as llama.cpp's before)
+    from attnlab.models import GPT
+
+    model = GPT.from_hf(generate.folder("tiny-llama"), quantize="int8")
+    held = sum(m.data.numel() * m.data.element_size() + m.scales.numel() *
+               m.scales.element_size() for m in model.modules() if hasattr(m, "scales"))
+    assert generate.bytes_per_token("tiny-llama", engines.stored_as("attnlab int8")) == held
 
 
 def test_annotate_reads_each_precision_against_the_bound():

@@ -50,7 +50,7 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
     ``baseline``: the implementation :func:`markdown_table` will divide by; checked
     here, before any case runs, against the implementations of the chosen cases.
     ``json_path`` is checked before any case runs too. A suite module may define
-    ``prologue(log)``, run once before its cases (the attention suite measures the
+    ``prologue(log, quick)``, run once before its cases (the attention suite measures the
     machine's peak there, quietly). ``under_load``: each case is timed again beside
     a busy process per core (:mod:`.load`), stopped after the case.
     """
@@ -82,7 +82,7 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
     records: list[dict] = []
     for name, module in modules.items():
         if chosen[name] and hasattr(module, "prologue"):
-            module.prologue(log=log)
+            module.prologue(log=log, quick=quick)
         # A suite that runs its own processes (distributed) brings its own runner.
         runner = getattr(module, "run_cases", run_cases)
         suite_records = runner(chosen[name], memory=memory, log=log, under_load=under_load)

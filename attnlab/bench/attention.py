@@ -146,7 +146,7 @@ def _flex_step(q, k, v, seq, causal, window):
     return lambda: compiled(q, k, v, block_mask=block_mask)
 
 
-def prologue(log=print) -> None:
+def prologue(log=print, quick: bool = False) -> None:
     """Measure the CPU's peak before the cases run (quietly: no busy processes yet)."""
     _MACHINE.clear()
     _MACHINE.update(machine.measure(log=log))

@@ -67,7 +67,11 @@ def cases(quick: bool = False) -> list[Case]:
 def run_cases(cases: list[Case], *, memory: bool = True, log: Callable[[str], None] = print,
               under_load: bool = False) -> list[dict]:
     """This suite's own runner (``bench.run`` calls it instead of ``runner.run_cases``):
-    each case spawns its processes, the records have the runner's fields."""
+    each case spawns its processes, the records have the runner's fields. It has no
+    ``under_load`` runs (the ranks fill the cores already): asked for, it says so once."""
+    if under_load:
+        log("--under-load: the distributed suite's ranks fill the cores already; its cases "
+            "run quiet only")
     records = []
     for case in cases:
         spec = case.extra["spec"]
@@ -82,10 +86,11 @@ def run_cases(cases: list[Case], *, memory: bool = True, log: Callable[[str], No
 
 def _records(case, spec, ring, single) -> list[dict]:
     world = spec["world"]
+    # A step takes as long as its slowest rank, the first (untimed rounds) included.
     step_ms = [max(r["times_ms"][i] for r in ring) for i in range(len(ring[0]["times_ms"]))]
+    step_ms = step_ms or [max(r["first_ms"] for r in ring)]
     ring_rec = {"suite": "distributed", "case": case.name, "impl": RING,
-                "median_ms": statistics.median(step_ms) if step_ms else ring[0]["first_ms"],
-                "times_ms": step_ms or [max(r["first_ms"] for r in ring)],
+                "median_ms": statistics.median(step_ms), "times_ms": step_ms,
                 "peak_mb": max(r["peak_mb"] for r in ring),
                 "per_rank_peak_mb": [r["peak_mb"] for r in ring], "world_size": world}
     single_rec = {"suite": "distributed", "case": case.name, "impl": BASELINE,

@@ -34,6 +34,18 @@ def sentences(n: int, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+def preload() -> None:
+    """The libraries the steps import (the memory probe's baseline is taken after them,
+    as the other suites take theirs): each engine's peak is its embedding's, not its
+    imports' (sentence-transformers' alone are about 400 MB)."""
+    import contextlib
+
+    from ..interop import minilm  # noqa: F401 (torch, the tokenizer, the native kernel)
+
+    with contextlib.suppress(ImportError):
+        import sentence_transformers  # noqa: F401
+
+
 def make_step(impl: str, n: int, batch_size: int = 32):
     texts = sentences(n)
     if impl == "attnlab":
@@ -92,10 +104,14 @@ def cases(quick: bool = False) -> list[Case]:
     return out
 
 
-def prologue(log=print) -> None:
-    """One line for each peer that cannot run here (left out of every case)."""
+def prologue(log=print, quick: bool = False) -> None:
+    """One line for each peer that cannot run here (left out of every case), and with
+    ``quick`` one for the installed peers that it leaves out."""
     for line in peers.skip_lines([needs for _, needs in PEERS]):
         log(line)
+    left = [name for name, needs in PEERS if peers.missing(needs) is None]
+    if quick and left:
+        log(f"--quick: {', '.join(left)} left out (timed without --quick)")
 
 
 def annotate(records: list[dict], log=print) -> None:

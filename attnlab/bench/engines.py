@@ -48,8 +48,20 @@ def precision_of(impl: str) -> str:
     return last if last in BYTES_PER_WEIGHT else "f32"
 
 
-# attnlab's int8 is llama.cpp's Q8_0 scheme (a float16 scale per block of 32): its bytes.
-ATTNLAB_FORMAT = {"int8": "q8_0"}
+# attnlab's int8 is llama.cpp's Q8_0 scheme (a float16 scale per block of 32) in a layout
+# of its own: a row that does not split into blocks is padded (layouts/int8.py), where a
+# GGUF file keeps such a row in F16.
+ATTNLAB_FORMAT = {"int8": "attnlab-q8_0"}
+
+
+def matrix_bytes(fmt: str, n_out: int, n_in: int) -> float:
+    """Bytes of an ``(n_out, n_in)`` weight matrix stored as ``fmt`` (a key of
+    :data:`BYTES_PER_WEIGHT`, or ``"attnlab-q8_0"``)."""
+    if fmt == "attnlab-q8_0":
+        from ..layouts.int8 import nbytes
+
+        return float(nbytes(n_out, n_in))
+    return n_out * n_in * BYTES_PER_WEIGHT[fmt](n_in)
 
 
 def stored_as(impl: str) -> str:

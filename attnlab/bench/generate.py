@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from . import bandwidth, engines, greedy
+from . import bandwidth, engines, greedy, peers
 from .runner import Case, Impl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -134,7 +134,7 @@ def weight_bytes(shape: str, precision: str = "f32") -> int:
         for d in shp:
             n *= d
         if len(shp) == 2:
-            total += n * engines.BYTES_PER_WEIGHT[precision](shp[-1])
+            total += engines.matrix_bytes(precision, shp[0], shp[1])
         else:
             total += n * (2 if precision in ("bf16", "f16") else 4)
     return round(total)
@@ -196,8 +196,8 @@ def matrix_shapes(shape: str) -> list[tuple[int, int]]:
 
 def bytes_per_token(shape: str, precision: str) -> int:
     """Bytes of weight matrices decoding one token reads at ``precision``."""
-    per = engines.BYTES_PER_WEIGHT[precision]
-    return round(sum(n_in * n_out * per(n_in) for n_in, n_out in matrix_shapes(shape)))
+    return round(sum(engines.matrix_bytes(precision, n_out, n_in)
+                     for n_in, n_out in matrix_shapes(shape)))
 
 
 def _case(shape, batch, impls, repeats, new_tokens, *, peers=(), prompt_len=PROMPT_LEN):
@@ -252,10 +252,14 @@ def cases(quick: bool = False) -> list[Case]:
     return out
 
 
-def prologue(log=print) -> None:
-    """One line for each engine that cannot run here (left out of every case)."""
+def prologue(log=print, quick: bool = False) -> None:
+    """One line for each engine that cannot run here (left out of every case), and with
+    ``quick`` one for the installed peers that it leaves out."""
     for line in engines.skip_lines():
         log(line)
+    left = [e.name for e in engines.PEERS if peers.missing(e.needs) is None]
+    if quick and left:
+        log(f"--quick: {', '.join(left)} left out (timed without --quick)")
 
 
 def annotate(records: list[dict], log=print) -> None:
