@@ -160,7 +160,7 @@ def test_generation_allocates_its_caches_once(monkeypatch):
     real = model.new_cache
     monkeypatch.setattr(model, "new_cache", lambda *a: calls.append(a) or real(*a))
     model.generate([[1, 2, 3], [4]], 6, temperature=0)  # left-padded: a mask too
-    assert calls == [(2, 9)]
+    assert calls == [(2, 8)]  # 3 + 6 - 1 positions: the last new token is not fed back
 
 
 def test_bf16_weights_are_packed_by_rows_once():

@@ -29,6 +29,7 @@ LAYERS = {
     "attnlab.functional": 6, "attnlab._sdpa": 6, "attnlab._tiled": 6, "attnlab._native": 6,
     "attnlab._flash": 6, "attnlab._decode": 6, "attnlab.backends": 6, "attnlab._eager": 6,
     "attnlab._variants": 6, "attnlab._tiled_mod": 6, "attnlab._fakes": 6, "attnlab._lse": 6,
+    "attnlab._arguments": 6,
     "attnlab.distributed": 7,
     "attnlab.modules": 8, "attnlab.compat": 8,
     "attnlab.models": 9,

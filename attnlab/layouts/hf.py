@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -271,8 +272,11 @@ def gpt_layout(model: Any) -> tuple[Config, dict[str, torch.Tensor]]:
         if isinstance(layers, int) and layers > len(state):
             # Before the converters make a list of the layers (Qwen2's and Gemma's layer
             # types): a count of 1e9 would fill memory before the layers are counted.
-            raise ShapeMismatch(f"config {key}={layers}, but the weights hold {len(state)} "
-                                "tensors; every layer needs some")
+            found = {int(m.group(1)) for name in state
+                     if (m := re.search(r"(?:^|\.)(\d+)\.", name))}
+            held = f"layers 0 .. {max(found)}" if found else "no layers"
+            raise ShapeMismatch(f"config {key}={layers}, but the weights hold {held} "
+                                f"({len(state)} tensors; every layer needs some)")
     config = make_config(cfg)
     try:
         return config, make_state(state, config, cfg)
