@@ -12,7 +12,7 @@ import torch
 from test_io import _read_ckpt, _siblings, _write_ckpt
 
 from attnlab import io
-from attnlab.checkpoint import check_out_dir, save_checkpoint
+from attnlab.checkpoint import check_out_dir, load_checkpoint, same_weights, save_checkpoint
 from attnlab.models import ToyAttnLM, ToyConfig
 
 
@@ -103,12 +103,22 @@ def test_an_out_that_links_elsewhere_is_checked_where_it_is_written(tmp_path):
         check_out_dir(link)
 
 
-def test_paths_that_are_not_utf8_are_named_as_such(tmp_path):
+def test_paths_that_are_not_utf8_are_named_as_such(tmp_path, monkeypatch):
     """safetensors opens only UTF-8 paths: a checkpoint failed after training began, and a
     good file under such a name was called corrupt."""
     name = os.fsdecode(b"run\xe9")
     with pytest.raises(ValueError, match="is not a UTF-8 path"):
         check_out_dir(tmp_path / name)
+    # a UTF-8 --out in a working folder that is not: the path as given is what is opened
+    odd = tmp_path / os.fsdecode(b"caf\xe9")
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    check_out_dir("run")
+    model = ToyAttnLM(ToyConfig(vocab_size=8, context_length=8, d_model=8))
+    save_checkpoint(model, "run")
+    save_checkpoint(model, "run")
+    assert [n for n in os.listdir(odd) if not n.endswith(".lock")] == ["run"]
+    assert same_weights(load_checkpoint("run"), model)
     good = tmp_path / "good.safetensors"
     io.save_tensors(good, {"w": torch.ones(2)})
     odd = tmp_path / os.fsdecode(b"w\xe9.safetensors")

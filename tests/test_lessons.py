@@ -385,3 +385,20 @@ def test_a_cells_comments_are_swapped_where_tokenize_finds_them():
 
     cell = code('s = "a\u2028b"  # hi\nt = 1  # two', {"hi": "嗨", "two": "二"})
     assert cell.text("zh") == 's = "a\u2028b"  # 嗨\nt = 1  # 二'
+
+
+def test_a_lesson_picture_never_replaces_a_file_of_the_users(tmp_path):
+    """--out was checked before the lesson ran; a picture of the user's under a lesson
+    picture's name that came meanwhile was replaced."""
+    import numpy as np
+
+    from attnlab.lessons import kit
+
+    with kit.terminal(tmp_path, log=lambda line: None):
+        fig = kit.heatmap(np.full((2, 2), 0.5), ["a", "b"])
+        path = kit.show(fig, "weights")
+        assert kit.show(fig, "weights") == path  # attnlab's own: replaced
+        path.write_bytes(b"the user's own picture")
+        with pytest.raises(ValueError, match="not a picture attnlab wrote"):
+            kit.show(fig, "weights")
+    assert path.read_bytes() == b"the user's own picture"

@@ -68,11 +68,12 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
         raise ValueError(f"{name} {str(out)!r} is a mount point; a checkpoint replaces its "
                          "folder as a whole (a rename), which a mount point refuses: name a "
                          "folder inside it")
-    try:
-        os.fsencode(where).decode("utf-8")
+    try:  # the path as given is what safetensors later opens the files by
+        os.fsencode(os.fspath(out)).decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{name} {str(out)!r} is not a UTF-8 path, which safetensors needs "
-                         "to write a checkpoint: name a folder whose path is UTF-8") from None
+        raise ValueError(f"{name} {str(out)!r} is not a UTF-8 path, and safetensors opens "
+                         "only those (the checkpoint could not be read back): name a folder "
+                         "whose path is UTF-8") from None
     out = Path(out)
     if not out.exists():
         return

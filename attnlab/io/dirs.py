@@ -77,8 +77,8 @@ def _mark(folder: Path, final: Path, suffix: str) -> None:
     # have the marker written over the file it points to.
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(folder / ATOMIC_MARKER, flags, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(f"{final.name}\n{suffix}\n")
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(f"{final.name}\n{suffix}\n")  # (a name's bytes as they are, UTF-8 or not)
 
 
 def _proven(folder: Path, final: Path, suffix: str) -> bool:
@@ -87,7 +87,8 @@ def _proven(folder: Path, final: Path, suffix: str) -> bool:
         if folder.is_symlink() or not folder.is_dir() or marker.is_symlink() or \
                 not marker.is_file() or marker.stat().st_size > 4096:
             return False
-        return marker.read_text(encoding="utf-8") == f"{final.name}\n{suffix}\n"
+        return marker.read_text(encoding="utf-8", errors="surrogateescape") == \
+            f"{final.name}\n{suffix}\n"
     except (OSError, UnicodeDecodeError):
         return False
 

@@ -260,7 +260,7 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str = "", ylabel
 def show(fig: Any, name: str) -> Path | None:
     """Show ``fig`` inline (notebook) or write ``lesson-NN-<name>.png`` (terminal)."""
     from ..io import atomic_write_bytes
-    from ..io.outdir import make_dir
+    from ..io.outdir import is_signed, make_dir
     from ..viz.heatmap import png_bytes
 
     if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name):
@@ -276,6 +276,10 @@ def show(fig: Any, name: str) -> Path | None:
         return None
     path = out / f"lesson-{_STATE['lesson']:02d}-{name}.png"
     make_dir(out)
+    if (path.exists() or path.is_symlink()) and not is_signed(path):
+        # a file of the user's that came while the lesson ran (--out was checked before)
+        raise ValueError(T(f"{path} is not a picture attnlab wrote; it is left as it is",
+                           f"{path} 不是 attnlab 画的图，保持原样"))
     atomic_write_bytes(path, data)
     _STATE["log"](T(f"[picture: {path}]", f"[图片：{path}]"))
     return path
