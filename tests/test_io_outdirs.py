@@ -95,6 +95,24 @@ def test_a_mount_point_is_refused_before_work_and_a_failed_swap_leaves_no_marker
     assert not (out / io.ATOMIC_MARKER).exists() and _siblings(out) == []
 
 
+def test_a_bind_mount_of_the_same_file_system_is_refused_as_a_mount_point(tmp_path,
+                                                                          monkeypatch):
+    """os.path.ismount compares devices: a bind mount (Docker's -v ./out:/out on the same
+    disk) passed the check, trained, and failed at its first checkpoint."""
+    from attnlab.checkpoint import folder
+
+    out = tmp_path / "my out"
+    out.mkdir()
+    escaped = str(out).replace(" ", "\\040")
+    table = tmp_path / "mountinfo"
+    table.write_text(f"22 27 0:21 / /proc rw - proc proc rw\n"
+                     f"31 27 8:1 /src {escaped} rw,relatime - ext4 /dev/sda1 rw\n")
+    monkeypatch.setattr(folder, "MOUNTINFO", str(table))
+    with pytest.raises(ValueError, match="is a mount point"):
+        check_out_dir(out)
+    check_out_dir(tmp_path / "elsewhere")  # a folder that is no mount point is taken
+
+
 def test_an_out_that_links_elsewhere_is_checked_where_it_is_written(tmp_path):
     (tmp_path / "a-file").write_text("x")
     link = tmp_path / "link"

@@ -8,6 +8,7 @@ through :func:`attnlab.io.atomic_dir`), under the output lock.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,27 @@ def _not_ours(out: Path, why: str, name: str) -> ValueError:
         "directory or one attnlab wrote (a checkpoint replaces its directory as a whole)")
 
 
+# Where Linux lists every mount point of this process, bind mounts included.
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _is_mount_point(path: str) -> bool:
+    """Whether ``path`` (a real path) is a mount point: ``os.path.ismount``, which compares
+    devices and so misses a bind mount of a folder of the same file system, or a mount
+    point that :data:`MOUNTINFO` lists."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+            fields = [line.split() for line in f]
+    except OSError:
+        return False
+
+    def unescaped(point: str) -> str:  # spaces and tabs come as \040, \011
+        return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
+    return any(len(f) > 4 and unescaped(f[4]) == path for f in fields)
+
+
 def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     """Refuse an ``out`` that a checkpoint cannot be written to, before any work.
 
@@ -64,7 +86,7 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
         raise ValueError(f"{name} {str(out)!r} is the current directory or holds it; a "
                          "checkpoint replaces its folder as a whole: name a folder inside it")
     where = os.path.realpath(out)
-    if os.path.ismount(where):
+    if _is_mount_point(where):
         raise ValueError(f"{name} {str(out)!r} is a mount point; a checkpoint replaces its "
                          "folder as a whole (a rename), which a mount point refuses: name a "
                          "folder inside it")
