@@ -168,6 +168,11 @@ def test_bytes_per_token_at_each_precision():
     held = sum(m.data.numel() * m.data.element_size() + m.scales.numel() *
                m.scales.element_size() for m in model.modules() if hasattr(m, "scales"))
     assert generate.bytes_per_token("tiny-llama", engines.stored_as("attnlab int8")) == held
+    # and the weights as the model holds them (its untied embedding stays float32)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in model.state_dict().values()}
+    assert generate.weight_bytes("tiny-llama", engines.stored_as("attnlab int8")) == sum(
+        storages.values())
 
 
 def test_annotate_reads_each_precision_against_the_bound():

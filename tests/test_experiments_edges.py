@@ -118,6 +118,17 @@ def test_held_out_batch_names_a_bad_size(kw, words):
         E.held_out_batch(tok, **kw)
 
 
+def test_whole_numbers_held_in_tensors_are_taken():
+    """head=argmax(...) and target=logits.argmax() are 0-d integer tensors."""
+    model = _gpt()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.ones_like(ids)
+    assert knockout(model, ids, mask, [(0, torch.tensor(3))]) == knockout(model, ids, mask,
+                                                                            [(0, 3)])
+    torch.testing.assert_close(E.saliency(model, IDS, target=torch.tensor(4)),
+                               E.saliency(model, IDS, target=4))
+
+
 @pytest.mark.parametrize("head", [2.7, 1.5, "1"])
 def test_a_head_that_is_no_whole_number_is_refused(head):
     """knockout truncated 2.7 to head 2 and knocked that one out."""
@@ -137,7 +148,7 @@ def test_the_comparison_figure_checks_its_layer_and_head():
 
 
 def test_a_long_text_of_a_model_with_sinks_is_shown_and_the_page_keeps_every_layer(
-        tmp_path):
+        tmp_path, monkeypatch):
     """The top keys were taken with gradients on: a learned sink made them need grad and
     .numpy() failed; and with --layer the page held that layer alone."""
     model = _gpt(sinks=True)
@@ -146,3 +157,14 @@ def test_a_long_text_of_a_model_with_sinks_is_shown_and_the_page_keeps_every_lay
     attnlab.viz.show_attention(model, TOK, text, tmp_path / "one", layer=1)
     page = (tmp_path / "one" / "attention.html").read_text()
     assert re.findall(r'"layer_ids":\[[^\]]*\]', page) == ['"layer_ids":[1,0]']
+    # the picture of that layer keeps the keys of a page of one layer, not a share
+    from attnlab.viz import long as long_mod
+
+    drawn = []
+    real = long_mod.long_figure
+    monkeypatch.setattr(long_mod, "long_figure", lambda top, *a, **k: drawn.append(top) or
+                        real(top, *a, **k))
+    monkeypatch.setattr(long_mod, "TOPK_BUDGET", 192_000)  # 8 keys for two layers, 16 for one
+    attnlab.viz.show_attention(model, TOK, text, tmp_path / "two", layer=1)
+    assert drawn[0].layer_ids == (1,) and drawn[0].k == 16
+    assert long_mod.plan(4, 1000, [1, 0])[0] == 8  # what the page of both layers keeps

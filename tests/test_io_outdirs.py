@@ -195,11 +195,32 @@ def test_a_delete_that_fails_keeps_the_marker_and_the_next_write_retries(tmp_pat
     assert _read_ckpt(final) == 3 and _siblings(final) == []
 
 
-def test_a_read_only_subfolder_does_not_make_the_copies_undeletable(tmp_path):
+def _as_a_user(monkeypatch):
+    """os.unlink and os.rmdir refused in a folder without its owner's write bit, as for
+    a user who is not root (the tests may run as root, who ignores the bits)."""
+    import stat
+
+    def guarded(real):
+        def call(path, *args, dir_fd=None, **kwargs):
+            parent = os.fstat(dir_fd) if dir_fd is not None else \
+                os.stat(os.path.dirname(os.path.abspath(path)))
+            if not parent.st_mode & stat.S_IWUSR:
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real(path, *args, dir_fd=dir_fd, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "unlink", guarded(os.unlink))
+    monkeypatch.setattr(os, "rmdir", guarded(os.rmdir))
+
+
+def test_a_read_only_subfolder_does_not_make_the_copies_undeletable(tmp_path, monkeypatch):
+    """A user's chmod 555 on a folder inside the checkpoint: the copy set aside (the
+    user's live folder, 555 inside) could not be emptied and stayed for ever."""
     final = tmp_path / "ckpt"
     with io.atomic_dir(final) as tmp:
         _write_ckpt(tmp, 1)
     os.chmod(final / "sub", 0o555)
+    _as_a_user(monkeypatch)
     for version in (2, 3):
         with io.atomic_dir(final) as tmp:
             _write_ckpt(tmp, version)

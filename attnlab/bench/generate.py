@@ -128,12 +128,18 @@ def weight_bytes(shape: str, precision: str = "f32") -> int:
     from ..layouts.hf import read_folder
 
     _, state = read_folder(folder(shape))
+    shapes = state.shapes()
+    # attnlab's int8 quantises the linears (and a table tied to the output layer); an
+    # untied embedding keeps float32 (modules/quantized.py)
+    untied = any(name.endswith("lm_head.weight") for name in shapes)
     total = 0.0
-    for shp, _ in state.shapes().values():
+    for name, (shp, _) in shapes.items():
         n = 1
         for d in shp:
             n *= d
-        if len(shp) == 2:
+        if len(shp) == 2 and precision == "attnlab-q8_0" and untied and "embed" in name:
+            total += 4 * n
+        elif len(shp) == 2:
             total += engines.matrix_bytes(precision, shp[0], shp[1])
         else:
             total += n * (2 if precision in ("bf16", "f16") else 4)

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import is_int, one_of, probability
+from ..checks import one_of, probability
 from ..modules import MultiHeadAttention
 from ..recipe import train_demo_model
-from .layers import attention_layers, is_decoder, scores_from_qk_alone, token_batch
+from .layers import attention_layers, is_decoder, scores_from_qk_alone, token_batch, whole
 
 ABLATIONS = ("constant_q", "zero_v", "constant_k", "uniform_attention")
 # The ablations whose point is equal weights: ALiBi's distances and sinks are set aside
@@ -236,9 +236,9 @@ def saliency(model: nn.Module, ids: torch.Tensor, target: int | None = None) -> 
             vocab = last.shape[0]
             if target is None:
                 target = int(last.argmax())
-            elif not is_int(target) or not 0 <= target < vocab:
+            elif whole(target) is None or not 0 <= whole(target) < vocab:
                 raise ValueError(f"target must be a token id in [0, {vocab}), got {target!r}")
-            target = int(target)
+            target = whole(target)
             emb = captured["emb"]
             grad, = torch.autograd.grad(last[target], emb)
     finally:

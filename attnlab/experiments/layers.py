@@ -12,7 +12,7 @@ from torch import nn
 from ..modules import MultiHeadAttention
 
 __all__ = ["attention_layers", "scores_from_qk_alone", "is_decoder", "token_batch",
-           "layer_head"]
+           "layer_head", "whole"]
 
 
 def is_decoder(model: nn.Module) -> bool:
@@ -37,12 +37,26 @@ def token_batch(model: nn.Module, ids, *, least: int = 2, name: str = "ids") -> 
     return ids.long()
 
 
+def whole(value) -> int | None:
+    """``value`` as an int where it is a whole number: a Python or NumPy integer, or a
+    0-d integer tensor (``logits.argmax()``); None for anything else (a float, a bool)."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.dtype.is_floating_point or value.dtype.is_complex or \
+                value.dtype == torch.bool:
+            return None
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def layer_head(model_layers: list, layer, head) -> tuple[int, int]:
     """``(layer, head)`` checked against the model's attention modules: whole numbers in
     range (a float head was truncated, a negative one counted from the end)."""
     for name, value in (("layer", layer), ("head", head)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if whole(value) is None:
             raise TypeError(f"{name} (--{name}) must be an integer, got {value!r}")
+    layer, head = whole(layer), whole(head)
     if not 0 <= layer < len(model_layers):
         raise ValueError(f"layer (--layer) must be in [0, {len(model_layers) - 1}] (the model "
                          f"has {len(model_layers)} layers), got {layer}")

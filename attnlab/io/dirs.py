@@ -123,6 +123,12 @@ def _remove(path: Path) -> None:
     leaves a folder still proven attnlab's, which the next write or recovery removes
     (``rmtree`` may take the marker first and leave the rest unowned for ever)."""
     if path.is_dir() and not path.is_symlink():
+        # attnlab's own copy: a folder in it made read-only (a user's chmod 555 carried
+        # over) is made writable again, or its files could not be removed
+        _owner_may_empty(path)
+        for folder, dirs, _ in os.walk(path):  # (each folder before the walk reads it)
+            for name in dirs:
+                _owner_may_empty(Path(folder) / name)
         with contextlib.suppress(OSError):
             for entry in os.scandir(path):
                 if entry.name == ATOMIC_MARKER:
@@ -140,6 +146,13 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _owner_may_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        info = os.lstat(folder)
+        if stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(folder, stat.S_IMODE(info.st_mode) | stat.S_IRWXU)
 
 
 def _keep_modes(new: Path, live: Path) -> None:

@@ -17,7 +17,6 @@ pass, and only each row's top ``k`` are kept.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,14 +58,6 @@ class TopKeys:
     @property
     def k(self) -> int:
         return int(self.index.shape[-1])
-
-    def only(self, layers: Sequence[int]) -> TopKeys:
-        """The same keys of the kept ``layers`` (model numbers) alone: what a picture of
-        some layers draws while the page holds them all."""
-        at = [self.layer_ids.index(i) for i in layers if i in self.layer_ids]
-        return dataclasses.replace(self, index=self.index[at], weight=self.weight[at],
-                                   layer_ids=tuple(self.layer_ids[i] for i in at),
-                                   rules=tuple(self.rules[i] for i in at), kept=self.kept[at])
 
     def note(self) -> str:
         """What the page leaves out, in one sentence or two."""

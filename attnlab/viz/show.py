@@ -128,10 +128,13 @@ def _show(model, tokenizer, text, layer, head, title, rollout, log, example, lab
         layers = pick(len(record), layer, "layer")
         heads = pick(record[0][1].shape[0], head, "head")
         names = as_labels(labels, len(record), record[0][1].shape[0])
-        # The page holds every layer that fits, the chosen one first; the picture that one.
+        # The page holds every layer that fits, the chosen one first; the picture that one
+        # alone, with the keys a page of one layer keeps (its own pass: a page of all the
+        # layers shares its budget of keys among them).
         order = [*layers, *(i for i in range(len(record)) if i not in layers)]
         top = top_keys(record, len(ids), order)
-        fig = long_figure(top.only(layers), tokens, heads=heads, labels=names)
+        drawn = top if layer is None else top_keys(record, len(ids), layers)
+        fig = long_figure(drawn, tokens, heads=heads, labels=names)
         return fig, Explorer(tokens, top, title=title, labels=names)
     attentions, record = run(model, ids, weights=True)
     layers = pick(len(attentions), layer, "layer")
