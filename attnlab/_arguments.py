@@ -9,7 +9,14 @@ import torch
 from . import _variants
 from ._tracing import reads_values
 from .backends import TABLE
-from .checks import boolean, finite_float, one_of, optional_positive_int, probability
+from .checks import (
+    boolean,
+    finite_float,
+    one_of,
+    optional_positive_int,
+    positive_int,
+    probability,
+)
 
 # The names attention() takes: "auto" (backends.choose), then the table's.
 BACKENDS = ("auto", *TABLE)
@@ -143,8 +150,6 @@ def check_decode(qkv, cache, window, num_heads, num_kv_heads, scale, softcap, al
                   sinks):
     """:func:`decode_step`'s arguments checked as :func:`attention` checks its own; the
     variants as checked (``softcap``, ``alibi_slopes``, ``sinks``)."""
-    from .checks import positive_int
-
     if not isinstance(qkv, torch.Tensor) or not qkv.dtype.is_floating_point:
         raise TypeError(f"qkv must be a floating-point torch.Tensor, got "
                         f"{getattr(qkv, 'dtype', type(qkv).__name__)}")

@@ -18,6 +18,12 @@ from . import masks as _masks
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def nothing_to_compute(q, k, v) -> bool:
+    """Whether a call has nothing to compute (an empty batch, head or sequence): the
+    textbook path takes it, where the tiled and fused kernels would divide by a length."""
+    return min(q.numel(), k.numel(), v.numel()) == 0
+
+
 def eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, variants=None):
     """The textbook path: materialise the scores, mask, softmax, weighted sum.
     Returns ``(out, weights)`` (``weights`` None unless ``rows``)."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from . import _variants
 from . import mask_shift as _shift
 from . import masks as _masks
-from ._eager import eager_attention, eager_lse, eager_lse_backward
+from ._eager import eager_attention, eager_lse, eager_lse_backward, nothing_to_compute
 from ._tracing import reads_values
 
 
@@ -183,17 +183,13 @@ def _takes(q, v, mask, dropout_p, variants) -> bool:
             and (mask is None or mask.dtype == torch.bool))
 
 
-def _empty(q, k, v) -> bool:
-    return min(q.numel(), k.numel(), v.numel()) == 0
-
-
 def sdpa_lse(q, k, v, mask, causal, window, scale, dropout_p, variants=None, offset=None):
     """``backends.LseStep.forward`` on torch's fused kernels: ``(out, lse)``, ``out`` in q's
     dtype, ``lse`` ``(B, Hq, Lq)`` float32 (float64 for float64), ``+inf`` for a row with
     no allowed key; ``offset`` query row 0's position among the keys (None: end-aligned).
     What the kernels cannot take runs on the textbook path (an empty sequence too: torch's
     CPU kernel divides by its length)."""
-    if _empty(q, k, v) or not _takes(q, v, mask, dropout_p, variants):
+    if nothing_to_compute(q, k, v) or not _takes(q, v, mask, dropout_p, variants):
         return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
     offset = k.shape[2] - q.shape[2] if offset is None else int(offset)
     is_causal, bias, empty = _block_rule(q, k, mask, causal, window, offset, scale)
@@ -219,7 +215,7 @@ def sdpa_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale, 
                       offset=None):
     """``backends.LseStep.backward`` on torch's fused backward kernels (the textbook
     path's where they cannot take the call)."""
-    if _empty(q, k, v) or not _takes(q, v, mask, 0.0, variants):
+    if nothing_to_compute(q, k, v) or not _takes(q, v, mask, 0.0, variants):
         return eager_lse_backward(q, k, v, mask, out, lse, grad_out, causal, window, scale,
                                   variants, offset)
     offset = k.shape[2] - q.shape[2] if offset is None else int(offset)

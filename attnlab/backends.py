@@ -17,7 +17,7 @@ import torch
 
 from . import _decode, _flash
 from . import masks as _masks
-from ._eager import eager_attention, eager_lse, eager_lse_backward
+from ._eager import eager_attention, eager_lse, eager_lse_backward, nothing_to_compute
 from ._sdpa import sdpa_attention, sdpa_lse, sdpa_lse_backward
 from ._tiled import tiled_attention, tiled_lse_backward, tiled_weights
 from ._tracing import batched, func_gradients
@@ -221,9 +221,8 @@ def _sdpa(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
 
 
 def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
-    if min(q.numel(), k.numel(), v.numel()) == 0:  # nothing to tile: an empty batch,
-        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows,  # head,
-                               variants)  # seq
+    if nothing_to_compute(q, k, v):
+        return eager_attention(q, k, v, mask, causal, window, scale, dropout_p, rows, variants)
     out, _ = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p,
                              variants=variants)
     return out, None if rows is None else tiled_weights(q, k, mask, causal, window, scale, rows,
@@ -231,7 +230,7 @@ def _tiled(q, k, v, mask, causal, window, scale, dropout_p, rows, variants):
 
 
 def _tiled_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset=None):
-    if min(q.numel(), k.numel(), v.numel()) == 0:
+    if nothing_to_compute(q, k, v):
         return eager_lse(q, k, v, mask, causal, window, scale, dropout_p, variants, offset)
     out, lse = tiled_attention(q, k, v, mask, causal, window, scale, dropout_p, offset,
                                variants=variants)

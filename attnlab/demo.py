@@ -116,13 +116,10 @@ def run_demo(out: str = DEMO_OUT, steps: int = 400, seed: int = 0,
 def _check_demo_out(out: str) -> None:
     """The demo replaces its own output only: a model trained or saved in ``out`` by other
     means is kept (``attnlab train`` itself replaces one only with --overwrite)."""
-    from pathlib import Path
+    from .checkpoint.format import peek_config
 
-    from .io import CONFIG_FILE, read_json
-    from .io.reading import CONFIG_LIMIT
-
-    config = Path(out) / CONFIG_FILE
-    if config.is_file() and read_json(config, CONFIG_LIMIT).get("demo") is not True:
+    meta = peek_config(out)
+    if meta and meta.get("demo") is not True:
         raise ValueError(f"--out {str(out)!r} holds a model that is not the demo's (trained "
                          "or saved there otherwise); the demo replaces only its own output: "
                          "choose another --out")

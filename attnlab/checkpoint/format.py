@@ -58,6 +58,13 @@ def write_model_files(directory: str | os.PathLike, model: nn.Module, *, tokeniz
     })
 
 
+def peek_config(directory: str | os.PathLike) -> dict:
+    """The ``config.json`` of ``directory`` as the folder is now ({} where it has none):
+    not repaired first, as :func:`read_config` repairs it, which needs the output lock."""
+    path = Path(directory) / CONFIG_FILE
+    return read_json(path, CONFIG_LIMIT) if path.is_file() else {}
+
+
 def read_config(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     recover_dir(directory)

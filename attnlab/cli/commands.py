@@ -101,15 +101,9 @@ def _saved_config(out: str, recover: bool = True) -> dict | None:
     """The model config of the run in ``out`` that --resume continues, if there is one
     (``recover=False``: as the folder is, not repaired first)."""
     from ..checkpoint import has_checkpoint
-    from ..checkpoint.format import read_config
-    from ..io import CONFIG_FILE, read_json
-    from ..io.reading import CONFIG_LIMIT
+    from ..checkpoint.format import peek_config, read_config
 
-    if recover:
-        meta = read_config(out) if has_checkpoint(out) else {}
-    else:
-        path = Path(out) / CONFIG_FILE
-        meta = read_json(path, CONFIG_LIMIT) if path.is_file() else {}
+    meta = read_config(out) if recover and has_checkpoint(out) else peek_config(out)
     config = meta.get("config")
     return config if isinstance(config, dict) else None
 

@@ -234,13 +234,11 @@ def saliency(model: nn.Module, ids: torch.Tensor, target: int | None = None) -> 
         with torch.enable_grad():
             last = model(ids)[0, -1].float().log_softmax(-1)
             vocab = last.shape[0]
-            if target is None:
-                target = int(last.argmax())
-            elif whole(target) is None or not 0 <= whole(target) < vocab:
+            chosen = int(last.argmax()) if target is None else whole(target)
+            if chosen is None or not 0 <= chosen < vocab:
                 raise ValueError(f"target must be a token id in [0, {vocab}), got {target!r}")
-            target = whole(target)
             emb = captured["emb"]
-            grad, = torch.autograd.grad(last[target], emb)
+            grad, = torch.autograd.grad(last[chosen], emb)
     finally:
         handle.remove()
         model.train(was_training)

@@ -51,20 +51,16 @@ def whole(value) -> int | None:
 
 
 def layer_head(model_layers: list, layer, head) -> tuple[int, int]:
-    """``(layer, head)`` checked against the model's attention modules: whole numbers in
-    range (a float head was truncated, a negative one counted from the end)."""
+    """``(layer, head)`` checked against the model's attention modules: whole numbers
+    (:func:`whole`: a float head was truncated) in range (``show``'s rule,
+    :func:`attnlab.viz.capture.pick`: a negative one counted from the end)."""
+    from ..viz.capture import pick
+
     for name, value in (("layer", layer), ("head", head)):
         if whole(value) is None:
             raise TypeError(f"{name} (--{name}) must be an integer, got {value!r}")
-    layer, head = whole(layer), whole(head)
-    if not 0 <= layer < len(model_layers):
-        raise ValueError(f"layer (--layer) must be in [0, {len(model_layers) - 1}] (the model "
-                         f"has {len(model_layers)} layers), got {layer}")
-    n = model_layers[layer].num_heads
-    if not 0 <= head < n:
-        raise ValueError(f"head (--head) must be in [0, {n - 1}] (layer {layer} has {n} "
-                         f"heads), got {head}")
-    return int(layer), int(head)
+    layer = pick(len(model_layers), whole(layer), "layer")[0]
+    return layer, pick(model_layers[layer].num_heads, whole(head), "head")[0]
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:

@@ -221,8 +221,12 @@ class _Best:
                 loss, self.evals_past = eval_loss, 0
                 continue
             self.evals_past += 1
-            self.warned |= (self.evals_past >= self.EVALS_PAST
-                            and eval_loss >= loss * (1 + self.RISE) + self.RISE)
+            self.warned |= self._risen(eval_loss, loss)
+
+    def _risen(self, eval_loss: float, best: float) -> bool:
+        """Whether ``eval_loss`` is far enough past and above the ``best`` to warn."""
+        return self.evals_past >= self.EVALS_PAST and eval_loss >= best * (1 + self.RISE) + \
+            self.RISE
 
     def record(self) -> dict | None:
         if not self.keep or self.weights is None:
@@ -232,8 +236,7 @@ class _Best:
     def overfitting(self, step: int, eval_loss: float, train_loss: float, n_tokens: int,
                     vocab: int | None, out) -> str | None:
         """The warning, the first time the held-out loss has risen well above its best."""
-        if (self.warned or self.evals_past < self.EVALS_PAST
-                or eval_loss < self.loss * (1 + self.RISE) + self.RISE):
+        if self.warned or not self._risen(eval_loss, self.loss):
             return None
         self.warned = True
         uniform = ""
