@@ -118,3 +118,25 @@ def test_cli_generate_prints_whole_characters(small_bpe, tmp_path, capsys, monke
                  str(len(ids))])
     out = capsys.readouterr().out
     assert code == 0 and out == "我说:" + SENTENCE + "\n"
+
+
+@pytest.mark.parametrize("tail", ["\ufffd", "\ufffd\ufffd", "\ufffda\ufffd"])
+def test_a_prompt_ending_in_a_real_replacement_character_is_not_emitted_again(small_bpe, tail):
+    # Helper-found: the prompt's trailing U+FFFD was held back as an unfinished character
+    # and then handed out as new text, so `generate` printed it twice.
+    prompt = small_bpe.encode("你好" + tail)
+    new = split_ids(small_bpe)[:5]
+    stream = TextStream(small_bpe, context=prompt)
+    pieces = [stream.push(i) for i in new] + [stream.flush()]
+    assert "你好" + tail + "".join(pieces) == small_bpe.decode(prompt + new)
+    assert stream.text == "".join(pieces)
+    # nothing generated: nothing to show, not the prompt's U+FFFD
+    assert TextStream(small_bpe, context=prompt).flush() == ""
+
+
+def test_a_character_the_prompt_began_is_still_completed_by_the_next_ids(small_bpe):
+    ids = split_ids(small_bpe)
+    cut = next(n for n in range(1, len(ids)) if small_bpe.decode(ids[:n]).endswith("\ufffd"))
+    stream = TextStream(small_bpe, context=ids[:cut])
+    text = "".join(stream.push(i) for i in ids[cut:]) + stream.flush()
+    assert small_bpe.decode(ids[:cut]).rstrip("\ufffd") + text == SENTENCE

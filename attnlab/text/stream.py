@@ -57,11 +57,20 @@ class TextStream:
         self._known = getattr(tokenizer, "vocab_size", None)
         self.ids: list[int] = self._known_ids(context)
         # Text handed out so far, after the context's own stable text.
-        self.emitted = tokenizer.decode(self.ids).rstrip(_REPLACEMENT) if self.ids else ""
+        self._context = tokenizer.decode(self.ids) if self.ids else ""
+        self.emitted = self._context.rstrip(_REPLACEMENT)
         self._start = len(self.emitted)
 
     def _new(self, final: bool) -> str:
         text = self.tokenizer.decode(self.ids)
+        if len(self._context) > self._start and (final or text != self._context):
+            # The context's trailing U+FFFD was held back as a character the next ids might
+            # complete. Still there after them (or at the end), it is the context's own
+            # text (a U+FFFD the user typed, a byte the prompt left broken): not new text.
+            if text.startswith(self._context):
+                self.emitted = self._context
+                self._start = len(self._context)
+            self._context = self._context[:self._start]
         if not final:
             # An incomplete UTF-8 sequence decodes to trailing U+FFFD; the next token
             # may complete it, so that run is not stable yet.
