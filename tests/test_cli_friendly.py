@@ -190,6 +190,24 @@ def test_text_that_is_not_utf8_is_named_as_such(argv, named, capsys):
     assert f"error: {named} is not UTF-8 text" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv, dest, want", [
+    # UTF-8 read under LC_ALL=C with Python's UTF-8 mode off: the bytes are UTF-8 (helper-
+    # found: it was refused, blaming the terminal)
+    (["generate", "--ckpt", "c", "--prompt", "\udce4\udcbd\udca0好"], "prompt", "你好"),
+    (["show", "\udce5\udc8f\udcaf", "--ckpt", "c"], "text", "可"),
+    # a Windows line end pasted into an option reads as a file's does (it was refused as
+    # '\r', a character not in a char-level checkpoint's vocabulary)
+    (["generate", "--ckpt", "c", "--prompt", "我\r\n喜\r欢"], "prompt", "我\n喜\n欢"),
+    (["learn", "3", "--text", "a\r\nb"], "text", "a\nb"),
+])
+def test_text_options_are_read_as_utf8_with_files_line_ends(argv, dest, want):
+    from attnlab.cli import _not_utf8
+
+    args = build_parser().parse_args(argv)
+    assert _not_utf8(args) is None
+    assert getattr(args, dest) == want
+
+
 def test_a_path_options_leading_tilde_is_the_home_folder(tmp_path, monkeypatch, capsys):
     """``--out=~/pics`` reaches attnlab with the ``~`` (the shell expands it only at the
     start of a word): it is the home folder, never a folder named '~' here. A text option

@@ -82,6 +82,22 @@ def test_generate_from_a_folder_is_transformers_greedy(gpt2_dir, capsys):
     assert out.split() == ["the", "cat", *(WORDS[i] for i in want.tolist())]
 
 
+def test_generate_past_the_context_says_so_and_crops(gpt2_dir, capsys):
+    # Helper-found: past the context (32 here) each token silently saw only the last 32.
+    assert main(["generate", "--model", str(gpt2_dir), "--prompt", "the cat",
+                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["generate", "--model", str(gpt2_dir), "--prompt", "the cat",
+                 "--max-new-tokens", "40", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "context of 32 tokens" in err and "last 32" in err
+    from attnlab.interop.auto import load
+
+    model, tok = load(str(gpt2_dir))
+    want = model.generate([[4, 5]], 40, temperature=0, use_cache=False)[0].tolist()
+    assert out.strip() == tok.decode(want).strip()
+
+
 def test_generate_plans_the_fused_layers_once(gpt2_dir, capsys, monkeypatch):
     """Only attnlab's code runs between the printed tokens: the blocks are checked at
     the first decoded token, not at every one."""

@@ -156,7 +156,8 @@ def _damaged_copies(src, tmp_path) -> dict:
     (["train", "--out", "{junk}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "-1"],
      ["temperature"]),
-    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--top-p", "2"], ["top_p"]),
+    # the option as typed, not the Python parameter it feeds (helper-found)
+    (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--top-p", "2"], ["--top-p", "(0, 1]"]),
     (["generate", "--ckpt", "{tmp}/none", "--prompt", "ab"], ["does not exist"]),
     (["generate", "--ckpt", "{corrupt}", "--prompt", "ab"], ["model.safetensors"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "QQ!"], ["--prompt", "'Q'"]),

@@ -418,3 +418,18 @@ def test_text_is_read_as_python_reads_text_files(tmp_path):
     assert read_stream_text(_io.BytesIO(data), 1000, "--text -") == want
     (tmp_path / "blank.txt").write_bytes(b"\xef\xbb\xbf\r\n\r\n")
     assert read_text(tmp_path / "blank.txt", 1000).strip() == ""
+
+
+@pytest.mark.parametrize("text, encoding, hint", [
+    ("我喜欢蓝色的天空。\n你好，世界！\n", "gbk", True),  # Chinese Windows' Notepad
+    ("注意力机制", "gb18030", True),
+    ("café résumé naïve", "latin-1", False),  # pairs of its bytes are GBK too: no hint
+])
+def test_a_file_in_gbk_says_what_it_is_and_how_to_convert_it(tmp_path, text, encoding, hint):
+    from attnlab.io.reading import read_text
+
+    path = tmp_path / "text.txt"
+    path.write_bytes(text.encode(encoding))
+    with pytest.raises(ValueError, match="is not UTF-8 text") as info:
+        read_text(path, 1 << 20)
+    assert ("iconv -f gb18030 -t utf-8" in str(info.value)) == hint, info.value

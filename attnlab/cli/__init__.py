@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from ..io.reading import normal_line_ends
 from .commands import (
     cmd_ablate,
     cmd_bench,
@@ -37,6 +38,7 @@ from .options import (
     _Parser,
     _positive_float,
     _positive_int,
+    _probability,
     _seed,
     _step_count,
 )
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="sampling temperature; 0 = greedy")
     generate.add_argument("--top-k", type=_positive_int, default=None,
                           help="sample among the k most likely tokens only (default: all)")
-    generate.add_argument("--top-p", type=_positive_float, default=None,
+    generate.add_argument("--top-p", type=_probability, default=None,
                           help="nucleus sampling: the most likely tokens up to probability p "
                                "(default: all)")
     generate.add_argument("--seed", type=_seed, default=0, help="random seed")
@@ -339,11 +341,20 @@ def _expand_home(args: argparse.Namespace) -> None:
 
 
 def _not_utf8(args: argparse.Namespace) -> str | None:
-    """The first text option of ``args`` holding bytes that are not UTF-8, named as typed."""
+    """The first text option of ``args`` holding bytes that are not UTF-8, named as typed.
+
+    Bytes Python could not decode are kept as lone surrogates: a terminal not in UTF-8,
+    or UTF-8 read under a locale that is not (``LC_ALL=C`` with UTF-8 mode off). The
+    latter are taken as the UTF-8 text they are; the rest are named."""
     for dest in _TEXT_OPTIONS.get(args.command, ()):
         value = getattr(args, dest, None)
         if isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value):
-            return "the text" if dest == "text" and args.command == "show" else f"--{dest}"
+            try:
+                value = value.encode("utf-8", "surrogateescape").decode("utf-8")
+            except UnicodeError:
+                return "the text" if dest == "text" and args.command == "show" else f"--{dest}"
+        if isinstance(value, str):  # a pasted Windows line end reads as a file's does
+            setattr(args, dest, normal_line_ends(value))
     return None
 
 

@@ -237,6 +237,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 or BLOOM folder, or a GGUF "
                          "file)")
     gen = torch.Generator().manual_seed(args.seed)
+    cached = len(ids) + args.max_new_tokens - 1 <= model.context_length
+    if not cached:  # said, not silently cropped (transformers warns too)
+        print(f"note: the prompt's {len(ids)} tokens and --max-new-tokens "
+              f"{args.max_new_tokens} pass the model's context of {model.context_length} "
+              f"tokens: each new token is predicted from the last {model.context_length} "
+              "only", file=sys.stderr)
     sys.stdout.write(shown)
     sys.stdout.flush()
     # Text pieces, not one decode per token: a character split over several byte-level
@@ -245,7 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = model.decoder([ids]) if hasattr(model, "decoder") else None
     for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, generator=gen,
-                              use_cache=len(ids) + args.max_new_tokens - 1 <= model.context_length,
+                              use_cache=cached,
                               tokenizer=tokenizer, decoder=decoder, eos_id=eos_id):
         sys.stdout.write(piece)
         sys.stdout.flush()

@@ -44,7 +44,14 @@ def _new_tokens(name: str, value: object) -> int:
     return bounded_int(name, value, 1, MAX_NEW_TOKENS)
 
 
+def _top_p(name: str, value: object) -> float:
+    from ..models.generation import check_top_p
+
+    return check_top_p(name, value)
+
+
 _step_count = _option(int, _steps)
+_probability = _option(float, _top_p)
 _new_token_count = _option(int, _new_tokens)
 
 

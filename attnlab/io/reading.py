@@ -108,7 +108,28 @@ def _utf8(data: bytes, name: str) -> str:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{name} is not UTF-8 text: {exc.reason} at byte "
-                              f"{exc.start}") from None
+                              f"{exc.start}{_gb18030_hint(data)}") from None
+    return normal_line_ends(text)
+
+
+def _gb18030_hint(data: bytes) -> str:
+    """What to do if ``data`` reads as Chinese in GB18030 (GBK's superset: the encoding
+    Chinese Windows saves text in), else ""."""
+    try:
+        text = data.decode("gb18030")
+    except UnicodeDecodeError:
+        return ""
+    wide = [c for c in text if ord(c) > 0x7F]
+    chinese = sum("\u4e00" <= c <= "\u9fff" or "\u3000" <= c <= "\u303f"
+                  or "\uff00" <= c <= "\uffef" for c in wide)
+    if not wide or chinese < len(wide) * 0.8:  # Latin-1 bytes pair up as GBK too
+        return ""
+    return ("; it reads as Chinese in GBK/GB18030 (Windows' encoding): save it as UTF-8, "
+            "e.g. iconv -f gb18030 -t utf-8 FILE > FILE.utf8")
+
+
+def normal_line_ends(text: str) -> str:
+    """``\\r\\n`` and ``\\r`` line ends as ``\\n``, as Python's text files read them."""
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 

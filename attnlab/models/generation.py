@@ -160,10 +160,18 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
                          f"{temperature!r}")
     optional_positive_int("top_k", top_k)
+    check_top_p("top_p", top_p)
+
+
+def check_top_p(name: str, top_p):
+    """``top_p``: None, or the nucleus's probability mass, a finite number in (0, 1]."""
     if top_p is not None and not (
-        isinstance(top_p, (int, float)) and math.isfinite(top_p) and 0 < top_p <= 1
+        isinstance(top_p, (int, float)) and not isinstance(top_p, bool)
+        and math.isfinite(top_p) and 0 < top_p <= 1
     ):
-        raise ValueError(f"top_p must be a finite number in (0, 1] or None, got {top_p!r}")
+        either = " or None" if name else ""  # a command-line option is never None
+        raise ValueError(f"{name} must be a finite number in (0, 1]{either}, got {top_p!r}")
+    return top_p
 
 
 class GenerationMixin:
@@ -296,7 +304,10 @@ class GenerationMixin:
             top_p: sample only among the smallest set of tokens whose probability
                 reaches p (nucleus sampling).
             use_cache: keep keys/values in a KV cache (default) instead of re-running
-                the whole sequence every step; both give the same tokens.
+                the whole sequence every step; both give the same tokens. With the cache
+                the prompt and new tokens must fit ``context_length``; without it a longer
+                run predicts each token from the last ``context_length`` tokens only
+                (nanoGPT's crop), positions counted from the window's start.
             eos_id: stop a sequence when it produces this token (or any of a list).
             generator: a ``torch.Generator`` for reproducible sampling.
             on_token: called with each step's ``(batch,)`` new tokens (streaming).
@@ -305,8 +316,11 @@ class GenerationMixin:
                 written, attention computed in float32).
 
         Returns:
-            ``(batch, prompt_len + new)`` ids: the (left-padded) prompts and what was
-            generated. Sequences that stopped early are filled with ``eos_id`` (its first).
+            ``(batch, prompt_len + new)`` ids: the prompts and what was generated.
+            Prompts shorter than the longest are left-padded with ``self.pad_id`` (0),
+            which may be a real token (a char-level tokenizer's first character): row
+            ``i``'s own ids start at ``prompt_len - len(ids[i])``. Sequences that stopped
+            early are filled with ``eos_id`` (its first).
         """
         prompt, _ = _as_batch(ids, self.pad_id)
         batch, length = prompt.shape
