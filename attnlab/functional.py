@@ -105,7 +105,10 @@ def attention(
             softmax ignores). Fixed: the slopes get no gradient.
         mask: the additive float mask is added here (with sinks, as it is: elsewhere
             each row is shifted by a constant first, which softmax ignores but a sink's
-            share would not); then every forbidden key gets
+            share would not: its largest entry over the keys that the rules below allow,
+            so that a large finite value stays exact; a key only ``score_mod`` sends to
+            ``-inf`` still counts there, so forbid keys with ``mask_mod``); then every
+            forbidden key gets
             ``-inf``: the causal/window rule, ``document_ids``, a bool mask and
             ``mask_mod``.
         document_ids: packed sequences: a long tensor ``(..., seq)`` or ``(seq,)`` of
@@ -193,7 +196,8 @@ def _attend(q, k, v, mask, causal, window, scale, dropout_p, return_weights, bac
     mask4, shift = _shift.for_kernels(mask4, q4.shape[-2], k4.shape[-2], q4.dtype,
                                       causal=causal, window=window, documents=variants and
                                       variants.documents, sinks=bool(variants and
-                                                                     variants.sinks is not None))
+                                                                     variants.sinks is not None),
+                                      blocks=variants and variants.block_mask)
     if want_lse:
         out, lse = chosen.lse.forward(q4, k4, v4, mask4, causal, window, scale, dropout_p,
                                       variants)

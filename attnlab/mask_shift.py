@@ -8,10 +8,15 @@ scores. The key rule itself is :mod:`attnlab.masks`'.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._tracing import reads_values
 from .masks import Documents, KeyRule
+
+if TYPE_CHECKING:
+    from .blockmask import BlockMask
 
 
 def additive_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,7 +31,8 @@ _SHIFT_SCRATCH = 1 << 22
 
 def for_kernels(mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype, *,
                 causal: bool, window: int | None, documents: Documents | None,
-                sinks: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                sinks: bool, blocks: BlockMask | None = None,
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A 4-D mask as every backend takes it and its rows' shift ``(B|1, H|1, Lq|1)``
     (which a row's log-sum-exp adds back) or None: a bool mask as it is; an additive one
     in at least float32, shifted by :func:`shift_rows` but beside ``sinks`` (whose share
@@ -36,19 +42,21 @@ def for_kernels(mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.
     if sinks:
         return mask.to(torch.promote_types(mask.dtype, additive_dtype(dtype))), None
     mask, top = shift_rows(mask, q_len, k_len, causal=causal, window=window, with_shift=True,
-                           dtype=additive_dtype(dtype), documents=documents)
+                           dtype=additive_dtype(dtype), documents=documents, blocks=blocks)
     return mask, top.squeeze(-1)
 
 
 def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = False,
                window: int | None = None, dtype: torch.dtype = torch.float32,
-               documents: Documents | None = None, with_shift: bool = False):
+               documents: Documents | None = None, with_shift: bool = False,
+               blocks: BlockMask | None = None):
     """An additive mask with each row's largest *allowed* entry moved to 0.
 
     Softmax ignores a constant added to a row, so this changes no weight, but it
     keeps large finite values (HF's ``finfo.min``, ``-1e9``, a BLOOM-style
     ``slope * j``) from swallowing the scores when added in float32. The maximum is
-    taken over the keys the causal/window/document rule allows (as ``reference.py`` does): a
+    taken over the keys the causal/window/document rule and ``blocks`` (a ``mask_mod``'s
+    block mask) allow (as ``reference.py`` does): a
     big value on a key the rule forbids would otherwise push the allowed entries so
     far down that their differences are lost. The arithmetic runs in at least
     ``dtype`` (float32; the kernels add the mask in their compute dtype), never in
@@ -74,9 +82,9 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     # of one row for every query (key padding) keeps the one shift, exact up to rounding
     # unless a forbidden key holds a value ~80 above every allowed one, and only a mask of
     # a row per query (q_len x k_len already) is shifted row by row.
-    per_row = reads_values() or (mask.shape[-2] == q_len and q_len > 1)
-    if per_row and not rule.full(0, q_len, 0, k_len):
-        row_top = _allowed_max(mask.detach(), rule)
+    per_row = reads_values() or (mask.shape[-2] == q_len and q_len > 1) or blocks is not None
+    if per_row and (blocks is not None or not rule.full(0, q_len, 0, k_len)):
+        row_top = _allowed_max(mask.detach(), rule, blocks)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
         if not reads_values() or not torch.equal(row_top, top.expand_as(row_top)):
             top = row_top
@@ -84,15 +92,18 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     return ((mask - top).clamp(max=0.0), top) if with_shift else (mask - top).clamp(max=0.0)
 
 
-def _allowed_max(mask: torch.Tensor, rule: KeyRule) -> torch.Tensor:
-    """Each query row's largest mask entry over the keys ``rule`` allows,
+def _allowed_max(mask: torch.Tensor, rule: KeyRule, blocks: BlockMask | None = None,
+                 ) -> torch.Tensor:
+    """Each query row's largest mask entry over the keys ``rule`` and ``blocks`` allow,
     ``(..., q_len, 1)`` (``-inf`` for a row with none), a block of rows at a time."""
-    batch = mask.shape[:-2].numel()
+    batch = mask.shape[:-2].numel() * (1 if blocks is None else blocks.batch * blocks.heads)
     step = max(1, _SHIFT_SCRATCH // max(1, batch * rule.k_len))
     tops = []
     for start in range(0, rule.q_len, step):
         n = min(step, rule.q_len - start)
         allowed = rule.allowed(start, n, device=mask.device)
+        if blocks is not None:  # (batch or 1, heads or 1, n, k_len)
+            allowed = allowed & blocks.tile(start, start + n, 0, rule.k_len)
         part = mask[..., start:start + n, :] if mask.shape[-2] > 1 else mask
         tops.append(part.masked_fill(~allowed, float("-inf")).amax(dim=-1, keepdim=True))
     if not tops:  # no query rows

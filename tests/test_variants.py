@@ -298,3 +298,29 @@ def test_the_lse_of_an_additive_mask_as_given_differentiated_once(backend):
         per_row = torch.func.vmap(torch.func.grad(f))(q.detach().unsqueeze(0).expand(2, -1, -1,
                                                                                   -1, -1))
         torch.testing.assert_close(per_row[1], torch.func.grad(f)(q.detach()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_shape", ["rows", "keys"])
+def test_a_mask_mod_leaves_an_additive_mask_as_exact_as_the_rule_does(backend, mask_shape):
+    # Helper-found: each row's shift was the mask's maximum over the keys the causal
+    # rule allows, counting keys only mask_mod forbids; -1e9 on every key a query may
+    # see and 0 on the rest then swallowed the scores (off by 0.7).
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+    i = torch.arange(6)
+    if mask_shape == "rows":  # (q_len, k_len): 0 exactly where the mask_mod forbids
+        bias = torch.where(i[None] > i[:, None], 0.0, -1e9)
+    else:  # a key-padding row for every query; the head's band forbids its 0s
+        bias = torch.where(i < 2, 0.0, -1e9)[None]
+
+    def band(b, h, qi, ki):  # causal, and (keys) head h sees no key before h
+        return (ki <= qi) & (ki >= h) if mask_shape == "keys" else ki <= qi
+
+    allowed = torch.stack([band(0, h, i[:, None], i[None]) for h in range(3)])[None]
+    want = ref.attention(*(t.double().numpy() for t in (q, k, v)),
+                         np.where(allowed.numpy(), bias.double().numpy(), -np.inf))
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        got = attnlab.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=bias.to(dtype),
+                                mask_mod=band, backend=backend)
+        np.testing.assert_allclose(got.double().numpy(), want, atol=tol)
