@@ -27,14 +27,17 @@ from attnlab.compat import flash_attn_func, flash_attn_varlen_func
 
 def _fa_bias(seqlen_q, seqlen_k, causal, window_size, slopes, max_seqlen_k=None):
     """FlashAttention's mask and ALiBi bias as one additive ``(heads, seqlen_q, seqlen_k)``
-    array: ``-inf`` where a key is out, ``-slope * |i + sk - sq - j|`` elsewhere. A window
-    side of ``max_seqlen_k`` (varlen's; else seqlen_k) or more is unbounded, as mha_fwd
-    and mha_varlen_fwd set it."""
+    array: ``-inf`` where a key is out, ``-slope * |i + sk - sq - j|`` elsewhere. The
+    window's sides as the kernel sets them: one of ``max_seqlen_k`` (varlen's; else
+    seqlen_k) or more is -1 (mha_fwd, mha_varlen_fwd), then a -1 beside a non-negative side
+    is ``max_seqlen_k`` (set_params_fprop)."""
     left, right = window_size
     if causal:
         right = 0
     most = seqlen_k if max_seqlen_k is None else max_seqlen_k
     left, right = (-1 if side >= most else side for side in (left, right))
+    if (left < 0) != (right < 0):
+        left, right = (most if side < 0 else side for side in (left, right))
     i = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
     j = np.arange(seqlen_k)[None, :]
     ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
@@ -225,8 +228,14 @@ def test_varlen_refuses_what_it_cannot_state_exactly():
     with pytest.raises(ValueError, match=r"end at or before the number of tokens \(6\), got "
                                          r"\[0, 2, 7\]"):
         flash_attn_varlen_func(q, q, q, cu, torch.tensor([0, 2, 7]), 4, 5)
-    with pytest.raises(ValueError, match="one slope per head, the same for every sequence"):
+    with pytest.raises(ValueError, match=r"differ between sequences are not supported"):
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=torch.rand(2, 2))
+    # the shapes FlashAttention documents, for these 2 heads and 2 sequences (helper-found:
+    # a wrong head count was told about sequences, a (3,) about a (1, 2) it then refused)
+    for slopes in (torch.rand(3), torch.rand(2, 3), torch.rand(1, 2), torch.rand(3, 2)):
+        with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\) or \(2, "
+                                             r"2\) \(nheads, or batch x nheads\), got"):
+            flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=slopes)
     same = torch.tensor([[0.5, 0.25], [0.5, 0.25]])
     torch.testing.assert_close(
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, alibi_slopes=same),
@@ -248,15 +257,25 @@ def test_shape_errors_name_the_callers_layout():
         flash_attn_varlen_func(q[0], q[0], v[0], cu, cu, 5, 5)
 
 
-def test_a_window_side_of_seqlen_k_or_more_is_unbounded_as_flashattentions():
-    # mha_fwd sets a side >= seqlen_k to -1: with more queries than keys that is not the
-    # band the formula would give (its first rows would see no key at all).
+def test_a_window_side_of_seqlen_k_or_more_is_as_flashattentions_kernel_sets_it():
+    # mha_fwd sets a side >= seqlen_k to -1, two of them no window: with more queries
+    # than keys that is not the band the formula would give (its first rows would see no
+    # key at all).
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 2, 8, generator=g) for n in (9, 3, 3))
     full = flash_attn_func(q, k, v)
     for window in ((-1, 3), (-1, 7), (3, 3), (5, -1)):
         torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), full)
     assert not torch.allclose(flash_attn_func(q, k, v, window_size=(-1, 2)), full)
+    # Helper-found: beside a non-negative side, one of seqlen_k or more is seqlen_k, a
+    # band (set_params_fprop), not unbounded: (1, 3) here is keys i - 7 ... i - 3.
+    _, lse, probs = flash_attn_func(q, k, v, window_size=(1, 3), return_attn_probs=True)
+    seen = (probs[0, 0] > 0).int()
+    assert seen.tolist() == [[0, 0, 0]] * 3 + [[1, 0, 0], [1, 1, 0]] + [[1, 1, 1]] * 3 + [
+        [0, 1, 1]]
+    assert bool(torch.isinf(lse[0, 0, :3]).all())
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=(1, 3)),
+                               flash_attn_func(q, k, v, window_size=(1, 30)))
     cu_q, cu_k = torch.tensor([0, 9], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
     torch.testing.assert_close(
         flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 9, 3, window_size=(-1, 3)),

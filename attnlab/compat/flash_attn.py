@@ -7,12 +7,14 @@ The semantics are FlashAttention's README's, mapped exactly:
   headdim)`` with ``cu_seqlens``); ``k``/``v`` may have fewer heads (MQA/GQA);
 - ``causal``: aligned to the bottom-right corner when the lengths differ (attnlab's rule);
 - ``window_size=(left, right)``: query ``i`` attends keys ``j`` with
-  ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, a negative
-  size, or one of ``seqlen_k`` or more, meaning unbounded (the README's meaning; the CUDA
-  kernel sets a -1 beside a non-negative side to ``seqlen_k`` instead, which differs
-  only for ``(left >= 0, -1)`` without ``causal``, in the first ``seqlen_q - seqlen_k - 1``
-  rows: it stops them at key ``i + 2 seqlen_k - seqlen_q``), ``right`` forced to 0 by
-  ``causal``. ``(-1, 0)`` is attnlab's
+  ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (the README's
+  formula), the sides set as FlashAttention's kernel sets them (``mha_fwd``, then
+  ``set_params_fprop``; varlen: ``max_seqlen_k`` for ``seqlen_k``): ``causal`` makes
+  ``right`` 0, a side of ``seqlen_k`` or more is -1, and a -1 beside a non-negative side
+  becomes ``seqlen_k``; two -1 are no window. The README reads a -1 as unbounded; the two
+  differ only for ``(left >= 0, -1)`` with more queries than keys, in the first
+  ``seqlen_q - seqlen_k - 1`` rows, which the kernel stops at key
+  ``i + 2 seqlen_k - seqlen_q``. ``(-1, 0)`` is attnlab's
   causal rule, ``(w, 0)`` causal with ``window=w + 1``, ``(w, w)`` ``window=w + 1``; every
   other pair becomes a band ``mask_mod`` (exact, evaluated once into a block mask);
 - ``softcap``: ``softcap * tanh(qk^T * softmax_scale / softcap)``, 0 = off (attnlab's);
@@ -46,17 +48,22 @@ from ..functional import attention, attention_with_lse
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 
-def _sides(window_size, causal: bool, seqlen_k: int) -> tuple[int | None, int | None]:
-    """``window_size`` as ``(left, right)``, None where unbounded: a negative side, and as
-    FlashAttention's ``mha_fwd`` has it, a side of ``seqlen_k`` or more (which, with more
-    queries than keys, is not the same as a band that wide)."""
+def _sides(window_size, causal: bool, seqlen_q: int, seqlen_k: int,
+           ) -> tuple[int | None, int | None]:
+    """``window_size`` as FlashAttention's kernel sets it (module docstring), as
+    ``(left, right)`` with None for a side that rules no key out from any query's position
+    (``p`` from ``seqlen_k - seqlen_q`` to ``seqlen_k - 1``), so that a plain rule takes it."""
     if (not isinstance(window_size, tuple | list) or len(window_size) != 2
             or not all(is_int(x) for x in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded, "
                         f"got {window_size!r}")
     left, right = (int(x) for x in window_size)
     right = 0 if causal else right
-    return tuple(None if x < 0 or x >= seqlen_k else x for x in (left, right))
+    left, right = (-1 if side >= seqlen_k else side for side in (left, right))
+    if left < 0 and right < 0:
+        return None, None
+    left, right = (seqlen_k if side < 0 else side for side in (left, right))
+    return (None if left >= seqlen_k - 1 else left, None if right >= seqlen_q - 1 else right)
 
 
 def _rule(left, right) -> tuple[bool, int | None] | None:
@@ -124,7 +131,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     seqlen_q, nheads, headdim)``, or ``(out, softmax_lse, probs)`` (module docstring)."""
     _layout(q, k, v, "(batch, seqlen, nheads, headdim)")
     cap = _common(dropout_p, softcap, deterministic, return_attn_probs, causal)
-    left, right = _sides(window_size, causal, k.shape[1])
+    left, right = _sides(window_size, causal, q.shape[1], k.shape[1])
     rule = _rule(left, right)
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
     kw = dict(scale=softmax_scale, dropout_p=dropout_p, softcap=cap, alibi_slopes=alibi_slopes)
@@ -192,13 +199,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q.shape[0] - cu_q[-1]).view(1), cu_q.new_zeros(1)]))
     k_ids = torch.repeat_interleave(ids, torch.cat([cu_k[1:] - cu_k[:-1], cu_k.new_zeros(1), (
         k.shape[0] - cu_k[-1]).view(1)]))
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.ndim == 2:
-        if alibi_slopes.shape[0] != batch or not bool((alibi_slopes == alibi_slopes[:1]).all()):
-            raise ValueError(f"alibi_slopes of shape {tuple(alibi_slopes.shape)} with "
-                             "cu_seqlens: packed sequences take one slope per head, the same "
-                             "for every sequence; pass (nheads,)")
-        alibi_slopes = alibi_slopes[0]
-    left, right = _sides(window_size, causal, int(max_seqlen_k))
+    if isinstance(alibi_slopes, torch.Tensor):
+        heads = q.shape[1]
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) "
+                             f"(nheads, or batch x nheads), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.ndim == 2:
+            if not bool((alibi_slopes == alibi_slopes[:1]).all()):
+                raise ValueError("alibi_slopes of shape (batch, nheads) that differ between "
+                                 "sequences are not supported with cu_seqlens (packed "
+                                 "sequences take one slope per head); pass (nheads,)")
+            alibi_slopes = alibi_slopes[0]
+    left, right = _sides(window_size, causal, int(max_seqlen_q), int(max_seqlen_k))
     rule = _rule(left, right)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     kw = dict(scale=softmax_scale, dropout_p=dropout_p, softcap=cap, alibi_slopes=alibi_slopes,
