@@ -106,6 +106,11 @@ class BlockMask:
                 f"tiles empty/partial/full={counts[0]}/{counts[1]}/{counts[2]}, "
                 f"mask_mod={mod_name(self.mask_mod) if self.mask_mod else None})")
 
+    def for_call(self, batch: int, heads: int) -> BlockMask:
+        """The block mask a call of ``batch`` x ``heads`` uses: this one (a FlexAttention
+        mask of ``attnlab.compat`` evaluates its function again there, as torch's does)."""
+        return self
+
     def live_share(self) -> float:
         """The share of the tiles (over every (b, h)) with anything allowed."""
         return float((self.kinds != EMPTY).float().mean()) if self.kinds.numel() else 0.0

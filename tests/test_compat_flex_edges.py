@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
@@ -147,3 +148,52 @@ def test_a_partial_mask_mod_is_evaluated_again_once_what_it_binds_changes():
     want = _torch(Q, K, V, torch_flex.create_block_mask(mod, None, None, L, L, device="cpu",
                                                         BLOCK_SIZE=16))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_attnlabs_own_mask_made_with_h_none_is_asked_at_every_head_as_torchs():
+    # Helper-found: compat.create_block_mask(mod, None, None, ...) evaluated the mask at
+    # h = 0 and used that for every head (1.64 off torch's result); torch's kernels ask
+    # the mask_mod with the real h.
+    want = _torch(Q, K, V, torch_flex.create_block_mask(per_head, None, None, L, L,
+                                                        device="cpu"))
+    got = flex_attention(Q, K, V, block_mask=create_block_mask(per_head, None, None, L, L))
+    torch.testing.assert_close(got, want)
+
+
+def test_attnlabs_own_mask_sees_a_tensor_it_reads_changed_in_place():
+    # Helper-found: an attnlab block mask kept the documents it was made with.
+    docs = DOC.clone()
+
+    def by_docs(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    mine = create_block_mask(by_docs, None, None, L, L, BLOCK_SIZE=16)
+    theirs = torch_flex.create_block_mask(by_docs, None, None, L, L, device="cpu",
+                                          BLOCK_SIZE=16)
+    docs[:] = 0
+    docs[30:] = 1
+    torch.testing.assert_close(flex_attention(Q, K, V, block_mask=mine),
+                               _torch(Q, K, V, theirs))
+
+
+def test_create_block_mask_answers_as_torchs_block_mask():
+    mine = create_block_mask(per_head, 2, 4, 256, 256)
+    theirs = torch_flex.create_block_mask(per_head, 2, 4, 256, 256, device="cpu")
+    assert mine.shape == theirs.shape == (2, 4, 256, 256)
+    assert tuple(theirs.BLOCK_SIZE) == mine.BLOCK_SIZE and mine.mask_mod is per_head
+    assert torch.equal(mine.to_dense(), theirs.to_dense().to(torch.int32))
+    assert abs(mine.sparsity() - theirs.sparsity()) < 1e-9
+    moved = mine.to("cpu")
+    assert moved.shape == mine.shape and torch.equal(moved.to_dense(), mine.to_dense())
+    assert create_block_mask(per_head, None, None, 64, 64).shape == (1, 1, 64, 64)
+
+
+def test_a_block_mask_of_another_shape_is_named_as_block_mask():
+    wrong = create_block_mask(lambda b, h, q, kv: (kv <= q) | (b > 0), 3, None, L, L)
+    with pytest.raises(ValueError, match=r"block_mask is for \(B, H, Q_LEN, KV_LEN\) = "
+                                         r"\(3, 1, 64, 64\), but the inputs have \(2, 2, 64, "
+                                         r"64\)"):
+        flex_attention(Q, K, V, block_mask=wrong)
+    with pytest.raises(ValueError, match=r"block_mask is for \(Q_LEN, KV_LEN\)|block_mask is "
+                                         r"for \(B, H, Q_LEN, KV_LEN\) = \(1, 1, 32, 32\)"):
+        flex_attention(Q, K, V, block_mask=create_block_mask(per_head, None, None, 32, 32))

@@ -20,10 +20,11 @@ device (torch's own runs on the CPU forward only, compiled per mask).
 - ``and_masks``, ``or_masks``, ``noop_mask``: torch's own (they broadcast as attnlab calls
   a mask_mod), so that their import can be swapped too.
 - ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128)``:
-  an :class:`attnlab.blockmask.BlockMask` (``B``/``H`` None: the mask does not depend on
-  them), cached per (function, the tensors and values it reads, shape, device, block
-  size): a document-id tensor bound again or changed in place is a new mask, as torch's
-  evaluates the function on every call.
+  a :class:`FlexBlockMask`, attnlab's block mask evaluated at once (so that a faulty
+  mask_mod fails here, as torch's does) and again at each call where torch's kernels
+  would ask the function something new: at the call's ``b`` and ``h`` where ``B``/``H``
+  is None, and once a tensor it reads is bound again or changed in place; from a cache
+  per (function, the tensors and values it reads, shape, device, block size) otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
+from .._tracing import reads_values
 from ..blockmask import BLOCK_SIZE, BlockMask, block_mask, reads
 from ..checks import boolean, positive_int
 from ..functional import attention, attention_with_lse
@@ -50,15 +52,60 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BL
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}")
-    batch = 1 if B is None else positive_int("B", B)
-    heads = 1 if H is None else positive_int("H", H)
+    B = None if B is None else positive_int("B", B)
+    H = None if H is None else positive_int("H", H)
     if isinstance(BLOCK_SIZE, tuple | list) and len(BLOCK_SIZE) == 2:
         block_q, block_k = (positive_int("BLOCK_SIZE", x) for x in BLOCK_SIZE)
     else:
         block_q = block_k = positive_int("BLOCK_SIZE", BLOCK_SIZE)
-    return block_mask(mask_mod, batch, heads, positive_int("Q_LEN", Q_LEN),
-                      positive_int("KV_LEN", KV_LEN), block_q=block_q, block_k=block_k,
-                      device=device)
+    built = block_mask(mask_mod, B or 1, H or 1, positive_int("Q_LEN", Q_LEN),
+                       positive_int("KV_LEN", KV_LEN), block_q=block_q, block_k=block_k,
+                       device=device)
+    made = built.__dict__.setdefault("_flex", {})  # the same mask, the same object
+    return made.setdefault((B, H), FlexBlockMask(built, B, H))
+
+
+class FlexBlockMask(BlockMask):
+    """:func:`create_block_mask`'s result: attnlab's block mask as it was evaluated, which
+    a call evaluates again as torch's kernels do, at the call's every ``b`` and ``h`` where
+    ``B`` or ``H`` was None, and again once a tensor the mask_mod reads has changed (from
+    :func:`attnlab.blockmask.block_mask`'s cache while nothing has). Torch's ``shape``,
+    ``BLOCK_SIZE``, ``mask_mod``, ``to``, ``sparsity`` and ``to_dense``; not its indexing.
+    Under ``torch.compile`` a call reads it as it was made (at ``b``/``h`` 0 where ``B``/``H``
+    was None): make it with the call's ``B`` and ``H`` there if the mask_mod reads them."""
+
+    def __init__(self, built: BlockMask, B: int | None, H: int | None):
+        self.__dict__.update({k: v for k, v in built.__dict__.items() if k != "_flex"})
+        self._request = (B, H)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        B, H = self._request
+        return (B or 1, H or 1, self.q_len, self.k_len)
+
+    @property
+    def BLOCK_SIZE(self) -> tuple[int, int]:  # noqa: N802 - torch's name
+        return (self.block_q, self.block_k)
+
+    def for_call(self, batch: int, heads: int) -> BlockMask:
+        if not reads_values():  # a torch.compile trace: as made (no evaluation in a graph)
+            return self
+        B, H = self._request
+        return block_mask(self.mask_mod, B or batch, H or heads, self.q_len, self.k_len,
+                          block_q=self.block_q, block_k=self.block_k, device=self.device)
+
+    def to(self, device) -> FlexBlockMask:
+        """The same mask on ``device``."""
+        return create_block_mask(self.mask_mod, *self._request, self.q_len, self.k_len,
+                                 device=device, BLOCK_SIZE=self.BLOCK_SIZE)
+
+    def to_dense(self) -> torch.Tensor:
+        """``(B, H, nq, nk)`` int32: 1 where a block is computed (torch's)."""
+        return (self.kinds != 0).to(torch.int32).expand(*self.shape[:2], *self.kinds.shape[2:])
+
+    def sparsity(self) -> float:
+        """The percentage of blocks not computed (torch's)."""
+        return 100.0 * (1.0 - self.live_share())
 
 
 # The attribute of a torch BlockMask that keeps attnlab's evaluation of it: (what its
@@ -173,8 +220,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if key.shape[0] == 1 and value.shape[0] == 1 and query.shape[0] > 1:
         # one key/value batch for every query batch, as FlexAttention broadcasts it
         key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))
-    kw = dict(scale=scale, score_mod=score_mod,
-              mask_mod=_as_block_mask(block_mask, query, key))
+    mask = _as_block_mask(block_mask, query, key)
+    if isinstance(mask, BlockMask):  # named as the caller passed it
+        shown, mask = mask.shape, mask.for_call(query.shape[0], query.shape[1])
+        if (mask.batch not in (1, query.shape[0]) or mask.heads not in (1, query.shape[1])
+                or (mask.q_len, mask.k_len) != (query.shape[-2], key.shape[-2])):
+            raise ValueError(f"block_mask is for (B, H, Q_LEN, KV_LEN) = {shown}, but "
+                             f"the inputs have ({query.shape[0]}, {query.shape[1]}, "
+                             f"{query.shape[-2]}, {key.shape[-2]})")
+    kw = dict(scale=scale, score_mod=score_mod, mask_mod=mask)
     if not return_lse:
         return attention(query, key, value, **kw)
     out, lse = attention_with_lse(query, key, value, **kw)
