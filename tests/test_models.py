@@ -56,6 +56,20 @@ def test_left_padded_batch_equals_each_prompt_alone(name):
         assert torch.equal(batched[i, -10:], alone[0, -10:]), i
 
 
+def test_numpy_ids_generate_as_a_tensor_of_them_does():
+    # Helper-found: a tokenizer's numpy ids (return_tensors="np") were refused as ndarray.
+    import numpy as np
+
+    model = make("gpt2-like")
+    ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
+    assert torch.equal(model.generate(ids, 5, temperature=0),
+                       model.generate(torch.from_numpy(ids).long(), 5, temperature=0))
+    assert torch.equal(model.generate(ids[0], 5, temperature=0),
+                       model.generate([[1, 2, 3]], 5, temperature=0))
+    with pytest.raises(TypeError, match="got ndarray"):
+        model.generate(np.array([[1.0, 2.0]]), 5)
+
+
 def test_sampling_options():
     model = make("gpt2-like")
     ids = torch.tensor([[1, 2, 3]])

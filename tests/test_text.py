@@ -95,6 +95,19 @@ def test_word_split_how_are_you():
     assert tok.tokenize("don't") == ["don", "'", "t"]
 
 
+def test_word_splits_chinese_into_characters_as_bert_does():
+    # Helper-found: \w+ made a whole clause one word, so any other sentence was <unk>.
+    tok = WordTokenizer.from_text("我喜欢蓝色的天空。你好，世界！I like AI.")
+    assert tok.tokenize("我喜欢AI。") == ["我", "喜", "欢", "AI", "。"]
+    ids = tok.encode("你喜欢天空。")
+    assert tok.unk_id not in ids
+    assert tok.decode(ids) == "你喜欢天空。"
+    assert tok.decode(tok.encode("I like 蓝色 AI.")) == "I like 蓝色 AI."
+    # a vocabulary saved with a clause as one word still reads that clause whole
+    old = WordTokenizer(["我喜欢", "蓝"])
+    assert old.tokenize("我喜欢蓝") == ["我喜欢", "蓝"]
+
+
 def test_word_adds_pad_and_unk_at_the_end_when_missing():
     tok = WordTokenizer(["hello", "world"])
     assert tok.vocab == {"hello": 0, "world": 1, "<pad>": 2, "<unk>": 3}

@@ -28,6 +28,8 @@ MAX_NEW_TOKENS = 10**6
 
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(batch, seq)`` ids and a 1/0 mask (None when no padding is needed)."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":  # a tokenizer's numpy ids
+        ids = torch.from_numpy(ids.astype(np.int64))
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
             raise ValueError(

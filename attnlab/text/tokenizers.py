@@ -34,10 +34,16 @@ __all__ = [
 
 PathLike = str | os.PathLike[str]
 
-#: How :class:`WordTokenizer` splits text: runs of word characters, or any one
-#: other non-space character. "don't" -> ["don", "'", "t"]; "3.5" -> ["3", ".", "5"].
-WORD_PATTERN = r"\w+|[^\w\s]"
+# CJK ideographs, as BERT's BasicTokenizer lists them: each is a token of its own (a run
+# of them is a clause, not a word: Chinese writes no spaces).
+_IDEOGRAPHS = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df"
+               "\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f")
+#: How :class:`WordTokenizer` splits text: one CJK ideograph, a run of other word
+#: characters, or any one other non-space character. "don't" -> ["don", "'", "t"];
+#: "3.5" -> ["3", ".", "5"]; "我喜欢AI" -> ["我", "喜", "欢", "AI"].
+WORD_PATTERN = rf"[{_IDEOGRAPHS}]|(?:(?![{_IDEOGRAPHS}])\w)+|[^\w\s]"
 _PUNCT = re.compile(r"[^\w\s]")
+_IDEOGRAPH = re.compile(f"[{_IDEOGRAPHS}]")
 _FORMAT_VERSION = 1
 
 
@@ -219,8 +225,9 @@ class CharTokenizer(Tokenizer):
 class WordTokenizer(Tokenizer):
     """Word-level tokenizer: words and punctuation marks are tokens.
 
-    Splitting uses :data:`WORD_PATTERN` (``\\w+|[^\\w\\s]``): "how are you?" ->
-    ["how", "are", "you", "?"], "don't" -> ["don", "'", "t"]. Vocabulary
+    Splitting uses :data:`WORD_PATTERN` (``\\w+|[^\\w\\s]``, each CJK ideograph on its
+    own as BERT splits them): "how are you?" -> ["how", "are", "you", "?"], "don't" ->
+    ["don", "'", "t"], "你好，世界" -> ["你", "好", "，", "世", "界"]. Vocabulary
     entries that pattern would split (such as ``<pad>``, ``<unk>``, ``[CLS]``)
     are matched whole when they appear in the text.
 
@@ -268,7 +275,9 @@ class WordTokenizer(Tokenizer):
         literals = sorted(
             (t for t in tokens if not re.fullmatch(WORD_PATTERN, t)), key=len, reverse=True
         )
-        alternatives = [re.escape(t) + (r"(?!\w)" if re.search(r"\w$", t) else "")
+        # (not inside a longer word; an ideograph ends a word where it stands)
+        alternatives = [re.escape(t) + (r"(?!\w)" if re.search(r"\w$", t)
+                                        and not _IDEOGRAPH.match(t[-1]) else "")
                         for t in literals]
         lit = f"(?P<lit>{'|'.join(alternatives)})|" if alternatives else ""
         self._pattern = re.compile(lit + WORD_PATTERN)
@@ -346,13 +355,15 @@ class WordTokenizer(Tokenizer):
         return [self._stoi.get(t, unk) for t in self.tokenize(text)]
 
     def decode(self, ids: Iterable[int], *, skip_pad: bool = False) -> str:
-        """Join tokens with spaces, without a space before punctuation marks."""
+        """Join tokens with spaces, without a space before punctuation marks or between
+        CJK ideographs (Chinese writes none)."""
         parts: list[str] = []
         for i in _check_ids(ids, self.vocab_size):
             tok = self._itos[i]
             if skip_pad and tok == self.PAD:
                 continue
-            if parts and not _PUNCT.fullmatch(tok):
+            if parts and not _PUNCT.fullmatch(tok) and not (
+                    _IDEOGRAPH.fullmatch(tok) and _IDEOGRAPH.search(parts[-1][-1:])):
                 parts.append(" ")
             parts.append(tok)
         return "".join(parts)
