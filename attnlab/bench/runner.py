@@ -26,8 +26,10 @@ Peers (``Impl.isolated``) are timed in a worker process of their own
 this process's torch threads.
 
 Under load (``under_load=True``): after the quiet rounds, the same warm steps run
-the same rounds again beside one spinning process per core (:mod:`.load`), started
-before and stopped after them; the records get ``median_ms_under_load``,
+``LOADED_ROUNDS`` times as many rounds beside one spinning process per core
+(:mod:`.load`), started before and stopped after them (a sample there is 1x-5x its quiet
+time by where the OS puts the threads: a median of five said more about that than about
+the implementation); the records get ``median_ms_under_load``,
 ``times_ms_under_load`` and ``ratio_to_under_load`` next to the quiet numbers, so
 both ratios come from one run.
 """
@@ -97,6 +99,8 @@ class Case:
 # MAX_CALLS calls): see the module docstring.
 SAMPLE_MS = 20.0
 MAX_CALLS = 50
+# Rounds under load per quiet round (see the module docstring).
+LOADED_ROUNDS = 3
 
 
 def _ms_per_call(step: Callable[[], object], calls: int) -> float:
@@ -120,7 +124,7 @@ def _calls_per_sample(step: Callable[[], object]) -> int:
 def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str, dict]:
     """Round-robin timing of every runnable implementation; returns per-impl stats.
 
-    ``under_load``: time the same rounds again beside a busy process per core.
+    ``under_load``: time ``LOADED_ROUNDS`` times as many rounds beside a busy process per core.
     """
     steps: dict[str, Callable[[], object]] = {}
     calls: dict[str, int] = {}
@@ -152,7 +156,7 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
                              "calls_per_sample": calls[name], "checked": checked.get(name, {})}
         if under_load and steps:
             with load.busy():
-                loaded = _rounds(case, steps, calls)
+                loaded = _rounds(case, steps, calls, LOADED_ROUNDS * case.repeats)
             for name, ts in loaded.items():
                 results[name].update(median_ms_under_load=statistics.median(ts),
                                      times_ms_under_load=ts)
@@ -170,11 +174,11 @@ def _build_for_timing(impl: Impl) -> Callable[[], object]:
 
 
 def _rounds(case: Case, steps: dict[str, Callable[[], object]],
-            calls: dict[str, int]) -> dict[str, list[float]]:
+            calls: dict[str, int], rounds: int | None = None) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     order = random.Random(f"{case.suite}/{case.name}")  # the same orders on every run
-    for _ in range(case.repeats):
+    for _ in range(case.repeats if rounds is None else rounds):
         # A new order every round: no implementation always runs right after the same
         # one (measured: the step after the textbook path or the tiled one, which free
         # large score buffers, ran 10-25% slower on a 2 ms attention).
