@@ -118,6 +118,24 @@ def test_unsupported_model_types_are_refused_naming_the_supported_ones(tmp_path)
         Encoder.from_hf(llama(False))
 
 
+@pytest.mark.parametrize("setting", ["is_decoder", "add_cross_attention"])
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_a_causal_bert_is_refused_not_read_as_bidirectional(tmp_path, kind, setting):
+    # Helper-found: BertLMHeadModel / RobertaForCausalLM folders (is_decoder=True, causal
+    # in transformers) loaded as the bidirectional Encoder, 0.04-1.9 off, without a word.
+    torch.manual_seed(0)
+    shape = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                 intermediate_size=40, max_position_embeddings=24, is_decoder=True,
+                 add_cross_attention=setting == "add_cross_attention")
+    model = (T.BertLMHeadModel(T.BertConfig(**shape)) if kind == "bert"
+             else T.RobertaForCausalLM(T.RobertaConfig(pad_token_id=1, **shape)))
+    if setting == "add_cross_attention":  # the decoder flag alone is the other case
+        model.config.is_decoder = False
+    model.save_pretrained(tmp_path / kind)
+    with pytest.raises(ValueError, match=rf"config {setting}=True is not supported"):
+        Encoder.from_hf(tmp_path / kind)
+
+
 # ------------------------------------------------------------------------ encoders
 
 

@@ -29,6 +29,10 @@ _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
 def bert_config(cfg: Mapping[str, Any]) -> Config:
     """``EncoderConfig`` values of a BERT (or RoBERTa) config dict."""
     _require(cfg, "position_embedding_type", ("absolute",), "absolute")
+    # BertLMHeadModel and RobertaForCausalLM save is_decoder: a causal stack, which the
+    # bidirectional Encoder is not (and cross-attention has no weights here)
+    _require(cfg, "is_decoder", (False,), False)
+    _require(cfg, "add_cross_attention", (False,), False)
     act = _require(cfg, "hidden_act", tuple(_ACTIVATIONS))
     roberta = cfg.get("model_type") == "roberta"
     pad = cfg.get("pad_token_id")

@@ -76,7 +76,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
     ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``
     (five or six positional arguments; this signature takes three, so the two never
     meet) builds the book's module: causal, with that ``context_length``, ``dropout``
-    and ``qkv_bias``; under the same seed its weights and outputs are the book's. The
+    and ``qkv_bias``; under the same seed its weights are the book's, and so are its outputs
+    in eval mode or without dropout (training-mode dropout draws other masks). The
     book's class is always causal, so ``causal`` defaults to True there and to False
     in the three-argument form. Like the rest of the tutorial family, ``forward`` also
     takes one unbatched ``(seq, d_in)`` sequence.
