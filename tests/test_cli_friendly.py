@@ -326,3 +326,16 @@ def test_every_argparse_error_template_has_its_chinese():
     required.add_argument("--b")
     assert "必须给出以下参数之一" in translate(error_of(group, []))
     assert translate("steps must be positive, got 0") == "steps must be positive, got 0"
+
+
+def test_ctrl_c_while_the_options_are_read_is_an_interruption(monkeypatch, capsys):
+    # Helper-found: checking an option imports torch (a second or more), and a Ctrl-C
+    # then printed a KeyboardInterrupt traceback instead of one line and status 130.
+    import attnlab.cli as cli
+
+    def slow_import(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", slow_import)
+    assert cli.main(["train", "--steps", "3"]) == 130
+    assert capsys.readouterr().err == "attnlab: interrupted\n"

@@ -60,6 +60,49 @@ def test_lr_schedule_warms_up_then_decays():
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
 
 
+def test_every_window_of_the_stream_is_drawn_the_last_one_too():
+    # Helper-found: randint's exclusive end left the last window (and the last token of
+    # the text) out of every batch.
+    from attnlab.training.data import sample
+
+    rows = sample(torch.arange(12), 2000, 8, torch.Generator().manual_seed(0))
+    assert torch.unique(rows[:, 0]).tolist() == [0, 1, 2, 3]
+    assert torch.equal(rows[:, 1:], rows[:, :-1] + 1) and int(rows.max()) == 11
+
+
+def test_a_learning_rate_past_float32_is_refused_up_front():
+    # Helper-found: --lr 1e39 (finite in float64) failed inside Adam's step, a traceback.
+    with pytest.raises(ValueError, match=r"lr must be a positive finite float32 number"):
+        TrainConfig(lr=1e39)
+    assert TrainConfig(lr=1e38).lr == 1e38
+
+
+def test_resuming_for_more_steps_says_the_schedule_changes(tmp_path):
+    # Helper-found: --resume --steps 200 after a 100-step run moved the learning rate
+    # from the old schedule's end to the new one's middle (6x) without a word.
+    text = pattern_corpus(n_runs=300, seed=1)
+    tok = CharTokenizer.from_text(text)
+    tokens = torch.tensor(tok.encode(text))
+
+    def run(steps, resume, lines):
+        torch.manual_seed(0)
+        model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=16, d_model=16))
+        cfg = TrainConfig(steps=steps, batch_size=4, context=16, eval_every=steps)
+        train(model, tokens, cfg, progress=False, log=lines.append, out=tmp_path / "run",
+              resume=resume, tokenizer=tok)
+        return cfg
+
+    run(6, False, [])
+    lines: list[str] = []
+    cfg = run(12, True, lines)
+    note = next(line for line in lines if line.startswith("note:"))
+    assert "planned for 6 steps" in note and "schedule of 12" in note
+    assert f"{lr_at(6, cfg):.3g} at step 6" in note
+    again: list[str] = []
+    run(12, True, again)  # a finished run of the same total: nothing to say
+    assert not any(line.startswith("note:") for line in again)
+
+
 def _tiny_run(seed: int):
     text = pattern_corpus(n_runs=300, seed=1)
     tok = CharTokenizer.from_text(text)

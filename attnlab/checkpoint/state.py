@@ -160,10 +160,11 @@ def _check_optimizer_state(per_param: dict, groups, optimizer, step: int, out: P
 
 
 def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           gen: torch.Generator, train_config: dict) -> tuple[int, list]:
+                           gen: torch.Generator, train_config: dict,
+                           ) -> tuple[int, list, int | None]:
     """Load the run saved in ``out`` into ``model``, ``optimizer`` and ``gen`` (and
-    torch's RNG); return ``(step, history)``. The saved settings must equal
-    ``train_config`` except for :data:`RESUMABLE_CHANGES`."""
+    torch's RNG); return ``(step, history, the total of steps it was run for)``. The saved
+    settings must equal ``train_config`` except for :data:`RESUMABLE_CHANGES`."""
     meta = read_config(out)
     if meta.get("model_type") != getattr(model, "model_type", None):
         raise CheckpointError(
@@ -200,7 +201,7 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
         device = next(model.parameters()).device
         if device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], device)
-        return step, history
+        return step, history, state["train_config"].get("steps")
     except CheckpointError:
         raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:

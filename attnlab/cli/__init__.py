@@ -242,8 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # checking an option may import torch: a Ctrl-C then is an interruption too
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("attnlab: interrupted", file=sys.stderr)
+        return 130
     if args.command is None:  # a bare `attnlab`: what it can do, as a usage error
         parser.print_help(sys.stderr)
         return 2

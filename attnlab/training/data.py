@@ -65,7 +65,8 @@ def held_out_record(eval_stream: torch.Tensor) -> dict:
 
 def sample(stream: torch.Tensor, batch: int, context: int, gen: torch.Generator):
     """``batch`` random windows of ``context + 1`` tokens: ``(batch, context + 1)``."""
-    starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=gen)
+    # (randint's end is exclusive: the last window starts at len - context - 1)
+    starts = torch.randint(0, len(stream) - context, (batch,), generator=gen)
     return torch.stack([stream[s:s + context + 1] for s in starts.tolist()])
 
 

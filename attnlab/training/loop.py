@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -268,11 +268,17 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
     best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
-            step, history = restore_training_state(Path(out), model, optimizer, gen, settings)
+            step, history, planned = restore_training_state(Path(out), model, optimizer, gen,
+                                                            settings)
             best = _Best(keep=rank == 0, saved=read_best(Path(out)))
             best.replay(history)
             resumed_from = step
             say(f"resumed from step {step} of {cfg.steps} (checkpoint in {out})")
+            if planned not in (None, cfg.steps) and 0 < step < cfg.steps:  # said, not silent
+                was = lr_at(step - 1, replace(cfg, steps=planned))
+                say(f"note: the run was planned for {planned} steps; its learning rate now "
+                    f"follows the schedule of {cfg.steps} ({lr_at(step, cfg):.3g} at step "
+                    f"{step}, after {was:.3g})")
         elif rank == 0:
             nothing_to_resume(out, log)
     wrapped = model

@@ -18,6 +18,8 @@ from ..checks import (
 )
 from ..config import Config
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
 # The most steps of one run. Every step adds an entry (~70 bytes) to the loss history
 # that training_state.json keeps for --resume, and that file is read back under
 # io.reading.STATE_LIMIT (256 MiB): a million steps stay well inside it (and are
@@ -67,7 +69,9 @@ class TrainConfig(Config):
         optional_positive_int("checkpoint-every", self.checkpoint_every)
         if self.checkpoint_every is not None:
             check_steps("checkpoint-every", self.checkpoint_every)
-        finite_float("lr", self.lr, positive=True)
+        # (the optimiser holds it in float32: a larger one failed inside Adam's step)
+        if finite_float("lr", self.lr, positive=True) > _FLOAT32_MAX:
+            raise ValueError(f"lr must be a positive finite float32 number, got {self.lr!r}")
         non_negative_int("warmup", self.warmup)
         for name in ("weight_decay", "grad_clip"):
             if finite_float(name, getattr(self, name)) < 0:
