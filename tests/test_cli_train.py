@@ -89,6 +89,7 @@ def _damaged_copies(src, tmp_path) -> dict:
         "badstate": ("training_state.json", b'{"step": '),
         "nohistory": ("training_state.json", None),
         "badtensors": ("training_state.safetensors", b"\x00" * 20),
+        "badbest": ("best/config.json", b'{"format": '),
     }
     dirs = {}
     for key, (name, data) in damage.items():
@@ -101,6 +102,7 @@ def _damaged_copies(src, tmp_path) -> dict:
             state = json.loads((d / name).read_text())
             state["history"] = None
             data = json.dumps(state).encode()
+        (d / name).parent.mkdir(exist_ok=True)
         (d / name).write_bytes(data)
         dirs[key] = d
     return dirs
@@ -143,6 +145,9 @@ def _damaged_copies(src, tmp_path) -> dict:
      ["training state", "damaged"]),
     (["train", "--resume", "--out", "{badtensors}", *TOY, "--steps", "8"],
      ["training_state.safetensors"]),
+    # (helper-found: it said the folder "also holds 'best'")
+    (["train", "--resume", "--out", "{badbest}", *TOY, "--steps", "8"],
+     ["best/config.json is damaged", "restore it or move it out"]),
     (["generate", "--ckpt", "{badconfig}", "--prompt", "ab"], ["config.json"]),
     (["generate", "--ckpt", "{badtok}", "--prompt", "ab"], ["tokenizer.json"]),
     (["generate", "--ckpt", "{hftok}", "--prompt", "ab"], ["tokenizer.json", "Hugging Face"]),
@@ -153,6 +158,9 @@ def _damaged_copies(src, tmp_path) -> dict:
      ["temperature", "finite"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--top-k", "0"], ["--top-k"]),
     (["train", "--resume", "--out", "{demo}", "--model", "gpt"], ["--resume", "does not fit"]),
+    # (helper-found: it said only that the text had characters not in the vocabulary)
+    (["train", "--resume", "--out", "{train}", "--text", "{other}", "--steps", "99"],
+     ["--resume", "trained on another text", "'注'"]),
     (["train", "--out", "{junk}", "--steps", "2"], ["--out", "not an attnlab checkpoint"]),
     (["generate", "--ckpt", "{demo}", "--prompt", "ab", "--temperature", "-1"],
      ["temperature"]),
@@ -175,6 +183,7 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, train_dir, tmp_pa
     (tmp_path / "afile").write_text("a file")
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "short.txt").write_text("abcabc")
+    (tmp_path / "other.txt").write_text("注意力机制🐱\n" * 200)
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("someone's notes")
@@ -185,6 +194,7 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, train_dir, tmp_pa
     (corrupt / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:100])
     fill = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
             "binary": tmp_path / "binary.txt", "tmp": tmp_path, "corrupt": corrupt,
+            "other": tmp_path / "other.txt",
             "demo": out, "junk": tmp_path / "junk", "hf": hf, "afile": tmp_path / "afile",
             "train": train_dir, **_damaged_copies(train_dir, tmp_path)}
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -36,7 +36,7 @@ def test_packing_keeps_every_document_whole_once_and_pads_less(sizes, length):
     pieces = [d[i:i + length] for d in docs for i in range(0, len(d), length)]
     pieces = [p for p in pieces if len(p) > 1]
     if not pieces:
-        with pytest.raises(ValueError, match="no document has two tokens"):
+        with pytest.raises(ValueError, match="no document of two tokens"):
             pack(docs, length)
         return
     packed = pack(docs, length)
@@ -244,3 +244,15 @@ def test_encoder_packing_errors_name_the_argument():
         model(ids, document_ids=torch.zeros(1, 19).long())
     with pytest.raises(ValueError, match="sequence of 20 tokens is longer than context_length=12"):
         model(ids)  # unpacked, the row is one sequence
+
+
+def test_a_held_out_part_of_short_documents_is_named_as_such():
+    # Helper-found: long training documents and one-token held-out ones were refused as
+    # "no document has two tokens or more", which the text plainly had.
+    from attnlab.training.data import packed_split
+
+    docs = [list(range(1, 40))] * 3 + [[7]] * 40
+    with pytest.raises(ValueError, match=r"--pack: the held-out part \(15 documents, the last "
+                                         r"ones, about 10% of the tokens\) has no document of "
+                                         r"two tokens"):
+        packed_split(docs, 8)

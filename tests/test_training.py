@@ -103,6 +103,30 @@ def test_resuming_for_more_steps_says_the_schedule_changes(tmp_path):
     assert not any(line.startswith("note:") for line in again)
 
 
+def test_a_full_disk_says_which_checkpoint_failed_and_which_is_kept(tmp_path, monkeypatch):
+    # Helper-found: a full disk ended with "[Errno 28] No space left on device" alone.
+    from attnlab import checkpoint
+
+    text = pattern_corpus(n_runs=300, seed=1)
+    tok = CharTokenizer.from_text(text)
+    original, calls = checkpoint.save_training_state, []
+
+    def fills_up(out, model, optimizer, gen, step, *rest):
+        calls.append(step)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return original(out, model, optimizer, gen, step, *rest)
+
+    monkeypatch.setattr(checkpoint, "save_training_state", fills_up)
+    model = ToyAttnLM(ToyConfig(vocab_size=tok.vocab_size, context_length=16, d_model=16))
+    cfg = TrainConfig(steps=6, batch_size=4, context=16, checkpoint_every=3)
+    with pytest.raises(OSError, match=r"writing the checkpoint of step 6 in '.*run': No space "
+                                      r"left on device; the checkpoint of step 3 is kept"):
+        train(model, torch.tensor(tok.encode(text)), cfg, progress=False, log=None,
+              out=tmp_path / "run", tokenizer=tok)
+    assert load_checkpoint(tmp_path / "run") is not None
+
+
 def _tiny_run(seed: int):
     text = pattern_corpus(n_runs=300, seed=1)
     tok = CharTokenizer.from_text(text)

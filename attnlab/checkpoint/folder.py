@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..io import (
+    BEST_DIR,
     CONFIG_FILE,
     STATE_JSON,
     CheckpointError,
@@ -114,6 +115,14 @@ def check_out_dir(out: str | os.PathLike, name: str = "--out") -> None:
     if config.get("format") != FORMAT or not isinstance(config.get("model_type"), str):
         raise _not_ours(out, f"its {CONFIG_FILE} has no attnlab format/model_type", name)
     foreign = foreign_entries(out)
+    best = out / BEST_DIR / CONFIG_FILE
+    if BEST_DIR in foreign and best.is_file():  # the run's own best copy, whose config broke?
+        try:
+            read_json(best, CONFIG_LIMIT)
+        except CheckpointError as exc:
+            raise _not_ours(out, f"its {BEST_DIR}/{CONFIG_FILE} is damaged "
+                            f"({str(exc).split(': ', 1)[-1]}), so {BEST_DIR}/ cannot be told for "
+                            "attnlab's: restore it or move it out", name) from None
     if foreign:
         raise _not_ours(out, f"it also holds {', '.join(map(repr, foreign[:3]))}"
                         + (" ..." if len(foreign) > 3 else ""), name)

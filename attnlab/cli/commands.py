@@ -171,18 +171,27 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, context=args.context,
                       lr=args.lr, seed=args.seed, checkpoint_every=every,
                       eval_every=max(1, min(100, args.steps // 5)), pack=args.pack)
-    tokenizer = load_checkpoint_tokenizer(args.out) if args.resume else None
-    tokenizer = tokenizer or CharTokenizer.from_text(text)
-    if args.pack:
-        from ..training.packing import split_documents
+    kept = load_checkpoint_tokenizer(args.out) if args.resume else None
+    tokenizer = kept or CharTokenizer.from_text(text)
+    try:
+        if args.pack:
+            from ..training.packing import split_documents
 
-        documents = split_documents(text)
-        if len(documents) < 2:
-            raise ValueError(f"--pack: the text holds {len(documents)} document(s); documents "
-                             "are separated by blank lines, and training needs two or more")
-        tokens = [tokenizer.encode(doc) for doc in documents]
-    else:
-        tokens = torch.tensor(tokenizer.encode(text))
+            documents = split_documents(text)
+            if len(documents) < 2:
+                raise ValueError(f"--pack: the text holds {len(documents)} document(s); "
+                                 "documents are separated by blank lines, and training needs "
+                                 "two or more")
+            tokens = [tokenizer.encode(doc) for doc in documents]
+        else:
+            tokens = torch.tensor(tokenizer.encode(text))
+    except ValueError as exc:
+        if kept is None or "not in the tokenizer's vocabulary" not in str(exc):
+            raise
+        lacking = str(exc).split("vocabulary: ", 1)[-1]
+        raise ValueError(f"--resume: the run in {args.out!r} was trained on another text (this "
+                         f"one has characters its tokenizer lacks: {lacking}); give --text the "
+                         "run's own, or choose another --out") from None
     torch.manual_seed(args.seed)
     saved = _saved_config(args.out) if args.resume else None
     sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,
@@ -201,7 +210,8 @@ def _train(args: argparse.Namespace) -> int:
         atomic_write_json(f"{args.out}/{SUMMARY_FILE}", signed(summary))
         best = (f"; lowest eval {summary['best_eval_loss']:.4f} (step {summary['best_step']}) "
                 f"in {args.out}/best/" if summary["best_step"] != summary["steps"] else "")
-        print(f"trained {summary['steps']} steps: loss {summary['final_loss']:.4f}, "
+        steps = f"{summary['steps']} step{'' if summary['steps'] == 1 else 's'}"
+        print(f"trained {steps}: loss {summary['final_loss']:.4f}, "
               f"eval {summary['eval_loss']:.4f}; checkpoint in {args.out}/{best}")
     return 0
 

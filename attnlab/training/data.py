@@ -151,8 +151,15 @@ def packed_split(documents: Sequence[Sequence[int]], context: int):
     one stream (what a checkpoint records of them)."""
     train_docs, eval_docs = split_documents_held_out(documents, context)
     held_out = torch.tensor([t for d in eval_docs for t in d], dtype=torch.long)
-    return (PackedRows(pack(train_docs, context + 1)), PackedRows(pack(eval_docs, context + 1)),
-            held_out)
+    parts = []
+    for name, docs in (("training", train_docs), ("held-out", eval_docs)):
+        try:
+            parts.append(PackedRows(pack(docs, context + 1)))
+        except ValueError as exc:  # say which part: the text as a whole may have them
+            which = "first ones" if name == "training" else "last ones, about 10% of the tokens"
+            raise ValueError(f"--pack: the {name} part ({len(docs)} documents, the {which}) "
+                             f"has {exc}") from None
+    return parts[0], parts[1], held_out
 
 
 @torch.no_grad()

@@ -144,8 +144,9 @@ def _train(model, tokens, cfg, rank, world, device, *, out, resume, tokenizer, p
     check_training_fits(model, cfg.batch_size, cfg.context, world)
     if cfg.pack:
         if sharding is not None:
-            raise ValueError("pack=True is not supported with context_parallel > 1 (packed "
-                             "rows need each document's positions from the whole row)")
+            raise ValueError("--pack (pack=True) is not supported with --context-parallel "
+                             "(context_parallel > 1): packed rows need each document's "
+                             "positions from the whole row")
         if isinstance(tokens, torch.Tensor):
             raise TypeError("pack=True trains on documents: give a list of token id "
                             "sequences (split_documents(text), each encoded), not one "
@@ -337,10 +338,17 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
                         if not bool(torch.isfinite(p).all())), None)
             if bad is not None:  # a NaN moment or an absurd weight decay: never save it
                 raise _stop(step, f"weight {bad!r}", float("nan"), out, saved)
-            saved = step
             # best goes positionally: tests wrap this function as (..., *rest)
-            checkpoint.save_training_state(Path(out), model, optimizer, gen, step, settings,
-                                           history, tokenizer, meta, best.record())
+            try:
+                checkpoint.save_training_state(Path(out), model, optimizer, gen, step,
+                                               settings, history, tokenizer, meta,
+                                               best.record())
+            except OSError as exc:  # a full disk: say where, when, and what is kept
+                kept = (f"the checkpoint of step {saved} is kept" if saved
+                        else "no checkpoint was written")
+                raise OSError(exc.errno, f"writing the checkpoint of step {step} in "
+                                         f"{str(out)!r}: {exc.strerror or exc}; {kept}") from exc
+            saved = step
     if show is not None:
         show.close()
     seconds = time.perf_counter() - start

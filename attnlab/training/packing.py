@@ -111,7 +111,7 @@ def pack(documents: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> Pa
         raise ValueError(f"length must be at least 2 (a token and the next), got {length}")
     pieces = _pieces(documents, length)
     if not pieces:
-        raise ValueError("no document has two tokens or more (a token and the next to "
+        raise ValueError("no document of two tokens or more (a token and the next to "
                          "predict): nothing to pack")
     rows = _best_fit([len(p) for p in pieces], length)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
