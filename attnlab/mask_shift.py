@@ -82,7 +82,7 @@ def shift_rows(mask: torch.Tensor, q_len: int, k_len: int, *, causal: bool = Fal
     # of one row for every query (key padding) keeps the one shift, exact up to rounding
     # unless a forbidden key holds a value ~80 above every allowed one, and only a mask of
     # a row per query (q_len x k_len already) is shifted row by row.
-    per_row = reads_values() or (mask.shape[-2] == q_len and q_len > 1) or blocks is not None
+    per_row = reads_values() or (mask.shape[-2] == q_len and q_len > 1)
     if per_row and (blocks is not None or not rule.full(0, q_len, 0, k_len)):
         row_top = _allowed_max(mask.detach(), rule, blocks)
         row_top = torch.where(torch.isfinite(row_top), row_top, top)  # empty rows: any shift
@@ -96,7 +96,9 @@ def _allowed_max(mask: torch.Tensor, rule: KeyRule, blocks: BlockMask | None = N
                  ) -> torch.Tensor:
     """Each query row's largest mask entry over the keys ``rule`` and ``blocks`` allow,
     ``(..., q_len, 1)`` (``-inf`` for a row with none), a block of rows at a time."""
-    batch = mask.shape[:-2].numel() * (1 if blocks is None else blocks.batch * blocks.heads)
+    lead = mask.shape[:-2] if blocks is None else torch.broadcast_shapes(
+        mask.shape[:-2], (blocks.batch, blocks.heads))
+    batch = lead.numel()
     step = max(1, _SHIFT_SCRATCH // max(1, batch * rule.k_len))
     tops = []
     for start in range(0, rule.q_len, step):

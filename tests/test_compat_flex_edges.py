@@ -186,6 +186,10 @@ def test_create_block_mask_answers_as_torchs_block_mask():
     moved = mine.to("cpu")
     assert moved.shape == mine.shape and torch.equal(moved.to_dense(), mine.to_dense())
     assert create_block_mask(per_head, None, None, 64, 64).shape == (1, 1, 64, 64)
+    # lengths that are no multiple of the block: torch counts whole blocks (review-found)
+    odd = create_block_mask(per_head, 2, 3, 20, 20, BLOCK_SIZE=8)
+    want = torch_flex.create_block_mask(per_head, 2, 3, 20, 20, device="cpu", BLOCK_SIZE=8)
+    assert abs(odd.sparsity() - want.sparsity()) < 1e-9
 
 
 def test_a_block_mask_of_another_shape_is_named_as_block_mask():

@@ -424,6 +424,10 @@ def test_text_is_read_as_python_reads_text_files(tmp_path):
     ("我喜欢蓝色的天空。\n你好，世界！\n", "gbk", True),  # Chinese Windows' Notepad
     ("注意力机制", "gb18030", True),
     ("café résumé naïve", "latin-1", False),  # pairs of its bytes are GBK too: no hint
+    # (review-found: Japanese and Korean bytes read as Chinese in GB18030 too; the hint
+    # names their encodings, not GB18030 alone)
+    ("今日は良い天気ですね。", "shift_jis", True),
+    ("오늘은 날씨가 좋네요.", "euc_kr", True),
 ])
 def test_a_file_in_gbk_says_what_it_is_and_how_to_convert_it(tmp_path, text, encoding, hint):
     from attnlab.io.reading import read_text
@@ -433,3 +437,4 @@ def test_a_file_in_gbk_says_what_it_is_and_how_to_convert_it(tmp_path, text, enc
     with pytest.raises(ValueError, match="is not UTF-8 text") as info:
         read_text(path, 1 << 20)
     assert ("iconv -f gb18030 -t utf-8" in str(info.value)) == hint, info.value
+    assert ("Shift-JIS for Japanese, EUC-KR for Korean" in str(info.value)) == hint

@@ -66,6 +66,8 @@ def test_numpy_ids_generate_as_a_tensor_of_them_does():
                        model.generate(torch.from_numpy(ids).long(), 5, temperature=0))
     assert torch.equal(model.generate(ids[0], 5, temperature=0),
                        model.generate([[1, 2, 3]], 5, temperature=0))
+    assert torch.equal(model.generate([ids[0], ids[1][:2]], 5, temperature=0),
+                       model.generate([[1, 2, 3], [4, 5]], 5, temperature=0))
     with pytest.raises(TypeError, match="got ndarray"):
         model.generate(np.array([[1.0, 2.0]]), 5)
 

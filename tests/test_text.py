@@ -103,6 +103,7 @@ def test_word_splits_chinese_into_characters_as_bert_does():
     assert tok.unk_id not in ids
     assert tok.decode(ids) == "你喜欢天空。"
     assert tok.decode(tok.encode("I like 蓝色 AI.")) == "I like 蓝色 AI."
+    assert tok.decode(tok.encode("你好，世界！")) == "你好，世界！"  # no space after "，"
     # a vocabulary saved with a clause as one word still reads that clause whole
     old = WordTokenizer(["我喜欢", "蓝"])
     assert old.tokenize("我喜欢蓝") == ["我喜欢", "蓝"]

@@ -140,3 +140,15 @@ def test_a_character_the_prompt_began_is_still_completed_by_the_next_ids(small_b
     stream = TextStream(small_bpe, context=ids[:cut])
     text = "".join(stream.push(i) for i in ids[cut:]) + stream.flush()
     assert small_bpe.decode(ids[:cut]).rstrip("\ufffd") + text == SENTENCE
+
+
+def test_a_typed_replacement_character_before_a_begun_one_is_not_emitted_again(small_bpe):
+    # Review-found: a prompt of raw ids ending in a typed U+FFFD and then the first bytes
+    # of a character: completing it printed the typed U+FFFD again.
+    char = next(c for c in SENTENCE if len(small_bpe.encode(c)) > 1
+                and small_bpe.decode(small_bpe.encode(c)[:1]).endswith("\ufffd"))
+    parts = small_bpe.encode(char)
+    typed = small_bpe.encode("你好\ufffd")
+    assert small_bpe.decode(typed + parts) == "你好\ufffd" + char
+    stream = TextStream(small_bpe, context=typed + parts[:1])
+    assert "".join(stream.push(i) for i in parts[1:]) + stream.flush() == char

@@ -25,6 +25,7 @@ from .format import (
 from .state import (
     RESUMABLE_CHANGES,
     nothing_to_resume,
+    planned_steps,
     read_best,
     restore_training_state,
     save_training_state,
@@ -33,4 +34,4 @@ from .state import (
 __all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_tokenizer",
            "write_model_files", "CheckpointError", "FORMAT", "read_config", "same_weights",
            "check_out_dir", "has_checkpoint", "save_training_state", "restore_training_state",
-           "read_best", "nothing_to_resume", "RESUMABLE_CHANGES"]
+           "read_best", "nothing_to_resume", "planned_steps", "RESUMABLE_CHANGES"]

@@ -160,11 +160,10 @@ def _check_optimizer_state(per_param: dict, groups, optimizer, step: int, out: P
 
 
 def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           gen: torch.Generator, train_config: dict,
-                           ) -> tuple[int, list, int | None]:
+                           gen: torch.Generator, train_config: dict) -> tuple[int, list]:
     """Load the run saved in ``out`` into ``model``, ``optimizer`` and ``gen`` (and
-    torch's RNG); return ``(step, history, the total of steps it was run for)``. The saved
-    settings must equal ``train_config`` except for :data:`RESUMABLE_CHANGES`."""
+    torch's RNG); return ``(step, history)``. The saved settings must equal
+    ``train_config`` except for :data:`RESUMABLE_CHANGES`."""
     meta = read_config(out)
     if meta.get("model_type") != getattr(model, "model_type", None):
         raise CheckpointError(
@@ -201,7 +200,7 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
         device = next(model.parameters()).device
         if device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], device)
-        return step, history, state["train_config"].get("steps")
+        return step, history
     except CheckpointError:
         raise
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
@@ -210,6 +209,14 @@ def restore_training_state(out: Path, model: nn.Module, optimizer: torch.optim.O
 
 # Model settings a resume may change: which kernel computes the same attention.
 RESUMABLE_MODEL_CHANGES = ("backend",)
+
+
+def planned_steps(out: Path) -> int | None:
+    """The total of steps the run saved in ``out`` was started for (its ``--steps``), or
+    None where its state does not say (read after :func:`restore_training_state` checked
+    it)."""
+    steps = read_json(Path(out) / STATE_JSON, STATE_LIMIT).get("train_config", {}).get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _check_same_model(saved: dict, model: nn.Module, out: Path) -> None:

@@ -250,9 +250,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cached = len(ids) + args.max_new_tokens - 1 <= model.context_length
     if not cached:  # said, not silently cropped (transformers warns too)
         print(f"note: the prompt's {len(ids)} tokens and --max-new-tokens "
-              f"{args.max_new_tokens} pass the model's context of {model.context_length} "
-              f"tokens: each new token is predicted from the last {model.context_length} "
-              "only", file=sys.stderr)
+              f"{args.max_new_tokens} may pass the model's context of {model.context_length} "
+              f"tokens: past it, each new token is predicted from the last "
+              f"{model.context_length} only", file=sys.stderr)
     sys.stdout.write(shown)
     sys.stdout.flush()
     # Text pieces, not one decode per token: a character split over several byte-level

@@ -104,8 +104,10 @@ class FlexBlockMask(BlockMask):
         return (self.kinds != 0).to(torch.int32).expand(*self.shape[:2], *self.kinds.shape[2:])
 
     def sparsity(self) -> float:
-        """The percentage of blocks not computed (torch's)."""
-        return 100.0 * (1.0 - self.live_share())
+        """The percentage of the mask's area not computed, counted in whole blocks as torch
+        counts it (a block past the ends counts whole)."""
+        area = self.shape[0] * self.shape[1] * self.q_len * self.k_len
+        return 100.0 * (1.0 - int(self.to_dense().sum()) * self.block_q * self.block_k / area)
 
 
 # The attribute of a torch BlockMask that keeps attnlab's evaluation of it: (what its

@@ -113,8 +113,9 @@ def _utf8(data: bytes, name: str) -> str:
 
 
 def _gb18030_hint(data: bytes) -> str:
-    """What to do if ``data`` reads as Chinese in GB18030 (GBK's superset: the encoding
-    Chinese Windows saves text in), else ""."""
+    """What to do if ``data`` reads as CJK text in GB18030 (GBK's superset: the encoding
+    Chinese Windows saves text in), else "". Japanese (Shift-JIS) and Korean (EUC-KR)
+    bytes read as Chinese there too, so the hint names them as well."""
     try:
         text = data.decode("gb18030")
     except UnicodeDecodeError:
@@ -124,8 +125,9 @@ def _gb18030_hint(data: bytes) -> str:
                   or "\uff00" <= c <= "\uffef" for c in wide)
     if not wide or chinese < len(wide) * 0.8:  # Latin-1 bytes pair up as GBK too
         return ""
-    return ("; it reads as Chinese in GBK/GB18030 (Windows' encoding): save it as UTF-8, "
-            "e.g. iconv -f gb18030 -t utf-8 FILE > FILE.utf8")
+    return ("; it looks like an East Asian Windows encoding (GBK/GB18030 for Chinese, "
+            "Shift-JIS for Japanese, EUC-KR for Korean): save it as UTF-8, e.g. for Chinese "
+            "iconv -f gb18030 -t utf-8 FILE > FILE.utf8")
 
 
 def normal_line_ends(text: str) -> str:

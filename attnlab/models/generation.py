@@ -47,6 +47,8 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise TypeError(f"ids must be a tensor or a list of prompts (lists of ints), got "
                         f"{type(ids).__name__}")
     def row(r) -> list:  # a prompt: a list of ints, or a 1-D integer tensor of them
+        if isinstance(r, np.ndarray) and r.dtype.kind in "iu":
+            r = torch.from_numpy(r.astype(np.int64))
         if isinstance(r, torch.Tensor):
             if r.ndim != 1 or r.is_floating_point() or r.is_complex() or r.dtype == torch.bool:
                 raise TypeError(f"ids must hold prompts as lists of ints or 1-D integer "
@@ -58,7 +60,7 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
                             f"got {r!r} among them")
         return list(r)
 
-    nested = ids and isinstance(ids[0], Sequence | torch.Tensor)
+    nested = ids and isinstance(ids[0], Sequence | torch.Tensor | np.ndarray)
     rows = [row(r) for r in ids] if nested else [list(ids)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("ids must hold at least one token per prompt, got an empty prompt")

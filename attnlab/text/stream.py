@@ -15,6 +15,7 @@ whole decode has one too.
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,11 +66,13 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         if len(self._context) > self._start and (final or text != self._context):
             # The context's trailing U+FFFD was held back as a character the next ids might
-            # complete. Still there after them (or at the end), it is the context's own
-            # text (a U+FFFD the user typed, a byte the prompt left broken): not new text.
-            if text.startswith(self._context):
-                self.emitted = self._context
-                self._start = len(self._context)
+            # complete. What of it is still there after them (or at the end) is the
+            # context's own text (a U+FFFD the user typed, a byte the prompt left broken):
+            # not new text.
+            kept = os.path.commonprefix([text, self._context])  # what stayed as it was
+            if len(kept) > self._start:
+                self.emitted = kept
+                self._start = len(kept)
             self._context = self._context[:self._start]
         if not final:
             # An incomplete UTF-8 sequence decodes to trailing U+FFFD; the next token

@@ -44,6 +44,8 @@ _IDEOGRAPHS = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df"
 WORD_PATTERN = rf"[{_IDEOGRAPHS}]|(?:(?![{_IDEOGRAPHS}])\w)+|[^\w\s]"
 _PUNCT = re.compile(r"[^\w\s]")
 _IDEOGRAPH = re.compile(f"[{_IDEOGRAPHS}]")
+# Written without spaces between them: ideographs, CJK and full-width punctuation.
+_CJK_TEXT = re.compile(f"[{_IDEOGRAPHS}\u3000-\u303f\uff00-\uffef]")
 _FORMAT_VERSION = 1
 
 
@@ -225,9 +227,9 @@ class CharTokenizer(Tokenizer):
 class WordTokenizer(Tokenizer):
     """Word-level tokenizer: words and punctuation marks are tokens.
 
-    Splitting uses :data:`WORD_PATTERN` (``\\w+|[^\\w\\s]``, each CJK ideograph on its
-    own as BERT splits them): "how are you?" -> ["how", "are", "you", "?"], "don't" ->
-    ["don", "'", "t"], "你好，世界" -> ["你", "好", "，", "世", "界"]. Vocabulary
+    Splitting uses :data:`WORD_PATTERN` (a CJK ideograph, else ``\\w+|[^\\w\\s]``: each
+    ideograph on its own, as BERT splits them): "how are you?" -> ["how", "are", "you",
+    "?"], "don't" -> ["don", "'", "t"], "你好，世界" -> ["你", "好", "，", "世", "界"]. Vocabulary
     entries that pattern would split (such as ``<pad>``, ``<unk>``, ``[CLS]``)
     are matched whole when they appear in the text.
 
@@ -356,14 +358,14 @@ class WordTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int], *, skip_pad: bool = False) -> str:
         """Join tokens with spaces, without a space before punctuation marks or between
-        CJK ideographs (Chinese writes none)."""
+        CJK ideographs and CJK punctuation (Chinese writes none)."""
         parts: list[str] = []
         for i in _check_ids(ids, self.vocab_size):
             tok = self._itos[i]
             if skip_pad and tok == self.PAD:
                 continue
             if parts and not _PUNCT.fullmatch(tok) and not (
-                    _IDEOGRAPH.fullmatch(tok) and _IDEOGRAPH.search(parts[-1][-1:])):
+                    _CJK_TEXT.match(tok) and _CJK_TEXT.match(parts[-1][-1:])):
                 parts.append(" ")
             parts.append(tok)
         return "".join(parts)

@@ -156,9 +156,10 @@ def packed_split(documents: Sequence[Sequence[int]], context: int):
         try:
             parts.append(PackedRows(pack(docs, context + 1)))
         except ValueError as exc:  # say which part: the text as a whole may have them
-            which = "first ones" if name == "training" else "last ones, about 10% of the tokens"
-            raise ValueError(f"--pack: the {name} part ({len(docs)} documents, the {which}) "
-                             f"has {exc}") from None
+            which = "first" if name == "training" else "last"
+            count = f"{len(docs)} document{'' if len(docs) == 1 else 's'}"
+            raise ValueError(f"--pack: the {name} part (the {which} {count} of the text) has "
+                             f"{exc}") from None
     return parts[0], parts[1], held_out
 
 

@@ -30,6 +30,7 @@ from ..checkpoint import (
     check_out_dir,
     has_checkpoint,
     nothing_to_resume,
+    planned_steps,
     read_best,
     restore_training_state,
 )
@@ -269,8 +270,8 @@ def _run(model, train_data, eval_data, held_out, cfg, optimizer, gen, rank, worl
     best = _Best(keep=out is not None and rank == 0)
     if resume:
         if out is not None and has_checkpoint(out):
-            step, history, planned = restore_training_state(Path(out), model, optimizer, gen,
-                                                            settings)
+            step, history = restore_training_state(Path(out), model, optimizer, gen, settings)
+            planned = planned_steps(Path(out))
             best = _Best(keep=rank == 0, saved=read_best(Path(out)))
             best.replay(history)
             resumed_from = step
