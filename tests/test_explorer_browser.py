@@ -419,3 +419,26 @@ def test_long_labels_are_cut_to_fit_not_clipped(tmp_path, open_page):
     labels = page.evaluate("[...document.querySelectorAll('#head-svg .tok.k text')]"
                            ".map(t => t.firstChild.textContent)")
     assert labels[0].endswith("\u2026") and labels[2] == "The"
+
+
+def test_a_thumbnail_of_a_narrow_window_shows_its_band_not_grey(tmp_path, open_page):
+    # Helper-found: a pooled thumbnail pixel was grey whenever the corner cell of its block
+    # was masked, so a window narrower than a block painted every thumbnail grey.
+    n, window = 900, 3  # blocks of about 7 tokens a pixel side
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    band = (j <= i) & (j > i - window)
+    rng = np.random.default_rng(0)
+    scores = np.where(band, rng.normal(size=(n, n)), -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    toks = [f"t{k}" for k in range(n)]
+    page = open_page(viz.write_html(tmp_path / "e.html", toks, [weights[None]], mask=band)).page
+    pixels = page.evaluate("""(() => { const c = document.querySelector('.thumb');
+        return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data); })()""")
+    rgb = np.array(pixels, dtype=np.uint8).reshape(-1, 4)[:, :3]
+    side = int(np.sqrt(len(rgb)))
+    assert side < n  # pooled
+    grey = (rgb == 200).all(axis=1).reshape(side, side)
+    # the band is coloured along the whole diagonal; far from it stays grey
+    assert not grey[np.arange(side), np.arange(side)].any()
+    assert grey[side - 1, 0] and grey[0, side - 1]
