@@ -108,6 +108,12 @@ def test_compare_holds_each_texts_own_weights_and_picks_the_head_that_differs_mo
     html = found._repr_html_()
     assert html.startswith("<iframe") and "&quot;compare&quot;:{" in html
     assert viz.compare(model, tok, "the cat", "the dog", layer=1).layer == 1
+    # a head asked for: the layer where that head differs most (helper-found: the layer
+    # came from every head's difference)
+    for head in range(mean_abs.shape[1]):
+        found = viz.compare(model, tok, "the big cat sat on the mat", "the dog sat on a mat",
+                            head=head)
+        assert (found.layer, found.head) == (int(np.argmax(mean_abs[:, head])), head)
 
 
 def payload_of(path) -> dict:
@@ -146,7 +152,10 @@ def test_show_compare_writes_the_picture_and_a_page_with_both_inputs(llama_dir, 
     assert page["compare"]["label"] == "the cat sat"
     assert main(["show", "the cat sat", "--compare", "the dog sat", "--model", str(llama_dir),
                  "--out", str(out)]) == 0
-    assert "(of the heads asked, the one whose weights differ most)" in capsys.readouterr().out
+    assert "(the one whose weights differ most)" in capsys.readouterr().out
+    assert main(["show", "the cat sat", "--compare", "the dog sat", "--model", str(llama_dir),
+                 "--head", "1", "--out", str(out)]) == 0
+    assert "head 1 (the layer where that head's weights differ most)" in capsys.readouterr().out
     assert main(["show", "the cat", "--compare", "the dog", "--rollout", "--model",
                  str(llama_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

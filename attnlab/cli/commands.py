@@ -316,9 +316,11 @@ def cmd_show(args: argparse.Namespace) -> int:
                            head_labels=labels, fmt=args.format)
     if paths.picked is not None:
         layer, head = paths.picked
-        chosen = args.layer is not None and args.head is not None
+        why = {(True, True): "", (False, True): " (the layer where that head's weights differ "
+               "most)", (True, False): " (the head of that layer whose weights differ most)",
+               (False, False): " (the one whose weights differ most)"}
         print(f"the picture shows layer {layer}, head {head}"
-              f"{'' if chosen else ' (of the heads asked, the one whose weights differ most)'}")
+              f"{why[args.layer is not None, args.head is not None]}")
     print(f"wrote {paths[args.format]}")
     print(f"wrote {paths['html']}")
     return 0

@@ -98,8 +98,9 @@ class Comparison:
         self.titles, self.masks, self.labels = titles, masks, labels
         self.align = align_tokens(tokens_a, tokens_b)
         self.diff = difference(a, b, self.align)
-        picked = biggest_difference(self.diff)
-        self.layer = picked[0] if layer is None else layer
+        # the layer where the head asked (else any head) differs most, then its head
+        heads = self.diff if head is None else self.diff[:, head:head + 1]
+        self.layer = biggest_difference(heads)[0] if layer is None else layer
         self.head = (biggest_difference(self.diff[self.layer:self.layer + 1])[1]
                      if head is None else head)
         self.explorer = explorer
