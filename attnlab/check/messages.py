@@ -121,6 +121,11 @@ EN: dict[str, str] = {
     "build_raised": "{cls}({call}) raised {error}",
     "rotary": ("{cls} uses rotary embeddings, which attnlab check does not model yet; check it "
                "with rope off"),
+    "unknown_weights": ("{cls} has weights ({names}) that attnlab check cannot place as query, "
+                        "key, value and output projections (it knows W_query, query, q_proj, "
+                        "queries, qkv, c_attn and the like, not an nn.MultiheadAttention inside "
+                        "a module), so it has nothing to compare with; name them so, or check "
+                        "the function that attends from q, k and v"),
     "no_positional": ("{name} takes no positional argument; expected a function (x), (x, mask) "
                       "or (q, k, v[, mask]), or an nn.Module"),
     "not_callable": ("{name} is a {kind}; expected a function (x), (x, mask) or (q, k, v[, "
@@ -231,6 +236,10 @@ ZH: dict[str, str] = {
                      "attnlab.check({cls}(...))"),
     "build_raised": "{cls}({call}) 抛出了 {error}",
     "rotary": "{cls} 用了旋转位置编码（RoPE），attnlab check 还不能检查它；请关掉 rope 再检查",
+    "unknown_weights": ("{cls} 有权重（{names}），但 attnlab check 认不出哪些是查询、键、值和输出"
+                        "投影（它认得 W_query、query、q_proj、queries、qkv、c_attn 等名字，不认"
+                        "模块里面的 nn.MultiheadAttention），因此没有可对照的结果；请按这些名字"
+                        "命名，或者检查由 q、k、v 计算注意力的那个函数"),
     "no_positional": ("{name} 不接受位置参数；应为函数 (x)、(x, mask) 或 (q, k, v[, mask])，"
                       "或者一个 nn.Module"),
     "not_callable": ("{name} 是 {kind}；应为函数 (x)、(x, mask) 或 (q, k, v[, mask])、"

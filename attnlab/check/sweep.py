@@ -270,7 +270,14 @@ class ModuleTarget(Target):
         self.weights = targets.read_weights(self.module, self.d_in or targets.D_IN)
         if self.weights is not None and not self.d_in:
             self.d_in = self.weights.blocks[0].wq.shape[1]
-        self.d_in = self.d_in or 8
+        # (else the width its layers read: feeding another one failed in the learner's code,
+        # which the check then blamed on it)
+        self.d_in = self.d_in or targets.input_width(self.module) or 8
+        learned = [n for n, p in self.module.named_parameters() if p.is_floating_point()]
+        if self.weights is None and learned:  # the weight-free oracle would be no reference
+            raise targets.InputError("unknown_weights", cls=type(module).__name__,
+                                     names=", ".join(learned[:4]) + (", ..." if len(learned) > 4
+                                                                     else ""))
         if self.weights is None:
             self.scale, self.head_dim, self.d_model = 1.0, self.d_in, self.d_in
             self.heads = self.kv_heads = 1
@@ -283,7 +290,8 @@ class ModuleTarget(Target):
         self.window = getattr(self.module, "window", None)
         self.window = self.window if isinstance(self.window, int) else None
         self.context = next((getattr(self.module, n) for n in targets._CTOR["context"]
-                             if isinstance(getattr(self.module, n, None), int)), 10**9)
+                             if isinstance(getattr(self.module, n, None), int)),
+                            targets.mask_buffer_length(self.module) or 10**9)
         self.mask_name, self.mask_kw = targets.mask_param(self.module.forward, None)
         square = self.head_dim if self.head_dim <= self.context else 5
         self.probe_rank((3, 2), Case("batch=3 seq=5", 3, 1, 1, 5, 5),

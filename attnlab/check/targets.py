@@ -49,10 +49,11 @@ _CTOR = {
 }
 _PROJ = {
     "q": ("W_query", "W_q", "Wq", "W_Q", "query", "q_proj", "wq", "to_q", "q_linear", "linear_q",
-          "q"),
-    "k": ("W_key", "W_k", "Wk", "W_K", "key", "k_proj", "wk", "to_k", "k_linear", "linear_k", "k"),
+          "q", "queries"),
+    "k": ("W_key", "W_k", "Wk", "W_K", "key", "k_proj", "wk", "to_k", "k_linear", "linear_k", "k",
+          "keys"),
     "v": ("W_value", "W_v", "Wv", "W_V", "value", "v_proj", "wv", "to_v", "v_linear", "linear_v",
-          "v"),
+          "v", "values"),
     "qkv": ("W_qkv", "qkv", "c_attn", "to_qkv", "qkv_proj", "in_proj"),
     "out": ("out_proj", "W_o", "W_out", "o_proj", "wo", "to_out", "c_proj", "fc_out", "proj",
             "linear_out", "out"),
@@ -235,6 +236,24 @@ def read_weights(module: nn.Module, d_in: int) -> Weights | None:
                                                               for b in blocks))) is not None),
                None)
     return Weights(blocks, *(out if out else (None, None)))
+
+
+def input_width(module: nn.Module) -> int:
+    """The width a module without a known width attribute reads: its first linear layer's
+    input (or an ``nn.MultiheadAttention``'s ``embed_dim``), else 0."""
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            return sub.in_features
+        if isinstance(sub, nn.MultiheadAttention):
+            return sub.embed_dim
+    return 0
+
+
+def mask_buffer_length(module: nn.Module) -> int | None:
+    """The length of the longest sequence a square mask buffer (Karpathy's ``tril``, GPT-2's
+    ``bias``, the book's ``mask``) covers, the shortest of them, or None without one."""
+    sizes = [b.shape[-1] for b in module.buffers() if b.ndim >= 2 and b.shape[-1] == b.shape[-2]]
+    return min(sizes) if sizes else None
 
 
 def is_causal(module: nn.Module) -> bool | None:

@@ -299,3 +299,54 @@ class WithContext(BookMultiHeadAttention):
 
 def broken_import_free():
     """Nothing: a name that is neither attention nor a module (for the CLI's exit 2)."""
+
+
+# Projections named as in Aladdin Persson's tutorial (queries/keys/values), with no width
+# attribute: checked at the width its layers read (helper-found: fed 8 wide, "raises").
+class PerssonSelfAttention(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.queries = nn.Linear(d_model, d_model, bias=False)
+        self.keys = nn.Linear(d_model, d_model, bias=False)
+        self.values = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.queries(x), self.keys(x), self.values(x)
+        return torch.softmax(q @ k.transpose(-2, -1) / k.shape[-1] ** 0.5, -1) @ v
+
+
+class PerssonNoScale(PerssonSelfAttention):
+    def forward(self, x):
+        q, k, v = self.queries(x), self.keys(x), self.values(x)
+        return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+
+
+KARPATHY_BLOCK_SIZE = 8  # a global, as in Karpathy's notebook: no context attribute
+
+
+class KarpathyHead(nn.Module):
+    """One head of Karpathy's "Let's build GPT": the only length it takes is its tril's."""
+
+    def __init__(self, n_embd):
+        super().__init__()
+        self.key = nn.Linear(n_embd, n_embd, bias=False)
+        self.query = nn.Linear(n_embd, n_embd, bias=False)
+        self.value = nn.Linear(n_embd, n_embd, bias=False)
+        self.register_buffer("tril", torch.tril(torch.ones(KARPATHY_BLOCK_SIZE,
+                                                           KARPATHY_BLOCK_SIZE)))
+
+    def forward(self, x):
+        _, t, _ = x.shape
+        k, q = self.key(x), self.query(x)
+        wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        wei = wei.masked_fill(self.tril[:t, :t] == 0, float("-inf"))
+        return torch.softmax(wei, dim=-1) @ self.value(x)
+
+
+class WrapsTorchMultihead(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d_model, 4, batch_first=True, bias=False)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]

@@ -112,7 +112,8 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_ckpt, tmp_path):
         f"{sys.executable} -m attnlab {' '.join(_generate_args(tiny_ckpt))} | head -c 3 "
         ">/dev/null; echo status=${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=120)
-    assert proc.stderr.strip().splitlines() == ["status=141"], proc.stderr
+    said = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note:")]
+    assert said == ["status=141"], proc.stderr  # (the note: 400 tokens pass the context)
 
 
 def _run_generate_to(stdout, stderr, tiny_ckpt, tmp_path):

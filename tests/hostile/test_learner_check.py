@@ -40,6 +40,7 @@ BUGS_FILE = Path(lb.__file__)
     ("MultiHeadForgotTranspose", "heads_merge"),
     ("GroupedQueryWrongRepeat", "gqa_tile"),
     ("MaskMadeInForwardNoScale", "no_scale"),  # causal known from its outputs alone
+    ("PerssonNoScale", "no_scale"),
 ])
 def test_each_planted_bug_is_named_and_nothing_else(name, code):
     report = attnlab.check(getattr(lb, name), lang="en")
@@ -59,7 +60,7 @@ def test_each_planted_bug_is_named_and_nothing_else(name, code):
     # of one width is built with one the heads divide
     lb.attn_causal_flag, lb.attn_mask_after_causal, lb.attn_scale_like_sdpa,
     lb.causal_inside, lb.MaskedSelfAttention, lb.MaskMadeInForward, lb.simplified_causal,
-    lb.WithContext,
+    lb.WithContext, lb.PerssonSelfAttention, lb.KarpathyHead,
 ], ids=lambda o: f"{o.__module__.rsplit('.', 1)[-1]}.{o.__name__}")
 def test_the_library_and_clean_tutorial_code_pass(obj):
     report = attnlab.check(obj, lang="en")
@@ -88,6 +89,15 @@ def test_the_books_own_classes_pass(name):
     ch03 = pytest.importorskip("llms_from_scratch.ch03")
     report = attnlab.check(getattr(ch03, name), lang="en")
     assert report.ok and report.findings == [], report
+
+
+def test_weights_the_check_cannot_place_are_said_not_judged():
+    # Helper-found: an nn.MultiheadAttention inside a module was judged against the
+    # weight-free oracle ("differs", or "raises" when fed the wrong width).
+    with pytest.raises(ValueError, match=r"WrapsTorchMultihead has weights \(mha.in_proj_weight"
+                                         r", mha.out_proj.weight\) that attnlab check cannot "
+                                         r"place"):
+        attnlab.check(lb.WrapsTorchMultihead, lang="en")
 
 
 def test_the_sqrt_embed_dim_bug_names_the_fix():
