@@ -80,6 +80,21 @@ def test_wordpiece_labels_are_the_text_covered_with_continuations_marked():
                       "[SEP]"]
 
 
+def test_tokens_sharing_one_characters_offsets_show_what_each_holds():
+    # Helper-found: BERT's normalizer splits a Hangul syllable into jamo tokens that share
+    # its offsets, and each was labelled with the whole syllable (한 ##한 ##한 ...).
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["[UNK]", "[CLS]", "[SEP]", "\u1112", "##\u1161",
+                                          "##\u11ab", "##\u1100", "##\u116e", "##\u11a8"])}
+    raw = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    raw.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    ids, labels = token_labels(HFTokenizer(raw), "한국")
+    assert labels == ["\u1112", "##\u1161", "##\u11ab", "##\u1100", "##\u116e", "##\u11a8"]
+    assert ids == [3, 4, 5, 6, 7, 8]
+
+
 def test_char_and_word_tokenizer_labels_show_blanks():
     ids, labels = token_labels(CharTokenizer.from_text("ab c\n"), "a b\nc")
     assert labels == ["a", "\u2423", "b", "\u23ce", "c"] and len(ids) == 5

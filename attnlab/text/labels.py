@@ -29,6 +29,7 @@ import functools
 import json
 import re
 import unicodedata
+from collections import Counter
 from typing import Any
 
 __all__ = ["token_labels", "visible", "bytes_label", "unk_id", "unknown_note"]
@@ -116,6 +117,9 @@ def _hf_labels(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
     decoder = _byte_decoder()
     added = tokenizer.backend.get_added_tokens_decoder()  # id -> AddedToken
     labels = []
+    # Tokens that share one character's offsets (a normalizer that splits a Hangul
+    # syllable into its jamo) hold part of it: each shows what it holds, its own text.
+    shared = Counter(enc.offsets)
     for i, tok, (start, end), special in zip(enc.ids, enc.tokens, enc.offsets,
                                              enc.special_tokens_mask, strict=True):
         if special or i == unk or start == end or _BYTE_TOKEN.fullmatch(tok):
@@ -125,6 +129,8 @@ def _hf_labels(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
         elif byte_level and i not in added and all(c in decoder for c in tok):
             # (an added token is spelled as the text itself, not in the byte alphabet)
             labels.append(bytes_label(bytes(decoder[c] for c in tok)))
+        elif shared[start, end] > 1:
+            labels.append(visible(tok))
         else:
             mark = prefix if prefix and tok.startswith(prefix) else ""
             labels.append(mark + visible(text[start:end]))
