@@ -172,3 +172,12 @@ def test_a_character_the_tokenizer_lacks_is_named_in_the_text_it_came_from():
         viz.compare(model, tok, "ab c", "ab z")
     with pytest.raises(ValueError, match=r"^(?!--compare).*'z'"):
         viz.compare(model, tok, "ab z", "ab c")
+
+
+def test_one_head_drawn_alone_says_which_it_is(small):
+    # Helper-found: `show --layer 1 --head 2` drew one matrix with no layer or head on it.
+    from attnlab.viz.show import _show
+
+    model, tok = small
+    fig, _ = _show(model, tok, "the dog sat on a mat", 1, 2, "t", False, None, None, None)
+    assert fig.axes[0].get_title() == "layer 1, head 2"

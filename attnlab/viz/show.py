@@ -146,9 +146,8 @@ def _show(model, tokenizer, text, layer, head, title, rollout, log, example, lab
     if flow is None and len(layers) == 1 and len(heads) == 1:
         fig = heatmap(attentions[layers[0]][heads[0]], tokens,
                       mask=None if picked is None else picked[0])
-        if names is not None:
-            fig.axes[0].set_title(f"layer {layers[0]}, head {heads[0]}: "
-                                  f"{names[layers[0]][heads[0]]}", fontsize=10)
+        kind = "" if names is None else f": {names[layers[0]][heads[0]]}"
+        fig.axes[0].set_title(f"layer {layers[0]}, head {heads[0]}{kind}", fontsize=10)
     else:
         fig = heatmap_grid(tokens, [attentions[i][heads] for i in layers], layer_ids=layers,
                            head_ids=heads, mask=picked, rollout=flow,
