@@ -448,8 +448,10 @@ def test_show_layer_and_head_restrict_the_png(gpt_ckpt, tmp_path, capsys, layer,
     layers_ = range(2) if layer is None else [layer]
     heads = list(range(3)) if head is None else [head]
     causal = np.tril(np.ones((len(tokens), len(tokens)), bool))  # the future is drawn grey
-    if layer is not None and head is not None:
-        want = png_pixels(viz.heatmap(attentions[layer][head], tokens, mask=causal))
+    if layer is not None and head is not None:  # one head, titled with its layer and head
+        fig = viz.heatmap(attentions[layer][head], tokens, mask=causal)
+        fig.axes[0].set_title(f"layer {layer}, head {head}", fontsize=10)
+        want = png_pixels(fig)
     else:
         viz.save_heatmaps(tmp_path / "want.png", tokens, [attentions[i][heads] for i in layers_],
                           layer_ids=list(layers_), head_ids=heads,  # rows say which layer

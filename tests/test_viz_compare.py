@@ -181,3 +181,12 @@ def test_one_head_drawn_alone_says_which_it_is(small):
     model, tok = small
     fig, _ = _show(model, tok, "the dog sat on a mat", 1, 2, "t", False, None, None, None)
     assert fig.axes[0].get_title() == "layer 1, head 2"
+
+
+def test_a_long_texts_page_is_titled_with_its_start_only():
+    # Helper-found: an 891-token text was the whole <h1> and <title> of its page.
+    from attnlab.viz.show import _heading
+
+    assert _heading("the cat sat") == "the cat sat"
+    long = "注意力 " * 100
+    assert _heading(long) == ("注意力 " * 20)[:79].rstrip() + "\u2026" and len(_heading(long)) <= 80

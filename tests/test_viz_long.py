@@ -174,6 +174,9 @@ def test_a_page_that_keeps_some_layers_says_which(tiny, tmp_path, monkeypatch):
     page = payload_of(shown["html"].read_text())
     assert page["layer_ids"] == [1] and page["model_layers"] == 2 and page["topk"] == 2
     assert "1 of the model's 2 layers are kept (1)" in page["left_out"]
+    # the step-by-step view says why it is empty (helper-found: "made from the weights
+    # alone", of a page attnlab show made)
+    assert "a long text's page of its strongest keys" in page["steps"]["note"]
 
 
 def test_a_file_of_the_users_that_comes_while_show_computes_is_kept(tiny, tmp_path,

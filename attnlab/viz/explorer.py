@@ -226,8 +226,9 @@ def _render_long(tokens, top: TopKeys, title, mask, rollout, steps, labels, comp
                              "holds each layer's rule, not its mask)")
     n_layers, n_heads = top.index.shape[:2]
     names = as_labels(labels, top.n_layers, n_heads)
-    checked = None if steps is None else {"note": "the step-by-step view needs q, k and v, "
-                                                  "kept for short texts only"}
+    # (whatever made it: a long text's page holds its strongest keys, never q, k and v)
+    checked = {"note": "the step-by-step view needs q, k and v, which a long text's page "
+                       "of its strongest keys does not hold"}
     return _fill(title, payload_json(
         tokens, top, title, steps=checked,
         labels=None if names is None else [names[i] for i in top.layer_ids]))

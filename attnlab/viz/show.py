@@ -103,14 +103,22 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
                          head_labels=head_labels, title=title, log=log, example=example)
         fig, page, picked = found.figure(), found.explorer, (found.layer, found.head)
     else:
-        fig, page = _show(model, tokenizer, text, layer, head, title or text, rollout, log,
-                          example, head_labels)
+        fig, page = _show(model, tokenizer, text, layer, head, title or _heading(text),
+                          rollout, log, example, head_labels)
         picked = None
     with output_lock(out):
         check_own_dir(out)  # again: a file of the user's may have come while it computed
         make_dir(out)
         atomic_write_bytes(picture, figure_bytes(fig, fmt, dpi=fig.dpi))
         return ShowResult(picture, page.save(Path(out) / EXPLORER_FILE), page, picked)
+
+
+def _heading(text: str, most: int = 80) -> str:
+    """The page's title by default: the text, its first ``most`` characters where longer
+    (a long text's whole heading filled half the first screen)."""
+    if len(text) <= most:
+        return text
+    return " ".join(text.split())[:most - 1].rstrip() + "\u2026"
 
 
 def _show(model, tokenizer, text, layer, head, title, rollout, log, example, labels):
