@@ -164,6 +164,7 @@ def _train(args: argparse.Namespace) -> int:
     from ..models import GPT, ToyAttnLM, ToyConfig
     from ..text import CharTokenizer
     from ..training import TrainConfig, default_checkpoint_every, train, train_device
+    from ..training.data import training_tokens
     from ..training.distributed import launch_env
 
     text = _read_text(args.text)
@@ -173,25 +174,8 @@ def _train(args: argparse.Namespace) -> int:
                       eval_every=max(1, min(100, args.steps // 5)), pack=args.pack)
     kept = load_checkpoint_tokenizer(args.out) if args.resume else None
     tokenizer = kept or CharTokenizer.from_text(text)
-    try:
-        if args.pack:
-            from ..training.packing import split_documents
-
-            documents = split_documents(text)
-            if len(documents) < 2:
-                raise ValueError(f"--pack: the text holds {len(documents)} document(s); "
-                                 "documents are separated by blank lines, and training needs "
-                                 "two or more")
-            tokens = [tokenizer.encode(doc) for doc in documents]
-        else:
-            tokens = torch.tensor(tokenizer.encode(text))
-    except ValueError as exc:
-        if kept is None or "not in the tokenizer's vocabulary" not in str(exc):
-            raise
-        lacking = str(exc).split("vocabulary: ", 1)[-1]
-        raise ValueError(f"--resume: the run in {args.out!r} was trained on another text (this "
-                         f"one has characters its tokenizer lacks: {lacking}); give --text the "
-                         "run's own, or choose another --out") from None
+    tokens = training_tokens(text, tokenizer, pack=args.pack,
+                             resumed_from=args.out if kept is not None else None)
     torch.manual_seed(args.seed)
     saved = _saved_config(args.out) if args.resume else None
     sizes = {"vocab_size": tokenizer.vocab_size, "context_length": args.context,

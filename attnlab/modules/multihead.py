@@ -67,20 +67,19 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
             the projections and before RoPE, and its epsilon: Qwen3's ``"rmsnorm"``.
 
     Parameters are created in the book's order (``W_query``, ``W_key``, ``W_value``,
-    ``out_proj``), so under the same ``torch.manual_seed`` a
-    ``MultiHeadAttention(d_in, d_out, H, causal=True)`` equals
-    ``llms_from_scratch.ch03.MultiHeadAttention(d_in, d_out, T, 0.0, H)``.
+    ``out_proj``), so under the same seed ``MultiHeadAttention(d_in, d_out, H, causal=True)``
+    equals ``llms_from_scratch.ch03.MultiHeadAttention(d_in, d_out, T, 0.0, H)``.
     ``W_key`` and ``W_value`` map ``d_in -> num_kv_heads * head_dim``.
 
     The book's positional call works as it is:
     ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads[, qkv_bias])``
     (five or six positional arguments; this signature takes three, so the two never
-    meet) builds the book's module: causal, with that ``context_length``, ``dropout``
-    and ``qkv_bias``; under the same seed its weights are the book's, and so are its outputs
-    in eval mode or without dropout (training-mode dropout draws other masks). The
-    book's class is always causal, so ``causal`` defaults to True there and to False
-    in the three-argument form. Like the rest of the tutorial family, ``forward`` also
-    takes one unbatched ``(seq, d_in)`` sequence.
+    meet) builds the book's module: causal, with that ``context_length``, ``dropout`` and
+    ``qkv_bias``; under the same seed its weights are the book's, and so are its outputs in
+    eval mode or without dropout (training-mode dropout draws other masks). The book's
+    class is always causal, so ``causal`` defaults to True there and to False in the
+    three-argument form. As the rest of the tutorial family, ``forward`` takes one
+    unbatched ``(seq, d_in)`` sequence too.
     """
 
     product_groups = (("W_query", "W_key", "W_value"), ("out_proj",))  # (modules.fused)

@@ -24,18 +24,11 @@ from ..checks import boolean, positive_int
 from ..io import CheckpointError, atomic_write_json, read_json
 from ..io.reading import TOKENIZER_LIMIT
 
-__all__ = [
-    "Tokenizer",
-    "CharTokenizer",
-    "WordTokenizer",
-    "load_tokenizer",
-    "WORD_PATTERN",
-]
+__all__ = ["Tokenizer", "CharTokenizer", "WordTokenizer", "load_tokenizer", "WORD_PATTERN"]
 
 PathLike = str | os.PathLike[str]
 
-# CJK ideographs, as BERT's BasicTokenizer lists them: each is a token of its own (a run
-# of them is a clause, not a word: Chinese writes no spaces).
+# CJK ideographs, as BERT's BasicTokenizer lists them: each a token (a run is a clause).
 _IDEOGRAPHS = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df"
                "\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f")
 #: How :class:`WordTokenizer` splits text: one CJK ideograph, a run of other word
@@ -44,8 +37,7 @@ _IDEOGRAPHS = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df"
 WORD_PATTERN = rf"[{_IDEOGRAPHS}]|(?:(?![{_IDEOGRAPHS}])\w)+|[^\w\s]"
 _PUNCT = re.compile(r"[^\w\s]")
 _IDEOGRAPH = re.compile(f"[{_IDEOGRAPHS}]")
-# Written without spaces between them: ideographs, CJK and full-width punctuation.
-_CJK_TEXT = re.compile(f"[{_IDEOGRAPHS}\u3000-\u303f\uff00-\uffef]")
+_CJK_TEXT = re.compile(f"[{_IDEOGRAPHS}\u3000-\u303f\uff00-\uffef]")  # written unspaced
 _FORMAT_VERSION = 1
 
 
@@ -233,17 +225,16 @@ class WordTokenizer(Tokenizer):
     entries that pattern would split (such as ``<pad>``, ``<unk>``, ``[CLS]``)
     are matched whole when they appear in the text.
 
-    ``vocab`` is a list of tokens (id = position) or a dict token -> id whose
-    ids are exactly ``0 .. n-1``. ``<pad>`` and ``<unk>`` are appended at the
-    end when missing, so the ids you gave stay as they are
-    (:meth:`from_text` puts them first instead: ``<pad>`` = 0, ``<unk>`` = 1).
-    Unknown words map to ``<unk>``. With ``lowercase=True`` words are
-    lowercased before lookup (vocabulary tokens matched whole are not).
+    ``vocab`` is a list of tokens (id = position) or a dict token -> id whose ids are
+    exactly ``0 .. n-1``. ``<pad>`` and ``<unk>`` are appended at the end when missing, so
+    the ids you gave stay as they are (:meth:`from_text` puts them first instead:
+    ``<pad>`` = 0, ``<unk>`` = 1). Unknown words map to ``<unk>``. With ``lowercase=True``
+    words are lowercased before lookup (vocabulary tokens matched whole are not).
 
-    :meth:`decode` joins tokens with spaces but puts no space before a
-    punctuation mark, so ``tokenize(decode(encode(s)))`` equals
-    ``tokenize(s)`` when every word of ``s`` is in the vocabulary; the exact
-    spacing of ``s`` is not kept ("don't" decodes as "don' t").
+    :meth:`decode` joins tokens with spaces but puts none before a punctuation mark or
+    between CJK characters, so ``tokenize(decode(encode(s)))`` equals ``tokenize(s)`` when
+    every word of ``s`` is in the vocabulary; the exact spacing of ``s`` is not kept
+    ("don't" decodes as "don' t").
     """
 
     type_name: ClassVar[str] = "word"
@@ -273,11 +264,10 @@ class WordTokenizer(Tokenizer):
         self.lowercase = lowercase
         self._itos: list[str] = tokens
         self._stoi: dict[str, int] = {t: i for i, t in enumerate(tokens)}
-        # Tokens the plain pattern would not produce whole are matched literally first.
-        literals = sorted(
-            (t for t in tokens if not re.fullmatch(WORD_PATTERN, t)), key=len, reverse=True
-        )
-        # (not inside a longer word; an ideograph ends a word where it stands)
+        # Tokens the plain pattern would not produce whole are matched literally first (not
+        # inside a longer word; an ideograph ends a word where it stands).
+        literals = sorted((t for t in tokens if not re.fullmatch(WORD_PATTERN, t)), key=len,
+                          reverse=True)
         alternatives = [re.escape(t) + (r"(?!\w)" if re.search(r"\w$", t)
                                         and not _IDEOGRAPH.match(t[-1]) else "")
                         for t in literals]

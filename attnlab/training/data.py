@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .distributed import _mean_across
-from .packing import Packed, pack, packed_loss
+from .packing import Packed, pack, packed_loss, split_documents
 from .settings import TrainConfig
 
 
@@ -125,6 +125,29 @@ class PackedRows:
         if split is not None:  # train() refuses pack with context_parallel first
             raise ValueError("packed rows are not supported with context_parallel")
         return packed_loss(model, self.packed, rows, batch)
+
+
+def training_tokens(text: str, tokenizer, *, pack: bool = False,
+                    resumed_from: str | None = None):
+    """``text`` as :func:`attnlab.training.train` takes it: one id stream, or with
+    ``pack`` a list of its documents' ids (stretches between blank lines, two or more).
+    ``resumed_from``: the run whose tokenizer this is, named where the text has characters
+    it lacks (the run was trained on another text)."""
+    try:
+        if not pack:
+            return torch.tensor(tokenizer.encode(text))
+        documents = split_documents(text)
+        if len(documents) < 2:
+            raise ValueError(f"--pack: the text holds {len(documents)} document(s); documents "
+                             "are separated by blank lines, and training needs two or more")
+        return [tokenizer.encode(doc) for doc in documents]
+    except ValueError as exc:
+        if resumed_from is None or "not in the tokenizer's vocabulary" not in str(exc):
+            raise
+        lacking = str(exc).split("vocabulary: ", 1)[-1]
+        raise ValueError(f"--resume: the run in {resumed_from!r} was trained on another text "
+                         f"(this one has characters its tokenizer lacks: {lacking}); give "
+                         "--text the run's own, or choose another --out") from None
 
 
 def split_documents_held_out(documents: Sequence[Sequence[int]], context: int,
