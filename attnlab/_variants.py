@@ -139,8 +139,7 @@ def _block_mask(mask_mod, q: torch.Tensor, k: torch.Tensor) -> BlockMask:
     q_len, k_len = q.shape[-2], k.shape[-2]
     if isinstance(mask_mod, BlockMask):
         mask_mod = mask_mod.for_call(batch, heads)
-        if (mask_mod.batch not in (1, batch) or mask_mod.heads not in (1, heads)
-                or (mask_mod.q_len, mask_mod.k_len) != (q_len, k_len)):
+        if not mask_mod.fits(batch, heads, q_len, k_len):
             raise ValueError(f"mask_mod is a BlockMask of shape {mask_mod.shape}; expected "
                              f"(1 or {batch}, 1 or {heads}, {q_len}, {k_len})")
         if mask_mod.device != q.device:

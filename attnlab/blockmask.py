@@ -106,6 +106,12 @@ class BlockMask:
                 f"tiles empty/partial/full={counts[0]}/{counts[1]}/{counts[2]}, "
                 f"mask_mod={mod_name(self.mask_mod) if self.mask_mod else None})")
 
+    def fits(self, batch: int, heads: int, q_len: int, k_len: int) -> bool:
+        """Whether this mask serves a call of ``batch`` x ``heads`` queries ``q_len`` by keys
+        ``k_len`` (a batch or head dimension of one serves them all)."""
+        return (self.batch in (1, batch) and self.heads in (1, heads)
+                and (self.q_len, self.k_len) == (q_len, k_len))
+
     def for_call(self, batch: int, heads: int) -> BlockMask:
         """The block mask a call of ``batch`` x ``heads`` uses: this one (a FlexAttention
         mask of ``attnlab.compat`` evaluates its function again there, as torch's does)."""

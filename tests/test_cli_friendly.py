@@ -201,10 +201,10 @@ def test_text_that_is_not_utf8_is_named_as_such(argv, named, capsys):
     (["learn", "3", "--text", "a\r\nb"], "text", "a\nb"),
 ])
 def test_text_options_are_read_as_utf8_with_files_line_ends(argv, dest, want):
-    from attnlab.cli import _not_utf8
+    from attnlab.cli import _read_text_options
 
     args = build_parser().parse_args(argv)
-    assert _not_utf8(args) is None
+    assert _read_text_options(args) is None
     assert getattr(args, dest) == want
 
 

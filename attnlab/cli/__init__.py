@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"attnlab {args.command}: error: --png - : a PNG is an image, not text for "
               "standard output; give a file name", file=sys.stderr)
         return 2
-    broken = _not_utf8(args)
+    broken = _read_text_options(args)
     if broken is not None:
         stdin = " or give it on standard input ('-')" if args.command == "generate" else ""
         print(f"attnlab {args.command}: error: {broken} is not UTF-8 text (the terminal "
@@ -344,8 +344,9 @@ def _expand_home(args: argparse.Namespace) -> None:
             setattr(args, dest, os.path.expanduser(value))
 
 
-def _not_utf8(args: argparse.Namespace) -> str | None:
-    """The first text option of ``args`` holding bytes that are not UTF-8, named as typed.
+def _read_text_options(args: argparse.Namespace) -> str | None:
+    """The text options of ``args`` as text (line ends as a file's), or the first one that
+    holds bytes that are not UTF-8, named as typed (then nothing is changed after it).
 
     Bytes Python could not decode are kept as lone surrogates: a terminal not in UTF-8,
     or UTF-8 read under a locale that is not (``LC_ALL=C`` with UTF-8 mode off). The

@@ -35,7 +35,7 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 from .._tracing import reads_values
-from ..blockmask import BLOCK_SIZE, BlockMask, block_mask, reads
+from ..blockmask import BLOCK_SIZE, EMPTY, BlockMask, block_mask, reads
 from ..checks import boolean, positive_int
 from ..functional import attention, attention_with_lse
 
@@ -62,7 +62,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=BL
                        positive_int("KV_LEN", KV_LEN), block_q=block_q, block_k=block_k,
                        device=device)
     made = built.__dict__.setdefault("_flex", {})  # the same mask, the same object
-    return made.setdefault((B, H), FlexBlockMask(built, B, H))
+    if (B, H) not in made:
+        made[B, H] = FlexBlockMask(built, B, H)
+    return made[B, H]
 
 
 class FlexBlockMask(BlockMask):
@@ -101,7 +103,7 @@ class FlexBlockMask(BlockMask):
 
     def to_dense(self) -> torch.Tensor:
         """``(B, H, nq, nk)`` int32: 1 where a block is computed (torch's)."""
-        return (self.kinds != 0).to(torch.int32).expand(*self.shape[:2], *self.kinds.shape[2:])
+        return (self.kinds != EMPTY).to(torch.int32).expand(*self.shape[:2], *self.kinds.shape[2:])
 
     def sparsity(self) -> float:
         """The percentage of the mask's area not computed, counted in whole blocks as torch
@@ -225,11 +227,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask = _as_block_mask(block_mask, query, key)
     if isinstance(mask, BlockMask):  # named as the caller passed it
         shown, mask = mask.shape, mask.for_call(query.shape[0], query.shape[1])
-        if (mask.batch not in (1, query.shape[0]) or mask.heads not in (1, query.shape[1])
-                or (mask.q_len, mask.k_len) != (query.shape[-2], key.shape[-2])):
-            raise ValueError(f"block_mask is for (B, H, Q_LEN, KV_LEN) = {shown}, but "
-                             f"the inputs have ({query.shape[0]}, {query.shape[1]}, "
-                             f"{query.shape[-2]}, {key.shape[-2]})")
+        wanted = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
+        if not mask.fits(*wanted):
+            raise ValueError(f"block_mask is for (B, H, Q_LEN, KV_LEN) = {shown}, but the "
+                             f"inputs have {wanted}")
     kw = dict(scale=scale, score_mod=score_mod, mask_mod=mask)
     if not return_lse:
         return attention(query, key, value, **kw)

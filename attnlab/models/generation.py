@@ -26,10 +26,16 @@ from ..text.stream import TextStream
 MAX_NEW_TOKENS = 10**6
 
 
+def _from_numpy(ids):
+    """A tokenizer's integer numpy ids as a tensor; anything else as it is."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        return torch.from_numpy(ids.astype(np.int64))
+    return ids
+
+
 def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(batch, seq)`` ids and a 1/0 mask (None when no padding is needed)."""
-    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":  # a tokenizer's numpy ids
-        ids = torch.from_numpy(ids.astype(np.int64))
+    ids = _from_numpy(ids)
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
             raise ValueError(
@@ -47,8 +53,7 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise TypeError(f"ids must be a tensor or a list of prompts (lists of ints), got "
                         f"{type(ids).__name__}")
     def row(r) -> list:  # a prompt: a list of ints, or a 1-D integer tensor of them
-        if isinstance(r, np.ndarray) and r.dtype.kind in "iu":
-            r = torch.from_numpy(r.astype(np.int64))
+        r = _from_numpy(r)
         if isinstance(r, torch.Tensor):
             if r.ndim != 1 or r.is_floating_point() or r.is_complex() or r.dtype == torch.bool:
                 raise TypeError(f"ids must hold prompts as lists of ints or 1-D integer "

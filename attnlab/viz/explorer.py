@@ -192,7 +192,7 @@ def render_html(tokens: Sequence[str], attentions: Any, title: str | None = None
     elif not isinstance(title, str):
         raise TypeError(f"title: expected a string or None, got {type(title).__name__}")
     if isinstance(attentions, TopKeys):
-        return _render_long(tokens, attentions, title, mask, rollout, steps, labels, compare)
+        return _render_long(tokens, attentions, title, mask, rollout, labels, compare)
     data, tokens = as_layers(attentions, tokens)
     n_layers, n_heads, q_len, k_len = data.shape
     allowed = as_mask(mask, n_layers, q_len, k_len)
@@ -214,7 +214,7 @@ def _fill(title: str, data: str) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _template())
 
 
-def _render_long(tokens, top: TopKeys, title, mask, rollout, steps, labels, compare) -> str:
+def _render_long(tokens, top: TopKeys, title, mask, rollout, labels, compare) -> str:
     """A long input's page: its top keys; the rule per layer stands for the mask."""
     tokens = as_tokens(tokens)
     if len(tokens) != top.k_len or top.index.shape[2] != top.k_len:
