@@ -153,6 +153,10 @@ ATTNLAB_AVX512_DOT static void dots_bf16_dot(const uint16_t* w, int64_t ld, cons
     int64_t i = 0;
     // Plain loads: a masked load runs at half the speed here.
     for (; i + 64 <= n_in; i += 64) {
+      if constexpr (R == 1) {  // decoding: the weight read once per token (vec.h)
+        stream_hint(row + i);
+        stream_hint(row + i + 32);
+      }
       const __m512i w0 = _mm512_loadu_si512(row + i), w1 = _mm512_loadu_si512(row + i + 32);
       for (int r = 0; r < R; ++r) {
         a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)w0,

@@ -55,6 +55,20 @@ inline Level cpu_level() {
 #endif
 }
 
+// A weight streamed once per decoded token is fetched a few lines ahead with the
+// non-temporal hint (prefetchnta on x86, a streaming prefetch on Arm), so that it passes
+// through the caches without evicting what the rest of the token needs (the caches, the
+// row, the Python and torch code between the products). Measured on the one-row bf16
+// loop (dot_bf16.h), SmolLM-135M's shape, one Zen 4 core, interleaved in one process:
+// 1.10-1.18x tokens/s at 128-320 bytes ahead, 0.95x at 768; neutral at two threads. The
+// float32 and int8 loops read several streams at once and were 2-12% slower with it,
+// so they go without.
+constexpr int64_t STREAM_AHEAD_BYTES = 256;
+
+ATTNLAB_INLINE void stream_hint(const void* p) {
+  __builtin_prefetch(static_cast<const char*>(p) + STREAM_AHEAD_BYTES, 0, 0);
+}
+
 // Eight floats as one value (GCC/Clang vector extensions): one ymm in the AVX clones,
 // two xmm in the baseline one. Sixteen, for streaming loops: one zmm with AVX-512.
 typedef float f8 __attribute__((vector_size(32)));
