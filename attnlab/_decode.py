@@ -178,6 +178,7 @@ class Run:
         self.rotaries: list[RotaryEmbedding | None] = []
         self._tables: list[tuple | None] = []
         self._cap = 0  # the caches' length, which caps every window (see add)
+        self.has_head = False  # set_head took the final norm and output layer
 
     def __len__(self) -> int:
         return len(self.rotaries)
@@ -202,6 +203,18 @@ class Run:
         self._tables.append(None)
         return None
 
+    def set_head(self, norm: str, eps: float, norm_weight: torch.Tensor | None,
+                 norm_bias: torch.Tensor | None, weight: torch.Tensor,
+                 bias: torch.Tensor | None, scales: torch.Tensor | None, vocab: int) -> str | None:
+        """After the last layer, the model's final norm (a kind and eps as
+        :class:`DecoderLayer`'s, ``(d_model,)`` parameters) and output layer (``weight``
+        ``(vocab, d_model)`` float32 or bf16, or int8 data with its ``scales``): the run
+        then returns the logits. Or say why the kernel cannot take them, keeping nothing."""
+        why = self._native.set_head(norm, eps, norm_weight, norm_bias, weight, bias, scales,
+                                    vocab)
+        self.has_head = not why
+        return why or None
+
     def _rope_tables(self, caches: Sequence[KVCache], device) -> tuple[list, list] | None:
         """Per layer (cos, sin) covering each cache's next position ((None, None) without
         RoPE), fetched again only when a position goes past them; None where a position
@@ -219,9 +232,10 @@ class Run:
 
     def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor | None:
         """One new token ``x (1, 1, d_model)`` (float32 or bf16, CPU) through the run, each layer
-        appending to its cache (batch size 1). Returns ``(1, 1, d_model)``, or None (every
-        cache unchanged) where the kernel cannot take these inputs; the caller then runs
-        the modules."""
+        appending to its cache (batch size 1). Returns ``(1, 1, d_model)`` in ``x``'s dtype
+        (with a head, :meth:`set_head`: the logits ``(1, 1, vocab)`` float32), or None
+        (every cache unchanged) where the kernel cannot take these inputs; the caller then
+        runs the modules."""
         if len(caches) != len(self) or any(cache.remaining < 1 for cache in caches):
             return None
         tables = self._rope_tables(caches, x.device)

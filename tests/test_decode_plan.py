@@ -260,3 +260,85 @@ def test_a_change_between_two_generate_calls_is_seen_by_the_second():
         with fused_layers_off():
             plain = model(ids[:, 3:], caches=caches)
     torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)
+
+
+@contextmanager
+def counting_heads():
+    """How many decoded tokens got their logits from the kernel (a run with a head)."""
+    count, original = [0], _decode.Run.__call__
+
+    def counted(self, x, caches):
+        out = original(self, x, caches)
+        count[0] += out is not None and self.has_head
+        return out
+    _decode.Run.__call__ = counted
+    try:
+        yield count
+    finally:
+        _decode.Run.__call__ = original
+
+
+@contextmanager
+def heads_off():
+    """The fused runs stop at the last block; the final norm and lm_head run as modules."""
+    original = decoding._set_head
+    decoding._set_head = lambda *args: None
+    try:
+        yield
+    finally:
+        decoding._set_head = original
+
+
+@needs_native
+@pytest.mark.parametrize("precision, tol", [("float32", 1e-5), ("bfloat16", 3e-2),
+                                            ("int8", 1e-5)])
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm", "rmsnorm_plus_one"])
+def test_the_kernel_gives_the_logits_of_the_final_norm_and_output_layer(precision, tol, norm):
+    """Decoding one token, the run ends with the model's final norm and output layer: the
+    logits equal those of the modules after the fused blocks (bf16: the modules round the
+    row to bf16 before the norm, the kernel keeps it float32)."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=300, d_model=64, num_heads=4, num_kv_heads=2,
+                          num_layers=2, positions="rope", norm=norm, mlp="swiglu")).eval()
+    with torch.no_grad():  # a final norm away from its initial weights (and bias)
+        for p in model.norm.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    if precision == "int8":
+        model.quantize("int8")
+    elif precision == "bfloat16":
+        model.to(torch.bfloat16)
+    ids = torch.randint(0, 300, (1, 8))
+
+    def logits():
+        caches = model.new_cache(1, 8)
+        with torch.inference_mode():
+            model(ids[:, :3], caches=caches)
+            return torch.cat([model(ids[:, t:t + 1], caches=caches) for t in range(3, 8)], 1)
+    with counting_heads() as heads:
+        got = logits()
+    assert heads[0] == 5 and got.dtype == torch.float32
+    with heads_off(), counting_heads() as heads:
+        want = logits()
+    assert heads[0] == 0
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("where", ["norm", "lm_head"])
+def test_a_hooked_final_norm_or_output_layer_runs_as_a_module(where):
+    """A hook on the final norm or the output layer sees every token, the blocks stay
+    fused, and the tokens are the modules'."""
+    model = _model()
+    with fused_layers_off():
+        want = model.generate(PROMPT, NEW, temperature=0)
+    seen = []  # rows per call: the prompt's 3 (the output layer: its last only), then 1s
+    handle = getattr(model, where).register_forward_hook(
+        lambda m, args, out: seen.append(args[0].shape[1]))
+    with counting_heads() as heads, counting_fused_steps("layers") as fused:
+        assert torch.equal(model.generate(PROMPT, NEW, temperature=0), want)
+    handle.remove()
+    first = 3 if where == "norm" else 1
+    assert seen == [first] + [1] * (NEW - 1) and heads[0] == 0 and fused[0] == PER_TOKEN
+    with counting_heads() as heads:
+        assert torch.equal(model.generate(PROMPT, NEW, temperature=0), want)
+    assert heads[0] == NEW - 1

@@ -286,3 +286,18 @@ def test_greedy_picks_the_first_maximum_and_ranks_nan_lowest():
     assert sample_next(logits[0], 0, None, None, None).item() == 7
     toy = ToyAttnLM(ToyConfig(vocab_size=50, d_model=16, context_length=32)).to(torch.bfloat16)
     assert toy.generate(torch.tensor([[1, 2, 3]]), 3, temperature=0).shape == (1, 6)
+
+
+@pytest.mark.parametrize("bad", [-1, 40])
+@pytest.mark.parametrize("seq", [1, 3])
+def test_an_id_outside_the_vocabulary_is_named_for_a_prompt_and_a_decoded_token(bad, seq):
+    """One ValueError naming the id and the vocabulary, not an IndexError from the lookup:
+    for a prompt, and for one token decoded with a cache (the check's fast case)."""
+    model = GPT(GPTConfig(vocab_size=40, d_model=16, num_heads=2, num_layers=1)).eval()
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    ids[0, -1] = bad
+    caches = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match=rf"ids holds token id {bad}; expected ids in \[0, 40\)"):
+        model(ids, caches=caches)
+    assert caches[0].seq_len == 0
+    model(torch.ones(1, seq, dtype=torch.long), caches=caches)  # a good id passes

@@ -12,9 +12,13 @@
 //
 // A run is built once for as long as its layers stay what they are (models/decoding.py
 // builds one per `generate` call): `add` takes one layer's tensors and settings by name
-// and checks them once, returning why it cannot take the layer ("" when it can); `step`
-// then runs the row through every layer, checking only what changes per token (the
-// caches, the positions, the rotary tables). The Python side is _decode.py.
+// and checks them once, returning why it cannot take the layer ("" when it can); where
+// the run ends the model, `set_head` takes its final norm and output layer the same way;
+// `step` then runs the row through every layer (and the head), checking only what
+// changes per token (the caches, the positions, the rotary tables). After the weights
+// have streamed through the caches, each Python and torch call between them runs cold
+// (the final norm alone took 270 us a token through its module, 30 us warm), so the
+// head is here too. The Python side is _decode.py.
 //
 // Precision: each product's weight is float32 or bf16 ((out, in), by rows or columns), or
 // int8 (its data and scales in int8_product.h's layout); norms and biases may be float32
@@ -126,8 +130,24 @@ std::string norm_problem(const char* name, const Tensor& w, const Tensor& b, Nor
   return "";
 }
 
+// A norm's weight as the run keeps it: a float32 copy, and Gemma's 1 + weight stored once
+// (the run lasts as long as the weights do; adding 1 to a bf16 weight would round it).
+Tensor norm_weight(const Tensor& w, const std::string& norm) {
+  const Tensor t = float_copy(w);
+  return t.defined() && norm == "rmsnorm_plus_one" ? t + 1.0 : t;
+}
+
+// The model's final norm and output layer, after the run's last layer.
+struct Head {
+  Norm norm;
+  double eps;
+  Tensor weight, bias;
+  Product product;
+};
+
 struct DecoderRun : torch::CustomClassHolder {
   std::vector<Layer> layers;
+  optional<Head> head;
   int64_t d_model = -1;
 
   // Check one layer and append it; returns why it cannot be taken ("" when it was).
@@ -193,13 +213,9 @@ struct DecoderRun : torch::CustomClassHolder {
           make_product("up", up_weight, value(up_scales), value(up_bias), up_out, d, L.up),
           make_product("down", down_weight, value(down_scales), value(down_bias), d, ff, L.down)})
       if (!why.empty()) return why;
-    // Gemma's norm: 1 + weight, stored once in float32 (the run lasts as long as the
-    // weights do; adding 1 to a bf16 weight would round it).
     for (Tensor* t : {&L.norm1_weight, &L.norm2_weight, &L.post_attn_weight, &L.post_mlp_weight,
-                      &L.q_norm_weight, &L.k_norm_weight}) {
-      *t = float_copy(*t);
-      if (t->defined() && norm == "rmsnorm_plus_one") *t = *t + 1.0;
-    }
+                      &L.q_norm_weight, &L.k_norm_weight})
+      *t = norm_weight(*t, norm);
     for (Tensor* t : {&L.norm1_bias, &L.norm2_bias, &L.post_attn_bias, &L.post_mlp_bias,
                       &L.q_norm_bias, &L.k_norm_bias})
       *t = float_copy(*t);
@@ -209,6 +225,26 @@ struct DecoderRun : torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  // Check the final norm and the output layer (vocab outputs) and keep them: step() then
+  // returns the logits. Returns why it cannot take them ("" when it did).
+  std::string set_head(const std::string& norm, double eps, const optional<Tensor>& norm_weight_,
+                       const optional<Tensor>& norm_bias, const Tensor& weight,
+                       const optional<Tensor>& bias, const optional<Tensor>& scales,
+                       int64_t vocab) {
+    const optional<Norm> n = norm_kind(norm);
+    if (!n) return "norm " + norm + " is not one the fused layer runs";
+    if (layers.empty()) return "a head follows the layers";
+    Head H{*n, eps, value(norm_weight_), value(norm_bias), {}};
+    for (const std::string& why :
+         {norm_problem("norm", H.weight, H.bias, H.norm, d_model),
+          make_product("lm_head", weight, value(scales), value(bias), vocab, d_model, H.product)})
+      if (!why.empty()) return why;
+    H.weight = norm_weight(H.weight, norm);
+    H.bias = float_copy(H.bias);
+    head = std::move(H);
+    return "";
+  }
 
   // Whether this token's caches, positions and rotary tables are what step() reads.
   bool step_ok(const Tensor& x, const std::vector<Tensor>& k_caches,
@@ -238,8 +274,9 @@ struct DecoderRun : torch::CustomClassHolder {
   }
 
   // x (1, 1, d) through every layer, each appending its key and value at pos[l] of its
-  // cache ((1, Hkv, Lmax, D)); cos/sin the layer's rotary tables (or none). None, nothing
-  // written, where the inputs are not what this reads.
+  // cache ((1, Hkv, Lmax, D)); cos/sin the layer's rotary tables (or none). Returns the
+  // row (1, 1, d) in x's dtype, or with a head the logits (1, 1, vocab) float32; None,
+  // nothing written, where the inputs are not what this reads.
   optional<Tensor> step(const Tensor& x, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
                         const std::vector<int64_t>& pos, const c10::List<optional<Tensor>>& cos,
                         const c10::List<optional<Tensor>>& sin) const {
@@ -247,13 +284,20 @@ struct DecoderRun : torch::CustomClassHolder {
     Tensor h = x.reshape({1, d_model}).to(at::kFloat).contiguous();
     for (size_t l = 0; l < layers.size(); ++l)
       h = run_layer(h, layers[l], k_caches[l], v_caches[l], pos[l], cos.get(l), sin.get(l));
+    if (head)  // the logits, float32 (as the model's own output layer gives them)
+      return head->product(normed(h, head->norm, head->eps, head->weight, head->bias), Tensor())
+          .view({1, 1, -1});
     return h.to(x.scalar_type()).view_as(x);
   }
 
  private:
+  static Tensor normed(const Tensor& t, Norm norm, double eps, const Tensor& w, const Tensor& b) {
+    if (norm == Norm::RMS) return rms_norm(t, w.defined() ? optional<Tensor>(w) : std::nullopt, eps);
+    return at::layer_norm(t, {t.size(1)}, w, b, eps);
+  }
+
   static Tensor normed(const Tensor& t, const Layer& L, const Tensor& w, const Tensor& b) {
-    if (L.norm == Norm::RMS) return rms_norm(t, w.defined() ? optional<Tensor>(w) : std::nullopt, L.eps);
-    return at::layer_norm(t, {t.size(1)}, w, b, L.eps);
+    return normed(t, L.norm, L.eps, w, b);
   }
 
   static Tensor run_layer(const Tensor& h, const Layer& L, Tensor& k, Tensor& v, int64_t pos,
@@ -311,6 +355,10 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
             torch::arg("q_norm_bias") = c10::IValue(),
             torch::arg("k_norm_weight") = c10::IValue(),
             torch::arg("k_norm_bias") = c10::IValue()})
+      .def("set_head", &attnlab::DecoderRun::set_head, "",
+           {torch::arg("norm"), torch::arg("eps"), torch::arg("norm_weight"),
+            torch::arg("norm_bias"), torch::arg("weight"), torch::arg("bias"),
+            torch::arg("scales"), torch::arg("vocab")})
       .def("size", &attnlab::DecoderRun::size)
       .def("step", &attnlab::DecoderRun::step);
 }

@@ -40,18 +40,24 @@ Plan = list[tuple[int, int, "_decode.Run | None"]]
 
 
 class Decoder:
-    """The fused decoding of ``blocks`` (each of type ``kind``, GPT's ``Block``) for the
-    tokens of one ``generate`` call: the plan is made at the first decoded token and
-    kept. Make one only where nothing can change the blocks until the last token
+    """The fused decoding of ``blocks`` (each of type ``kind``, GPT's ``Block``), then
+    where the kernel takes them the model's final ``norm`` and output layer ``lm_head``,
+    for the tokens of one ``generate`` call: the plan is made at the first decoded token
+    and kept. Make one only where nothing can change the model until the last token
     (:func:`library_only`); ``GPT.forward(..., decoder=...)`` takes it."""
 
-    def __init__(self, blocks: nn.ModuleList, kind: type) -> None:
-        self.blocks, self.kind = blocks, kind
+    def __init__(self, blocks: nn.ModuleList, kind: type, norm: nn.Module | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        self.blocks, self.kind, self.head = blocks, kind, (norm, lm_head)
         self.plan: Plan | None = None
 
-    def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``x (1, 1, d_model)`` through the blocks for one new token: ``(hidden, None)``,
+        or ``(None, logits)`` where the kernel ran the final norm and output layer too
+        (logits ``(1, 1, vocab)`` float32)."""
         if self.plan is None:
-            self.plan = _plan(self.blocks, self.kind, x)
+            self.plan = _plan(self.blocks, self.kind, x, *self.head)
         return _run(self.plan, self.blocks, x, caches)
 
 
@@ -85,31 +91,27 @@ def _modes_active() -> bool:
     return bool(_get_current_function_mode_stack() or _get_current_dispatch_mode_stack())
 
 
-def run(blocks: nn.ModuleList, x: torch.Tensor, caches: Sequence[KVCache],
-        kind: type) -> torch.Tensor:
-    """``x (1, 1, d_model)`` through ``blocks`` (each to be of type ``kind``) for one new
-    token, with a plan made for this token: runs of blocks the kernel takes in one
-    native call each, the others through their modules."""
-    return _run(_plan(blocks, kind, x), blocks, x, caches)
-
-
 def _run(plan: Plan, blocks: nn.ModuleList, x: torch.Tensor,
-         caches: Sequence[KVCache]) -> torch.Tensor:
+         caches: Sequence[KVCache]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     for start, stop, fused_run in plan:
         y = None if fused_run is None else fused_run(x, caches[start:stop])
         if y is not None:
+            if fused_run.has_head:
+                return None, y
             x = y
             continue
         # Declined (the caches or the positions are not what the kernel reads): the
         # blocks through their modules.
         for i in range(start, stop):
             x = blocks[i](x, None, caches[i], None, False)[0]
-    return x
+    return x, None
 
 
-def _plan(blocks: Sequence[nn.Module], kind: type, x: torch.Tensor) -> Plan:
+def _plan(blocks: Sequence[nn.Module], kind: type, x: torch.Tensor,
+          norm: nn.Module | None = None, lm_head: nn.Module | None = None) -> Plan:
     """Which blocks the kernel may take now for rows like ``x``: runs of consecutive
-    ones, one each."""
+    ones, one each; the last run also takes ``norm`` and ``lm_head`` where it ends the
+    blocks and the kernel knows them (:func:`_set_head`)."""
     plan: Plan = []
     if _native.for_inference(x, dtypes=_native.PRODUCT_DTYPES) is None:
         # gradients on, another dtype or device, no build
@@ -127,7 +129,44 @@ def _plan(blocks: Sequence[nn.Module], kind: type, x: torch.Tensor) -> Plan:
         plan.append((i, i + 1, None))
     if current is not None and len(current):
         plan.append((len(blocks) - len(current), len(blocks), current))
+        if lm_head is not None:
+            _set_head(current, norm, lm_head)
     return plan
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Whether ``m`` must run itself: a hook, or a ``forward`` of the instance's own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+
+
+def _product(group: list) -> tuple | None:
+    """``(weight, bias, scales)`` of one product over ``group`` (linear layers multiplying
+    one input, packed side by side: ``modules.fused``, ``modules.quantized``), or None
+    where the layers must run themselves."""
+    kind = type(group[0])
+    if any(type(m) is not kind or _hooked(m) for m in group) or kind not in (
+            nn.Linear, quantized.Int8Linear):
+        return None
+    if kind is quantized.Int8Linear:
+        if not quantized.is_packed(group):
+            return None
+        data, scales, bias, _ = quantized.tensors(group)
+        return data, bias, scales
+    return (*fused.block(group), None) if fused.is_packed(group) else None
+
+
+def _set_head(run: _decode.Run, norm: nn.Module | None, lm_head: nn.Module) -> None:
+    """Give ``run`` the model's final norm and output layer where the kernel knows them
+    (the norm kinds of the blocks, an output layer packed as one product, no hooks)."""
+    kind = norm_kind(norm) if norm is not None else None
+    product = None if kind is None or _hooked(norm) else _product([lm_head])
+    if product is None or len(norm.normalized_shape) != 1:
+        return
+    weight, bias, scales = product
+    params = norm._parameters
+    run.set_head(kind, torch.finfo(torch.float32).eps if norm.eps is None else norm.eps,
+                 params.get("weight"), params.get("bias"), weight, bias, scales,
+                 lm_head.out_features)
 
 
 def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
@@ -165,25 +204,9 @@ def _layer(block: nn.Module, kind: type) -> _decode.DecoderLayer | None:
               [mlp._modules.get(n) for n in (("gate", "fc") if mlp.kind in GATED_MLP_KINDS
                                              else ("fc",))],
               [mlp._modules.get("proj")]]
-    products = []
-    for group in groups:
-        kind = type(group[0])
-        for m in group:
-            if (type(m) is not kind or kind not in (nn.Linear, quantized.Int8Linear)
-                    or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__):
-                return None
-        if kind is quantized.Int8Linear:
-            if not quantized.is_packed(group):
-                return None
-            data, scales, bias, _ = quantized.tensors(group)
-            products.append((data, bias, scales))
-            continue
-        if not fused.is_packed(group):
-            return None
-        products.append((*fused.block(group), None))
-    for m in (block, attn, mlp, *norms):
-        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-            return None
+    products = [_product(group) for group in groups]
+    if None in products or any(_hooked(m) for m in (block, attn, mlp, *norms)):
+        return None
     n1, n2 = norm1._parameters, norm2._parameters
     p1, p2, pq, pk = ({} if n is None else n._parameters
                       for n in (post_attn, post_mlp, q_norm, k_norm))

@@ -25,9 +25,8 @@ from ..config import Config
 from ..layouts.hf import encoder_layout
 from ..modules import MultiHeadAttention
 from ..modules.layers import MLP, dropout, embedding, residual
-from .gpt import _source
 from .ids import check_ids, document_positions
-from .loading import build_loaded
+from .loading import build_loaded, source_name
 from .outputs import with_extras
 
 
@@ -110,7 +109,7 @@ class Encoder(nn.Module):
         folder written by its ``save_pretrained`` (see :meth:`GPT.from_hf`)."""
         config, state = encoder_layout(model)
         config = EncoderConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=_source(model)).eval()
+        return build_loaded(lambda: cls(config), state, source=source_name(model)).eval()
 
     def embed(self, ids: torch.Tensor, *, token_type_ids: torch.Tensor | None = None,
               document_ids: torch.Tensor | None = None) -> torch.Tensor:

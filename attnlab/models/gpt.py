@@ -12,7 +12,6 @@ goes through ``MultiHeadAttention`` and so through ``attnlab.attention``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ from . import decoding
 from .generation import GenerationMixin, check_precision
 from .gpt_config import GPTConfig
 from .ids import check_ids, packed_positions
-from .loading import build_loaded
+from .loading import build_loaded, source_name
 from .outputs import with_extras
 
 __all__ = ["GPT", "GPTConfig", "Block"]
@@ -240,14 +239,13 @@ class GPT(GenerationMixin, nn.Module):
         # Converted once here, not again in every layer for every decoded token.
         mask = _masks.as_attention_mask(attention_mask, batch, past + seq)
         attentions, hidden = [], ([x] if output_hidden_states else None)
-        # One row decoded with a cache and nothing asked beyond the logits: the blocks
-        # in native calls where they can (models.decoding), else through their modules.
-        # (Each block's own backend and dropout are asked again in decoding.run.)
+        # One row decoded with a cache and nothing asked beyond the logits: the blocks (and
+        # the final norm and output layer, giving the logits) in native calls where they
+        # can (models.decoding, which asks each block's backend and dropout), else modules.
         fused_rows = (caches is not None and batch * seq == 1 and positions is None
                       and hidden is None and not fused.global_forward_hooks()
                       and may_decode(mask=mask, weights=output_attentions))
-        if fused_rows:
-            x = (decoder or decoding.Decoder(self.blocks, Block))(x, caches)
+        x, logits = (decoder or self._decoder())(x, caches) if fused_rows else (x, None)
         with whole_length(split, whole if split is not None else 0):  # one gather, not one a layer
             for i, block in enumerate(() if fused_rows else self.blocks):
                 x, w = block(x, mask, None if caches is None else caches[i], positions,
@@ -256,6 +254,16 @@ class GPT(GenerationMixin, nn.Module):
                     attentions.append(w)
                 if hidden is not None:
                     hidden.append(x)
+        if logits is None:
+            logits = self._output(x, hidden, logits_to_keep)
+        cap = self.config.logit_softcap
+        if cap is not None:  # Gemma 2's final logit softcapping, in its order of operations
+            logits = torch.tanh(logits / cap) * cap
+        return with_extras(logits, attentions if output_attentions else None, hidden)
+
+    def _output(self, x: torch.Tensor, hidden: list | None, logits_to_keep: int) -> torch.Tensor:
+        """The final norm and output layer: float32 logits of the last ``logits_to_keep``
+        positions of ``x`` (0: all); ``hidden``'s last entry becomes the normed ``x``."""
         x = self.norm(x)
         if hidden is not None:
             hidden[-1] = x  # transformers' convention: the last entry is after the final norm
@@ -268,19 +276,17 @@ class GPT(GenerationMixin, nn.Module):
         # In inference one product over the (d_model, vocab) tensor, packed again first
         # if its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
-        if logits is None:
-            logits = fused.run(x, self.lm_head)
-        cap = self.config.logit_softcap
-        if cap is not None:  # Gemma 2's final logit softcapping, in its order of operations
-            logits = torch.tanh(logits / cap) * cap
-        return with_extras(logits, attentions if output_attentions else None, hidden)
+        return fused.run(x, self.lm_head) if logits is None else logits
 
     def decoder(self, ids=None) -> decoding.Decoder | None:
         """A :class:`~attnlab.models.decoding.Decoder` for the tokens of one generation
         from ``ids``, to pass to every :meth:`forward` of it; None where user code could
         change the model between tokens (hooks, classes of the user's, tensor subclasses,
         torch function modes: see ``decoding.library_only``)."""
-        return decoding.Decoder(self.blocks, Block) if decoding.library_only(self, ids) else None
+        return self._decoder() if decoding.library_only(self, ids) else None
+
+    def _decoder(self) -> decoding.Decoder:  # the blocks, then the final norm and lm_head
+        return decoding.Decoder(self.blocks, Block, self.norm, self.lm_head)
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:
@@ -343,7 +349,7 @@ class GPT(GenerationMixin, nn.Module):
         check_precision(dtype, quantize)
         config, state = gpt_layout(model)
         config = GPTConfig.from_dict(config)
-        return build_loaded(lambda: cls(config), state, source=_source(model), dtype=dtype,
+        return build_loaded(lambda: cls(config), state, source=source_name(model), dtype=dtype,
                             quantize=quantize).eval()
 
     def quantize(self, scheme: str = "int8") -> GPT:
@@ -391,9 +397,3 @@ class GPT(GenerationMixin, nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-
-def _source(model) -> str:
-    """How an error names where the weights came from."""
-    if isinstance(model, str | os.PathLike):
-        return repr(str(model))
-    return f"the {type(model).__name__}"

@@ -21,7 +21,10 @@ def check_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
         raise ValueError(f"{name} must be a (batch, seq) integer tensor, got {got}")
     if ids.numel() == 0 or not reads_values():
         return
-    low, high = (int(v) for v in torch.aminmax(ids))  # one pass: this runs every token
+    if ids.numel() == 1 and ids.device.type == "cpu":  # a decoded token: no torch op
+        low = high = int(ids.item())
+    else:
+        low, high = (int(v) for v in torch.aminmax(ids))  # one pass over a prompt
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds token id {bad}; expected ids in [0, {vocab_size}) "

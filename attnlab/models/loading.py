@@ -10,6 +10,7 @@ I/O: the reading of the files themselves is :mod:`attnlab.io.weights`.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -21,6 +22,14 @@ from ..io.weights import CHUNK, SafetensorsState, read_into
 from ..modules import fused, quantized
 
 __all__ = ["load_state", "state_mismatches", "check_fits", "build_loaded"]
+
+
+def source_name(model) -> str:
+    """How an error names where the weights came from: a folder's path, or the live
+    model's class."""
+    if isinstance(model, str | os.PathLike):
+        return repr(str(model))
+    return f"the {type(model).__name__}"
 
 
 def _kind(dtype: torch.dtype) -> str:
