@@ -177,7 +177,6 @@ class Run:
         self._native = getattr(torch.classes, _native.LIBRARY).DecoderRun()
         self.rotaries: list[RotaryEmbedding | None] = []
         self._tables: list[tuple | None] = []
-        self._cap = 0  # the caches' length, which caps every window (see add)
         self.has_head = False  # set_head took the final norm and output layer
 
     def __len__(self) -> int:

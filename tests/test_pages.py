@@ -178,3 +178,23 @@ def test_quantising_a_loaded_model_frees_its_float_weights(llama_folder):
     gc.collect()
     assert _mapping_of(address) is None
     assert _cut(model.blocks[0].mlp.proj.data)  # the int8 weights: an arena of their own
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dtype": torch.bfloat16}, {"quantize": "int8"}])
+def test_a_loaded_models_matrices_lie_in_the_order_decoding_reads_them(llama_folder, kwargs):
+    """Layer after layer, q|k|v, the output projection, gate|up, down (int8: each one's
+    data, then its scales): each starts where the one read before it ends (up to the
+    64-byte alignment), so that a token streams one region front to back (bf16:
+    1.02-1.07x tokens/s, interleaved)."""
+    model = GPT.from_hf(llama_folder, **kwargs)
+    int8 = "quantize" in kwargs
+    tensors = [t for block in model.blocks
+               for group in (block.attn.W_query, block.attn.out_proj, block.mlp.gate,
+                             block.mlp.proj)
+               for t in ((group.data, group.scales) if int8 else (group.weight,))]
+    if not _cut(tensors[0]):
+        pytest.skip("no arena here (the OS gave no mapping)")
+    spans = [(s.data_ptr(), s.data_ptr() + s.nbytes())
+             for s in (t.untyped_storage() for t in tensors)]
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert 0 <= start - end < 64, (hex(end), hex(start))

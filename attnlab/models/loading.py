@@ -202,11 +202,13 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         # the given one would keep the user's file mapped (its pages read whenever used)
         # or share a live model's storage.
         own = {}
+        cut = _cut_in_read_order(model, plain, fills, streamed, state, dtype)
         with torch.no_grad():
             for name in plain:
                 src = state[name]
                 alloc = _pages.empty if name in streamed else _torch_empty
-                own[name] = alloc(tuple(src.shape), _stored(src.dtype, dtype), src.device)
+                own[name] = cut[name] if name in cut else alloc(
+                    tuple(src.shape), _stored(src.dtype, dtype), src.device)
                 read_into(own[name], src, bounce)
                 del src
                 if isinstance(state, dict):
@@ -219,7 +221,8 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         for members, plan in fills:
             if plan is not None:
                 alloc = _pages.empty if members[0][0] in streamed else _torch_empty
-                _fill_block(model, members, state, bounce, alloc(*plan))
+                base = cut.get(members[0][0])
+                _fill_block(model, members, state, bounce, alloc(*plan) if base is None else base)
     for names in tied:
         primary = model.get_parameter(names[0])
         for name in names[1:]:
@@ -255,6 +258,21 @@ def _rows(state: Mapping, name: str, bounce: torch.Tensor):
         read_into(out, src[a:b], bounce)
         return out
     return rows
+
+
+def _cut_in_read_order(model: nn.Module, plain: list[str], fills: list, streamed: set[str],
+                       state: Mapping, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The streamed tensors cut from the open arena (:mod:`attnlab._pages`) in the order
+    of the model's parameters, which is the order decoding reads them (a layer's q|k|v,
+    output projection, gate|up, down, then the next layer's): one token then streams one
+    region front to back. By name (a packed block: its first member's)."""
+    rank = {name: i for i, (name, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    jobs = [(name, (tuple(state[name].shape), _stored(state[name].dtype, dtype),
+                    state[name].device)) for name in plain if name in streamed]
+    jobs += [(members[0][0], plan) for members, plan in fills
+             if plan is not None and members[0][0] in streamed]
+    jobs.sort(key=lambda job: rank.get(job[0], len(rank)))
+    return {name: _pages.empty(*how) for name, how in jobs}
 
 
 def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
