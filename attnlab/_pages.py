@@ -11,7 +11,9 @@ set before it starts, and then for every tensor; this asks for them for the weig
 A model's matrices are mostly 1-4 MiB each: a mapping of their own would hold few whole
 2 MiB pages. So a loader sums the bytes of the matrices it is about to make and opens an
 :func:`arena` of that size: one mapping, a whole number of huge pages, that
-:func:`empty` then cuts the matrices from. Each tensor is a storage of its own
+:func:`empty` then cuts the matrices from, front to back in the order decoding reads
+them (``models.loading``: one region a token, 1.015-1.065x bf16 tokens/s on a Zen 4
+core over two interleaved regions). Each tensor is a storage of its own
 (``torch.frombuffer``) that keeps the mapping alive; the mapping goes with the last of
 them. Only matrices go in (not norms or untied embeddings), so quantising or converting a
 loaded model frees the mapping with the weights it replaces.

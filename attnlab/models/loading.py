@@ -191,23 +191,20 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
     plain = [n for n in state if n in wanted and n not in packed and n not in aliases]
     fills = [(members, _block_plan(members, state, dtype)) for members in blocks.values()
              if members[0][0] in packed]
-    # The linear layers' weights, which decoding streams, on huge pages (_pages).
-    streamed = _linear_parameters(model, tied)
-    sizes = [math.prod(state[n].shape) * _stored(state[n].dtype, dtype).itemsize
-             for n in plain if n in streamed]
-    sizes += [plan[0][0] * plan[1].itemsize for members, plan in fills
-              if plan is not None and members[0][0] in streamed]
-    with _pages.arena(sizes):
+    # The linear layers' weights, which decoding streams, on huge pages (_pages), in the
+    # order it reads them.
+    streamed = _in_read_order(model, plain, fills, _linear_parameters(model, tied), state,
+                              dtype)
+    with _pages.arena([math.prod(shape) * kind.itemsize for _, (shape, kind, _) in streamed]):
+        cut = {name: _pages.empty(*how) for name, how in streamed}
         # A parameter in its plain layout (and a buffer) gets a tensor of its own: taking
         # the given one would keep the user's file mapped (its pages read whenever used)
         # or share a live model's storage.
         own = {}
-        cut = _cut_in_read_order(model, plain, fills, streamed, state, dtype)
         with torch.no_grad():
             for name in plain:
                 src = state[name]
-                alloc = _pages.empty if name in streamed else _torch_empty
-                own[name] = cut[name] if name in cut else alloc(
+                own[name] = cut[name] if name in cut else _torch_empty(
                     tuple(src.shape), _stored(src.dtype, dtype), src.device)
                 read_into(own[name], src, bounce)
                 del src
@@ -220,9 +217,9 @@ def build_loaded(make: Callable[[], nn.Module], state: Mapping[str, torch.Tensor
         del own
         for members, plan in fills:
             if plan is not None:
-                alloc = _pages.empty if members[0][0] in streamed else _torch_empty
                 base = cut.get(members[0][0])
-                _fill_block(model, members, state, bounce, alloc(*plan) if base is None else base)
+                _fill_block(model, members, state, bounce,
+                            _torch_empty(*plan) if base is None else base)
     for names in tied:
         primary = model.get_parameter(names[0])
         for name in names[1:]:
@@ -260,19 +257,19 @@ def _rows(state: Mapping, name: str, bounce: torch.Tensor):
     return rows
 
 
-def _cut_in_read_order(model: nn.Module, plain: list[str], fills: list, streamed: set[str],
-                       state: Mapping, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The streamed tensors cut from the open arena (:mod:`attnlab._pages`) in the order
-    of the model's parameters, which is the order decoding reads them (a layer's q|k|v,
-    output projection, gate|up, down, then the next layer's): one token then streams one
-    region front to back. By name (a packed block: its first member's)."""
+def _in_read_order(model: nn.Module, plain: list[str], fills: list, streamed: set[str],
+                   state: Mapping, dtype: torch.dtype | None) -> list[tuple[str, tuple]]:
+    """``(name, (shape, dtype, device))`` of each tensor to make for the ``streamed``
+    parameters (a packed block: by its first member's name), in the order of the model's
+    parameters, which is the order decoding reads them (a layer's q|k|v, output
+    projection, gate|up, down, then the next layer's): cut from one arena in this order,
+    a token streams one region front to back."""
     rank = {name: i for i, (name, _) in enumerate(model.named_parameters(remove_duplicate=False))}
     jobs = [(name, (tuple(state[name].shape), _stored(state[name].dtype, dtype),
                     state[name].device)) for name in plain if name in streamed]
     jobs += [(members[0][0], plan) for members, plan in fills
              if plan is not None and members[0][0] in streamed]
-    jobs.sort(key=lambda job: rank.get(job[0], len(rank)))
-    return {name: _pages.empty(*how) for name, how in jobs}
+    return sorted(jobs, key=lambda job: rank.get(job[0], len(rank)))
 
 
 def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
