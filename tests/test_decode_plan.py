@@ -342,3 +342,49 @@ def test_a_hooked_final_norm_or_output_layer_runs_as_a_module(where):
     with counting_heads() as heads:
         assert torch.equal(model.generate(PROMPT, NEW, temperature=0), want)
     assert heads[0] == NEW - 1
+
+
+@needs_native
+@pytest.mark.parametrize("change", ["new lm_head", "quantize"])
+def test_a_decoder_reads_the_final_norm_and_output_layer_when_it_plans(change):
+    """A decoder made before the output layer is replaced (or the model quantised) plans
+    with the model's output layer as it is at the first decoded token."""
+    ids, logits = torch.tensor([[1, 2, 3]]), []
+    for held in (False, True):
+        model = _model(tie_embeddings=False)
+        decoder = model.decoder(ids)
+        if change == "quantize":
+            model.quantize("int8")
+        else:
+            torch.manual_seed(1)
+            model.lm_head = torch.nn.Linear(32, 40, bias=False)
+        caches = model.new_cache(1, 8)
+        with torch.inference_mode(), counting_heads() as heads:
+            model(ids, caches=caches)
+            logits.append(model(torch.tensor([[4]]), caches=caches,
+                                **({"decoder": decoder} if held else {})))
+        assert heads[0] == 1
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+
+
+class _Names(TorchFunctionMode):
+    """A FLOP counter's view: the name of every torch call."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_native
+def test_a_torch_function_mode_sees_the_output_layer_of_a_decoded_token():
+    model = _model()
+    caches = model.new_cache(1, 8)
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), caches=caches)
+        with _Names() as mode, counting_heads() as heads:
+            model(torch.tensor([[4]]), caches=caches)
+    assert heads[0] == 0 and "linear" in mode.names

@@ -41,14 +41,14 @@ Plan = list[tuple[int, int, "_decode.Run | None"]]
 
 class Decoder:
     """The fused decoding of ``blocks`` (each of type ``kind``, GPT's ``Block``), then
-    where the kernel takes them the model's final ``norm`` and output layer ``lm_head``,
-    for the tokens of one ``generate`` call: the plan is made at the first decoded token
-    and kept. Make one only where nothing can change the model until the last token
-    (:func:`library_only`); ``GPT.forward(..., decoder=...)`` takes it."""
+    where the kernel takes them ``model``'s final norm and output layer (its ``norm`` and
+    ``lm_head``, read when the plan is made), for the tokens of one ``generate`` call: the
+    plan is made at the first decoded token and kept. Make one only where nothing can
+    change the model until the last token (:func:`library_only`);
+    ``GPT.forward(..., decoder=...)`` takes it."""
 
-    def __init__(self, blocks: nn.ModuleList, kind: type, norm: nn.Module | None = None,
-                 lm_head: nn.Module | None = None) -> None:
-        self.blocks, self.kind, self.head = blocks, kind, (norm, lm_head)
+    def __init__(self, blocks: nn.ModuleList, kind: type, model: nn.Module | None = None) -> None:
+        self.blocks, self.kind, self.model = blocks, kind, model
         self.plan: Plan | None = None
 
     def __call__(self, x: torch.Tensor, caches: Sequence[KVCache]
@@ -57,7 +57,8 @@ class Decoder:
         or ``(None, logits)`` where the kernel ran the final norm and output layer too
         (logits ``(1, 1, vocab)`` float32)."""
         if self.plan is None:
-            self.plan = _plan(self.blocks, self.kind, x, *self.head)
+            head = [getattr(self.model, n, None) for n in ("norm", "lm_head")]
+            self.plan = _plan(self.blocks, self.kind, x, *head)
         return _run(self.plan, self.blocks, x, caches)
 
 
@@ -157,7 +158,13 @@ def _product(group: list) -> tuple | None:
 
 def _set_head(run: _decode.Run, norm: nn.Module | None, lm_head: nn.Module) -> None:
     """Give ``run`` the model's final norm and output layer where the kernel knows them
-    (the norm kinds of the blocks, an output layer packed as one product, no hooks)."""
+    (the norm kinds of the blocks, an output layer packed as one product, no hooks, plain
+    tensors) and no torch function or dispatch mode would see them run (a FLOP counter
+    sees the model's largest product)."""
+    tensors = [] if norm is None else [*norm.parameters(), *lm_head.parameters(),
+                                       *lm_head.buffers()]
+    if _modes_active() or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
+        return
     kind = norm_kind(norm) if norm is not None else None
     product = None if kind is None or _hooked(norm) else _product([lm_head])
     if product is None or len(norm.normalized_shape) != 1:

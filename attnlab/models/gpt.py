@@ -286,7 +286,7 @@ class GPT(GenerationMixin, nn.Module):
         return self._decoder() if decoding.library_only(self, ids) else None
 
     def _decoder(self) -> decoding.Decoder:  # the blocks, then the final norm and lm_head
-        return decoding.Decoder(self.blocks, Block, self.norm, self.lm_head)
+        return decoding.Decoder(self.blocks, Block, self)
 
     def embed(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
               past: int = 0) -> torch.Tensor:
