@@ -77,8 +77,12 @@ def library_only(model: nn.Module, ids: object = None) -> bool:
                 or not type(m).__module__.startswith(_LIBRARY)
                 or getattr(m, "qkv_hook", None) is not None):
             return False
-    return all(type(t) in (torch.Tensor, nn.Parameter)
-               for t in chain(model.parameters(), model.buffers()))
+    return _plain(chain(model.parameters(), model.buffers()))
+
+
+def _plain(tensors) -> bool:
+    """Whether every tensor is a plain one (no subclass whose own code would run)."""
+    return all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
 
 
 def _modes_active() -> bool:
@@ -161,13 +165,12 @@ def _set_head(run: _decode.Run, norm: nn.Module | None, lm_head: nn.Module) -> N
     (the norm kinds of the blocks, an output layer packed as one product, no hooks, plain
     tensors) and no torch function or dispatch mode would see them run (a FLOP counter
     sees the model's largest product)."""
-    tensors = [] if norm is None else [*norm.parameters(), *lm_head.parameters(),
-                                       *lm_head.buffers()]
-    if _modes_active() or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
-        return
     kind = norm_kind(norm) if norm is not None else None
-    product = None if kind is None or _hooked(norm) else _product([lm_head])
-    if product is None or len(norm.normalized_shape) != 1:
+    if (kind is None or _hooked(norm) or len(norm.normalized_shape) != 1 or _modes_active()
+            or not _plain(chain(norm.parameters(), lm_head.parameters(), lm_head.buffers()))):
+        return
+    product = _product([lm_head])
+    if product is None:
         return
     weight, bias, scales = product
     params = norm._parameters
