@@ -191,6 +191,31 @@ def test_bf16_weights_are_packed_by_rows_once():
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("vocab, rows", [(fused.COLUMNS_MAX_OUT, False),
+                                         (fused.COLUMNS_MAX_OUT + 1, True)])
+def test_float32_groups_past_the_column_limit_are_packed_by_rows(vocab, rows):
+    """A float32 output layer of more than COLUMNS_MAX_OUT outputs is packed by rows (its
+    one-row product over columns would pass a partial sum of every output through the
+    second-level cache once per input), up to it by columns; either way the only copy, the
+    tied table is the same tensor, and a decoded token's logits are F.linear's."""
+    model = _gpt(vocab_size=vocab, num_layers=1)
+    weight = model.lm_head.weight
+    assert weight is model.tok_emb.weight
+    assert weight.stride() == ((32, 1) if rows else (1, vocab))
+    assert fused.is_packed((model.lm_head,))
+    head, _ = fused.block((model.lm_head,))
+    assert head.shape == (vocab, 32) and head.data_ptr() == weight.data_ptr()
+    x = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = fused.joint(x, (model.lm_head,))
+    torch.testing.assert_close(got, x @ weight.detach().t(), rtol=1e-5, atol=1e-5)
+    assert weight.stride() == ((32, 1) if rows else (1, vocab))  # not packed again
+    reachable, params = _held_bytes(model)
+    assert reachable == params
+    # The blocks' groups stay columns: the prompt's tile kernel reads them.
+    assert model.blocks[0].attn.W_query.weight.stride() == (1, 64)
+
+
 @pytest.fixture
 def in_place_always(monkeypatch):
     """The in-place steps at every size (they start at 65536 elements), so that these

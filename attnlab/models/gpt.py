@@ -118,10 +118,10 @@ class GPT(GenerationMixin, nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        # The output layer is stored (d_model, vocab) in float32 (bf16: (vocab, d_model)
-        # rows, modules.fused.by_rows): a one-row product streams it in order, much faster
-        # than F.linear's rows. Tied, the embedding is that same tensor (its rows may then
-        # be strided, which a lookup of a few tokens does not notice).
+        # The output layer is packed alone, as its one-row product streams it fastest
+        # (modules.fused.by_rows: rows for bf16 or past 4096 outputs, else columns). Tied,
+        # the embedding is that same tensor (its rows may then be strided, which a lookup
+        # of a few tokens does not notice).
         fused.pack((self.lm_head,))
 
     @staticmethod
@@ -273,8 +273,8 @@ class GPT(GenerationMixin, nn.Module):
         # float32, and a vocabulary of logits rounded to bf16 would tie its top tokens.
         if x.dtype in (torch.bfloat16, torch.float16):
             x = x.float()
-        # In inference one product over the (d_model, vocab) tensor, packed again first
-        # if its layout was lost (see modules.fused).
+        # In inference one product over the packed output layer, packed again first if
+        # its layout was lost (see modules.fused).
         logits = fused.joint(x, (self.lm_head,))
         return fused.run(x, self.lm_head) if logits is None else logits
 

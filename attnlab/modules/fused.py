@@ -11,12 +11,15 @@ by side.
 So :func:`pack` stores a group of float32 ``nn.Linear`` weights as the column blocks
 of one ``(in, sum of out)`` tensor, and each layer's ``weight`` stays an ordinary
 ``nn.Parameter`` of the usual shape ``(out, in)``: a transposed view of its block
-(strides ``(1, sum of out)``), biases likewise slices of one vector. bf16 weights are
+(strides ``(1, sum of out)``), biases likewise slices of one vector. Two kinds are
 packed by rows instead, as the row blocks of one ``(sum of out, in)`` tensor (each
-weight a plain contiguous slice of it): the CPU's bf16 dot product (``vdpbf16ps``)
-multiplies pairs of neighbouring inputs, which a row holds side by side, and streams
-a row-packed weight 1.2x-1.5x faster than a column-packed one (:func:`by_rows`,
-``csrc/dot_bf16.h``). Nothing is held twice. Names, shapes, ``state_dict``,
+weight a plain contiguous slice of it), :func:`by_rows`: bf16 weights, since the CPU's
+bf16 dot product (``vdpbf16ps``) multiplies pairs of neighbouring inputs, which a row
+holds side by side, and streams a row-packed weight 1.2x-1.5x faster than a
+column-packed one (``csrc/dot_bf16.h``); and groups of more than
+:data:`COLUMNS_MAX_OUT` outputs (an output layer over a vocabulary), whose column
+product would pass over a partial sum too large for the core's first cache once per
+input. Nothing is held twice. Names, shapes, ``state_dict``,
 ``load_state_dict`` (which copies into the views), optimizers, hooks and in-place edits
 see plain ``nn.Linear`` layers; ``F.linear`` multiplies by a transposed view without
 copying it. A layout that
@@ -59,10 +62,22 @@ def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
     return [*out, at]
 
 
-def by_rows(dtype: torch.dtype) -> bool:
-    """Whether :func:`pack` lays weights of ``dtype`` out by rows, ``(sum of out, in)``
-    (bf16: what its dot product reads), rather than by columns, ``(in, sum of out)``."""
-    return dtype == torch.bfloat16
+# The most outputs a float32 group is packed by columns for. The one-row product over
+# columns (csrc/row_product.h's axpys) adds each input's row into a partial sum of every
+# output: up to here the sum (16 KB) stays in a Zen 4 core's 32 KB first-level cache, and
+# that product ran as fast as over rows or up to 1.25x faster (576 and 4096 inputs);
+# from 6144 outputs on, the sum passes through the second-level cache once per input and
+# the product over rows ran 1.25x-1.5x faster (SmolLM-135M's output layer, 49152
+# outputs: 5.7 against 7.9 ms, one thread). The float32 tile kernel of prompts reads
+# only columns, so smaller groups keep them.
+COLUMNS_MAX_OUT = 4096
+
+
+def by_rows(dtype: torch.dtype, n_out: int) -> bool:
+    """Whether :func:`pack` lays a group of ``n_out`` outputs (summed over its layers) of
+    ``dtype`` out by rows, ``(sum of out, in)`` (bf16: what its dot product reads; float32
+    past :data:`COLUMNS_MAX_OUT` outputs), rather than by columns, ``(in, sum of out)``."""
+    return dtype == torch.bfloat16 or n_out > COLUMNS_MAX_OUT
 
 
 def is_packed(linears: Sequence[nn.Linear]) -> bool:
@@ -72,8 +87,8 @@ def is_packed(linears: Sequence[nn.Linear]) -> bool:
     w0 = linears[0]._parameters["weight"]
     b0 = linears[0]._parameters["bias"]
     n_in, es, dtype = w0.shape[1], w0.element_size(), w0.dtype
-    rows = by_rows(dtype)
-    total = w0.stride(1)
+    total = sum(m._parameters["weight"].shape[0] for m in linears)
+    rows = by_rows(dtype, total)
     ptr, bptr = w0.data_ptr(), None if b0 is None else b0.data_ptr()
     at = 0
     for m in linears:
@@ -91,7 +106,7 @@ def is_packed(linears: Sequence[nn.Linear]) -> bool:
                               or b.data_ptr() != bptr + at * es):
             return False
         at += w.shape[0]
-    return rows or at == total
+    return True
 
 
 def pack(linears: Sequence[nn.Linear]) -> None:
@@ -105,7 +120,7 @@ def pack(linears: Sequence[nn.Linear]) -> None:
     ws = [m.weight for m in linears]
     offsets = _offsets(linears)
     total = offsets[-1]
-    rows = by_rows(ws[0].dtype)
+    rows = by_rows(ws[0].dtype, total)
     # Normal tensors even under inference_mode (they are parameters from now on), unless
     # the parameters themselves were made there.
     with torch.inference_mode(ws[0].is_inference()), torch.no_grad():
@@ -220,11 +235,10 @@ def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
     (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
     w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
-    if by_rows(w0.dtype):
-        total = sum(m._parameters["weight"].shape[0] for m in linears)
+    total = sum(m._parameters["weight"].shape[0] for m in linears)
+    if by_rows(w0.dtype, total):
         weight = w0.as_strided((total, w0.shape[1]), (w0.shape[1], 1))
     else:
-        total = w0.stride(1)
         weight = w0.as_strided((total, w0.shape[1]), (1, total))
     bias = None if b0 is None else b0.as_strided((total,), (1,))
     return weight, bias
