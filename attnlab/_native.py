@@ -213,8 +213,9 @@ def _with_fakes(ops):
         _state["faked"] = True
         from torch.utils._python_dispatch import _disable_current_modes
 
-        # Whether the CPU has the tile kernel (linear's path for more than one row): asked of the
-        # real op once, with two rows and a packed 1x1 weight, which it takes only then.
+        # Whether the CPU has the tile kernel (linear's path for more than one row times a
+        # weight by columns): asked of the real op once, with two rows and a 2x2 weight by
+        # columns, which it takes only then.
         # Device and dtype named, and outside any dispatch mode: the first load may run under
         # torch.device("meta"), another default dtype, or the FakeTensorMode of
         # torch.export (where the real op cannot run, and its failure read as a failed build
@@ -222,7 +223,7 @@ def _with_fakes(ops):
         one = {"device": "cpu", "dtype": torch.float32}
         bf16 = {"device": "cpu", "dtype": torch.bfloat16}
         with _disable_current_modes():
-            tiles = ops.linear(torch.ones(2, 1, **one), torch.ones(1, 1, **one), None, None)
+            tiles = ops.linear(torch.ones(2, 2, **one), torch.ones(2, 2, **one).t(), None, None)
             # And whether it has the bf16 dot product, on which more than one row times a
             # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS):
             # asked the same way.

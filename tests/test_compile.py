@@ -95,7 +95,9 @@ def test_linear_fake_takes_and_declines_as_the_op_does():
         (torch.randn(1, 10), packed, None, None),
         (torch.randn(3, 10), packed, torch.randn(6), None),  # a few rows: the tile kernel
         (torch.randn(100, 10), packed, None, None),  # many rows: the tile kernel too
-        (torch.randn(3, 10), w, None, None),  # a few rows by rows: declined
+        (torch.randn(3, 10), w, None, None),  # a few rows by rows: the rows loop
+        (torch.randn(100, 10), w, torch.randn(6), None),  # many by rows: transposed panels
+        (torch.randn(3, 10), w, None, torch.randn(3, 6)),  # a residual: declined
         (torch.randn(1, 10).double(), w.double(), None, None),  # float64: declined
         (torch.randn(1, 20)[:, ::2], w, None, None),  # not contiguous: declined
         (torch.randn(100, 10), w.bfloat16(), torch.randn(6), None),  # bf16 by rows: tiles

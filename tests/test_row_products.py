@@ -4,8 +4,11 @@ rows) against ``F.linear``, and the decoders' ``logits_to_keep``.
 One row is streamed (either storage of the weight, bias and residual folded in); more
 rows with a float32 weight stored by columns (the packed ``(in, out)`` blocks) go
 through the AVX-512 tile kernel where the CPU has it (up to 64 all at once, more in
-chunks of 96 rows, with over 512 inputs from a copied panel); anything else is declined
-with None so that the caller runs ``F.linear``.
+chunks of 96 rows, with over 512 inputs from a copied panel); a float32 weight stored by
+rows (an output layer past ``fused.COLUMNS_MAX_OUT``) through the rows loop up to 64
+rows, four rows a pass over each band, and past that through the tile kernel from
+panels transposed in registers; anything else is declined with None so that the caller
+runs ``F.linear``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias,
     got = _native.load().linear(x, w, b, r)
     want = F.linear(x, w, b) + (0 if r is None else r)
     columns = w.stride(0) == 1 and w.stride(1) >= n_out  # (a 1 x 1 weight is both)
-    takes = rows == 1 or (columns and not residual and _flash.tile_kernel())
+    by_rows = w.stride(1) == 1 and (n_out <= 1 or w.stride(0) >= n_in)
+    tiles = _flash.tile_kernel()
+    takes = rows == 1 or (not residual and ((columns and tiles)
+                                            or (by_rows and (rows <= 64 or tiles))))
     if not takes:
         assert got is None
         return
@@ -59,7 +65,7 @@ def test_linear_declines_what_it_does_not_read():
     w = torch.randn(8, 4)
     assert ops.linear(torch.randn(1, 4).double(), w.double(), None, None) is None
     assert ops.linear(torch.randn(1, 4), w[:, ::2].t().t()[:, :2], None, None) is None  # strided
-    assert ops.linear(torch.randn(2, 4), w, None, None) is None  # a few rows by rows: F.linear
+    assert ops.linear(torch.randn(2, 4), w, None, torch.randn(2, 8)) is None  # rows + residual
     assert ops.linear(torch.randn(1, 4), w, torch.randn(3), None) is None  # a bias of 3 for 8
 
 

@@ -196,24 +196,28 @@ void add_bias(float* c, int64_t rows, int64_t n_out, const float* bias, int64_t 
     for (int64_t j = j0; j < j1; ++j) c[r * n_out + j] += bias[j];
 }
 
-// rows x (n_in) times the band [j0, j1) of W^T (n_in, ld) into c (rows, n_out), + bias.
+// rows x (n_in) times the band [j0, j1) of W^T (n_in, ld) into c (rows, n_out), + bias;
+// W stored by rows (W (n_out, ld)): the band's rows copied transposed into the panel.
 void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, const float* b,
-                    int64_t ld, const float* bias, float* c, int64_t j0, int64_t j1,
-                    std::vector<float>& panel) {
+                    int64_t ld, bool by_rows, const float* bias, float* c, int64_t j0,
+                    int64_t j1, std::vector<float>& panel) {
   const int64_t width = j1 - j0;
   const float* bj = b + j0;
   int64_t ldb = ld;
-  if (n_in > PACK_IN) {
+  if (by_rows || n_in > PACK_IN) {
     panel.resize(n_in * PANEL);
-    for (int64_t p = 0; p < n_in; ++p)
-      std::copy(b + p * ld + j0, b + p * ld + j1, panel.data() + p * PANEL);
+    if (by_rows)
+      pack_transposed(b + j0 * ld, ld, width, n_in, panel.data());
+    else
+      for (int64_t p = 0; p < n_in; ++p)
+        std::copy(b + p * ld + j0, b + p * ld + j1, panel.data() + p * PANEL);
     bj = panel.data();
     ldb = PANEL;
   }
   // The first chunk fetches the next band's weight columns (read in place, ld apart)
   // while it multiplies: they come from memory, too far apart for the hardware's
   // prefetchers.
-  const bool fetch = n_in <= PACK_IN && j1 < n_out;
+  const bool fetch = !by_rows && n_in <= PACK_IN && j1 < n_out;
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t m = std::min(ROW_CHUNK, rows - r0);
     float* cr = c + r0 * n_out;
@@ -250,26 +254,49 @@ struct Bf16Product {
         bias(bias_.defined() ? bias_.data_ptr<float>() : nullptr), c(y.data_ptr<C>()) {}
 };
 
-// Up to BF16_DOT_ROWS rows, into y float32: each band's weight, read from memory once,
-// serves the rows four at a time from cache (dot_bf16.h's one-row loop): 0.55-0.61x
+// Few rows times a weight stored by rows: threads take bands of PANEL outputs, and each
+// band's weight, read from memory once, serves the rows four at a time from cache;
+// dot(r, n, o0, o1) multiplies rows [r, r + n) (n <= 4) by outputs [o0, o1).
+template <typename Dot>
+void few_rows_by_bands(int64_t rows, int64_t n_out, const Dot& dot) {
+  at::parallel_for(0, (n_out + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t band = begin; band < end; ++band) {
+      const int64_t o0 = band * PANEL, o1 = std::min(n_out, o0 + PANEL);
+      for (int64_t r = 0; r < rows; r += 4) dot(r, std::min<int64_t>(4, rows - r), o0, o1);
+    }
+  });
+}
+
+// Up to BF16_DOT_ROWS rows, into y float32 (dot_bf16.h's one-row loop): 0.55-0.61x
 // torch's time for 2-4 rows, 0.89-0.96x for 16 (SmolLM-135M's matrices, one Zen 5 core).
 void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                    at::Tensor& y) {
   const Bf16Product<float> p(x, w, bias, y);
-  at::parallel_for(0, p.bands, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t band = begin; band < end; ++band) {
-      const int64_t o0 = band * PANEL, o1 = std::min(p.n_out, o0 + PANEL);
-      for (int64_t r = 0; r < p.rows; r += 4) {
-        const uint16_t* xr = p.a + r * p.n_in;
-        float* yr = p.c + r * p.n_out;
-        const int64_t n = p.n_in, ld = p.n_out;
-        switch (std::min<int64_t>(4, p.rows - r)) {
-          case 1: dots_bf16_dot<1>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
-          case 2: dots_bf16_dot<2>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
-          case 3: dots_bf16_dot<3>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld); break;
-          default: dots_bf16_dot<4>(p.b, p.ldw, xr, n, n, o0, o1, p.bias, nullptr, yr, ld);
-        }
-      }
+  few_rows_by_bands(p.rows, p.n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
+    const uint16_t* xr = p.a + r * p.n_in;
+    float* yr = p.c + r * p.n_out;
+    const int64_t k = p.n_in, ld = p.n_out;
+    switch (n) {
+      case 1: return dots_bf16_dot<1>(p.b, p.ldw, xr, k, k, o0, o1, p.bias, nullptr, yr, ld);
+      case 2: return dots_bf16_dot<2>(p.b, p.ldw, xr, k, k, o0, o1, p.bias, nullptr, yr, ld);
+      case 3: return dots_bf16_dot<3>(p.b, p.ldw, xr, k, k, o0, o1, p.bias, nullptr, yr, ld);
+      default: return dots_bf16_dot<4>(p.b, p.ldw, xr, k, k, o0, o1, p.bias, nullptr, yr, ld);
+    }
+  });
+}
+
+// Up to FEW_ROWS rows times a float32 weight stored by rows (modules/fused.py's output
+// layer past COLUMNS_MAX_OUT outputs), into y.
+void few_rows_f32(int64_t rows, int64_t n_in, int64_t n_out, const float* a, const float* b,
+                  int64_t ld, const float* bias, float* c) {
+  few_rows_by_bands(rows, n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
+    const float* xr = a + r * n_in;
+    float* yr = c + r * n_out;
+    switch (n) {
+      case 1: return dots_rows<1>(b, ld, xr, n_in, n_in, o0, o1, bias, yr, n_out);
+      case 2: return dots_rows<2>(b, ld, xr, n_in, n_in, o0, o1, bias, yr, n_out);
+      case 3: return dots_rows<3>(b, ld, xr, n_in, n_in, o0, o1, bias, yr, n_out);
+      default: return dots_rows<4>(b, ld, xr, n_in, n_in, o0, o1, bias, yr, n_out);
     }
   });
 }
@@ -294,8 +321,12 @@ void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 // linear (inference): x W^T + bias (+ residual) for x (..., in) and an nn.Linear weight
 // (out, in): one row by one_row; more, W float32 stored by columns (the packed blocks),
 // by the AVX-512 tile kernel where the CPU has it (few rows and many as above), threads
-// taking bands of 64 outputs; more than one row times a bf16 weight packed by rows by
-// attnlab's bf16 products (bf16_rows); None otherwise (the caller runs F.linear).
+// taking bands of 64 outputs; W float32 stored by rows (an output layer past
+// modules/fused.py's COLUMNS_MAX_OUT), up to FEW_ROWS rows by few_rows_f32 (a batch being
+// decoded: 1.06x tokens/s at 4 and 8 sequences against the layer by columns, SmolLM-135M,
+// Zen 4), more by the tile kernel from each band transposed into a panel (a prompt's
+// every logit: as fast as by columns); more than one row times a bf16 weight packed by
+// rows by attnlab's bf16 products (bf16_rows); None otherwise (the caller runs F.linear).
 std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
@@ -318,12 +349,18 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
       many_rows_bf16<c10::BFloat16>(xb, w, b, y);
     return y;
   }
-  if (!tile_gemm_supported() || residual.has_value() || !usable(x) || !usable(w) ||
-      w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
-      w.stride(0) != 1 || w.stride(1) < w.size(0))
+  // A float32 weight by columns (the packed blocks) or by rows (an output layer past
+  // COLUMNS_MAX_OUT outputs: up to FEW_ROWS rows by few_rows_f32).
+  const bool by_rows =
+      w.dim() == 2 && w.stride(1) == 1 && (w.size(0) <= 1 || w.stride(0) >= w.size(1));
+  const bool by_columns = w.dim() == 2 && w.stride(0) == 1 && w.stride(1) >= w.size(0);
+  const int64_t rows = x.dim() >= 1 ? leading_rows(x) : 0;
+  const bool few_by_rows = by_rows && rows <= FEW_ROWS;
+  if ((!tile_gemm_supported() && !few_by_rows) || residual.has_value() || !usable(x) ||
+      !usable(w) || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
+      !(by_rows || by_columns))
     return std::nullopt;
-  const int64_t n_in = w.size(1), n_out = w.size(0), ld = w.stride(1);
-  const int64_t rows = leading_rows(x);
+  const int64_t n_in = w.size(1), n_out = w.size(0), ld = by_rows ? w.stride(0) : w.stride(1);
   if (n_in == 0) return std::nullopt;
   if (bias.has_value() && (!usable(*bias) || bias->numel() != n_out || !bias->is_contiguous()))
     return std::nullopt;
@@ -332,13 +369,17 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
   const float* b = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c = y.data_ptr<float>();
+  if (few_by_rows) {
+    few_rows_f32(rows, n_in, n_out, a, b, ld, bp, c);
+    return y;
+  }
   const int64_t bands = (n_out + PANEL - 1) / PANEL;
   at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
     const int64_t j0 = begin * PANEL, j1 = std::min(end * PANEL, n_out);
     if (rows > FEW_ROWS) {
       std::vector<float> panel;
       for (int64_t band = begin; band < end; ++band)
-        many_rows_band(rows, n_in, n_out, a, b, ld, bp, c, band * PANEL,
+        many_rows_band(rows, n_in, n_out, a, b, ld, by_rows, bp, c, band * PANEL,
                        std::min((band + 1) * PANEL, n_out), panel);
       return;
     }

@@ -69,6 +69,29 @@ ATTNLAB_PER_ISA static void dots(const S* w, int64_t ld, const float* x, int64_t
   }
 }
 
+// y[r * ldy + o] = W[o, :] . x_r (+ bias) for o in [o0, o1) and the R rows x_r (at
+// x + r * ldx), W float32 stored by rows: each load of W serves the R rows, one chain of
+// sums a row (a batch being decoded: the rows after the first R read W from cache).
+template <int R>
+ATTNLAB_PER_ISA static void dots_rows(const float* w, int64_t ld, const float* x, int64_t ldx,
+                                     int64_t n_in, int64_t o0, int64_t o1, const float* bias,
+                                     float* y, int64_t ldy) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* wo = w + o * ld;
+    f16v a[R] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n_in; i += 16) {
+      const f16v wv = load16(wo + i);
+      for (int r = 0; r < R; ++r) a[r] += wv * load16(x + r * ldx + i);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = sum16(a[r]);
+      for (int64_t j = i; j < n_in; ++j) s += wo[j] * x[r * ldx + j];
+      y[r * ldy + o] = plus(s, bias, nullptr, o);
+    }
+  }
+}
+
 // acc[0, n_out) += sum over i in [i0, i1) of x[i] * W[i, :], W stored by columns (rows of
 // the (in, out) block): one row of the block after another, one stream (as dots).
 template <typename S>
