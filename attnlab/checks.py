@@ -24,7 +24,10 @@ __all__ = ["positive_int", "non_negative_int", "optional_positive_int", "bounded
 
 def is_int(value: object) -> bool:
     """True for a Python (or NumPy) integer that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # A plain int first: the ABC's instance check costs more, and a decoded token asks
+    # this of every layer's cache.
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, bool))
 
 
 def positive_int(name: str, value: object) -> int:

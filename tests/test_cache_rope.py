@@ -241,6 +241,23 @@ def test_cache_reset_and_crop():
     assert k_all[0, 0, :, 0].tolist() == [9, 9]
 
 
+def test_cache_reserve_takes_ints_only():
+    """reserve/crop take Python and NumPy ints; a bool, a float or a string is refused
+    (checks.is_int, asked for every layer's cache at every decoded token)."""
+    import numpy as np
+
+    c = KVCache(1, 8, 1, 4)
+    assert c.reserve(2) == 0 and c.reserve(np.int64(3)) == 2 and c.seq_len == 5
+    c.crop(np.int32(1))
+    assert c.seq_len == 1
+    for bad in (True, 1.0, "1", None, np.bool_(True)):
+        with pytest.raises(ValueError, match="KV cache overflow"):
+            c.reserve(bad)
+        with pytest.raises(ValueError, match="crop length must be an int"):
+            c.crop(bad)
+    assert c.seq_len == 1
+
+
 @pytest.mark.parametrize(("shape", "needle"), [
     ((3, 3, 1, 4), "batch_size 2 but the k/v has batch size 3"),
     ((2, 1, 1, 4), "num_kv_heads=3, head_dim=4 but the k/v has num_kv_heads=1, head_dim=4"),
