@@ -15,9 +15,11 @@ PRODUCT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Rows up to which linear multiplies a bf16 weight by its one-row loop (BF16_DOT_ROWS), and
-# past which by the bf16 tile kernel (FEW_ROWS), leaving those between to torch's product
-# (csrc/decode.cpp's constants; a test holds them equal).
+# past which by the bf16 tile kernel (FEW_ROWS), leaving those between to torch's product;
+# up to which a float32 weight stored by rows by its rows loop (F32_DOT_ROWS, more on the
+# tile kernel) (csrc/decode.cpp's constants; a test holds them equal).
 BF16_DOT_ROWS = 16
+F32_DOT_ROWS = 16
 FEW_ROWS = 64
 
 
@@ -91,12 +93,13 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
             return one_row(x, weight, bias, residual)
         if bf16_by_rows(x, weight, bias, residual, rows):
             return x.new_empty(*x.shape[:-1], weight.shape[0])
-        # A float32 weight by columns, or by rows (up to FEW_ROWS rows without the tiles).
+        # A float32 weight by columns, or by rows (up to F32_DOT_ROWS rows without the
+        # tiles).
         rows_layout = by_rows(weight)
         columns = (weight.dim() == 2 and weight.stride(0) == 1
                    and weight.stride(1) >= weight.shape[0])
-        if ((not tiles and not (rows_layout and rows <= FEW_ROWS)) or residual is not None
-                or not usable(x) or not usable(weight) or x.dim() < 1
+        if ((not tiles and not (rows_layout and rows <= F32_DOT_ROWS)) or residual is not None
+                or not usable(x) or not usable(weight) or weight.dim() != 2 or x.dim() < 1
                 or x.shape[-1] != weight.shape[1] or not x.is_contiguous()
                 or not (rows_layout or columns) or weight.shape[1] == 0):
             return None

@@ -96,7 +96,9 @@ def test_linear_fake_takes_and_declines_as_the_op_does():
         (torch.randn(3, 10), packed, torch.randn(6), None),  # a few rows: the tile kernel
         (torch.randn(100, 10), packed, None, None),  # many rows: the tile kernel too
         (torch.randn(3, 10), w, None, None),  # a few rows by rows: the rows loop
-        (torch.randn(100, 10), w, torch.randn(6), None),  # many by rows: transposed panels
+        (torch.randn(40, 10), w, None, None),  # more by rows: transposed panels, tiles
+        (torch.randn(100, 10), w, torch.randn(6), None),  # many by rows: the same
+        (torch.randn(3, 10), torch.randn(10), None, None),  # a 1-D weight: declined
         (torch.randn(3, 10), w, None, torch.randn(3, 6)),  # a residual: declined
         (torch.randn(1, 10).double(), w.double(), None, None),  # float64: declined
         (torch.randn(1, 20)[:, ::2], w, None, None),  # not contiguous: declined
@@ -108,6 +110,27 @@ def test_linear_fake_takes_and_declines_as_the_op_does():
     for args in cases:
         _fake_equals_real(ops.linear.default, args)
     torch.library.opcheck(ops.linear.default, cases[0])
+
+
+def test_linear_fake_without_the_tile_kernel_takes_only_the_portable_loops():
+    """On a CPU without AVX-512 (no tile kernel) the op takes one row, and 2 to
+    F32_DOT_ROWS rows times a float32 weight by rows (its portable rows loop); a weight by
+    columns or more rows by rows go to F.linear. The fake says so from metadata alone."""
+    from attnlab import _fakes
+
+    linear = _fakes.fakes(tiles=False)["linear"]
+    mode = FakeTensorMode()
+    fake = mode.from_tensor
+    w, packed = fake(torch.empty(6, 10)), fake(torch.empty(10, 6).t())
+    x = {n: fake(torch.empty(n, 10)) for n in (1, 3, _fakes.F32_DOT_ROWS, _fakes.F32_DOT_ROWS + 1)}
+    rows = _fakes.F32_DOT_ROWS
+    with mode:
+        assert linear(x[1], packed, None, None).shape == (1, 6)
+        assert linear(x[rows], w, None, None).shape == (rows, 6)
+        assert linear(x[rows + 1], w, None, None) is None
+        assert linear(x[3], packed, None, None) is None
+        with_tiles = _fakes.fakes(tiles=True)["linear"]
+        assert with_tiles(x[rows + 1], w, None, None).shape == (rows + 1, 6)
 
 
 def test_decode_step_fake_gives_the_real_output():

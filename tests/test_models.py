@@ -249,8 +249,8 @@ def test_embed_turns_ids_into_hidden_states_and_starts_forward(name):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_decoding_output_layer_copy_follows_the_weights(tie):
-    """Decoding one sequence, the output layer runs from a cached (d_model, vocab)
-    copy; it must give F.linear's logits and follow in-place updates (tied or not)."""
+    """Decoding one sequence, the output layer runs from its packed block (the only
+    copy); it must give F.linear's logits and follow in-place updates (tied or not)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, d_model=16, num_layers=1, num_heads=2,
                           positions="rope", norm="rmsnorm", mlp="swiglu",

@@ -30,19 +30,24 @@ needs_native = pytest.mark.skipif(not _native.available(),
 @needs_native
 @settings(max_examples=100, deadline=None)
 @given(n_in=st.sampled_from([1, 3, 16, 17, 64, 200]), n_out=st.sampled_from([1, 5, 16, 63, 130]),
-       rows=st.sampled_from([1, 2, 7, 64, 65, 97, 200]), by_columns=st.booleans(),
+       rows=st.sampled_from([0, 1, 2, 7, 16, 17, 64, 65, 97, 200]),
+       layout=st.sampled_from(["rows", "columns", "rows of a wider block"]),
        bias=st.booleans(), residual=st.booleans(), big=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias, residual, big,
+def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, layout, bias, residual, big,
                                            seed):
     g = torch.Generator().manual_seed(seed)
     if big:  # two threads share the product; past 512 inputs a band is copied first
         n_in, n_out = n_in * 16, n_out * 8
     w = torch.randn(n_out, n_in, generator=g)
-    if by_columns:  # stored (in, out), as modules.fused packs it, inside a wider block
+    if layout == "columns":  # stored (in, out), as modules.fused packs it, in a wider block
         block = torch.randn(n_in, n_out + 3, generator=g)
         block[:, :n_out] = w.t()
         w = block[:, :n_out].t()
+    elif layout == "rows of a wider block":  # a row stride past n_in
+        block = torch.randn(n_out, n_in + 5, generator=g)
+        block[:, :n_in] = w
+        w = block[:, :n_in]
     b = torch.randn(n_out, generator=g) if bias else None
     r = torch.randn(rows, n_out, generator=g) if residual else None
     x = torch.randn(rows, n_in, generator=g)
@@ -52,7 +57,7 @@ def test_linear_equals_f_linear_or_declines(n_in, n_out, rows, by_columns, bias,
     by_rows = w.stride(1) == 1 and (n_out <= 1 or w.stride(0) >= n_in)
     tiles = _flash.tile_kernel()
     takes = rows == 1 or (not residual and ((columns and tiles)
-                                            or (by_rows and (rows <= 64 or tiles))))
+                                            or (by_rows and (rows <= 16 or tiles))))
     if not takes:
         assert got is None
         return
@@ -66,6 +71,7 @@ def test_linear_declines_what_it_does_not_read():
     assert ops.linear(torch.randn(1, 4).double(), w.double(), None, None) is None
     assert ops.linear(torch.randn(1, 4), w[:, ::2].t().t()[:, :2], None, None) is None  # strided
     assert ops.linear(torch.randn(2, 4), w, None, torch.randn(2, 8)) is None  # rows + residual
+    assert ops.linear(torch.randn(3, 4), torch.randn(4), None, None) is None  # a 1-D weight
     assert ops.linear(torch.randn(1, 4), w, torch.randn(3), None) is None  # a bias of 3 for 8
 
 

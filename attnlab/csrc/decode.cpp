@@ -180,6 +180,11 @@ constexpr int64_t FEW_ROWS = 64;
 // time of one. From there to FEW_ROWS torch's product is the faster (at 32 rows 1.05-1.14x
 // the loop's speed, one Zen 5 core), past it the bf16 tile kernel.
 constexpr int64_t BF16_DOT_ROWS = 16;
+// Up to this many rows a float32 weight stored by rows is multiplied by row_product.h's
+// dots_rows, four rows of x a pass over each band (1.1-1.3x the tile kernel's speed over
+// the same weight by columns at 8-16 rows, SmolLM-135M's output layer); more go to the
+// tile kernel from transposed panels (at 64 rows dots_rows took 1.2x its time).
+constexpr int64_t F32_DOT_ROWS = 16;
 // More rows (prefill, an encoder's batch) are bound by the products: each band of 64
 // outputs is multiplied ROW_CHUNK rows at a time (the chunk of x stays in L2 across the
 // band's k loop), and with more than PACK_IN inputs the band's weight columns, whose
@@ -285,8 +290,8 @@ void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   });
 }
 
-// Up to FEW_ROWS rows times a float32 weight stored by rows (modules/fused.py's output
-// layer past COLUMNS_MAX_OUT outputs), into y.
+// Up to F32_DOT_ROWS rows times a float32 weight stored by rows (modules/fused.py's
+// output layer past COLUMNS_MAX_OUT outputs), into y.
 void few_rows_f32(int64_t rows, int64_t n_in, int64_t n_out, const float* a, const float* b,
                   int64_t ld, const float* bias, float* c) {
   few_rows_by_bands(rows, n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
@@ -322,11 +327,11 @@ void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 // (out, in): one row by one_row; more, W float32 stored by columns (the packed blocks),
 // by the AVX-512 tile kernel where the CPU has it (few rows and many as above), threads
 // taking bands of 64 outputs; W float32 stored by rows (an output layer past
-// modules/fused.py's COLUMNS_MAX_OUT), up to FEW_ROWS rows by few_rows_f32 (a batch being
-// decoded: 1.06x tokens/s at 4 and 8 sequences against the layer by columns, SmolLM-135M,
-// Zen 4), more by the tile kernel from each band transposed into a panel (a prompt's
-// every logit: as fast as by columns); more than one row times a bf16 weight packed by
-// rows by attnlab's bf16 products (bf16_rows); None otherwise (the caller runs F.linear).
+// modules/fused.py's COLUMNS_MAX_OUT), up to F32_DOT_ROWS rows by few_rows_f32 (a batch
+// being decoded: 1.06x tokens/s at 4 and 8 sequences against the layer by columns,
+// SmolLM-135M, Zen 4), more by the tile kernel from each band transposed into a panel;
+// more than one row times a bf16 weight packed by rows by attnlab's bf16 products
+// (bf16_rows); None otherwise (the caller runs F.linear).
 std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
                                  const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual) {
@@ -355,10 +360,10 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
       w.dim() == 2 && w.stride(1) == 1 && (w.size(0) <= 1 || w.stride(0) >= w.size(1));
   const bool by_columns = w.dim() == 2 && w.stride(0) == 1 && w.stride(1) >= w.size(0);
   const int64_t rows = x.dim() >= 1 ? leading_rows(x) : 0;
-  const bool few_by_rows = by_rows && rows <= FEW_ROWS;
+  const bool few_by_rows = by_rows && rows <= F32_DOT_ROWS;
   if ((!tile_gemm_supported() && !few_by_rows) || residual.has_value() || !usable(x) ||
-      !usable(w) || x.dim() < 1 || x.size(-1) != w.size(1) || !x.is_contiguous() ||
-      !(by_rows || by_columns))
+      !usable(w) || w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1) ||
+      !x.is_contiguous() || !(by_rows || by_columns))
     return std::nullopt;
   const int64_t n_in = w.size(1), n_out = w.size(0), ld = by_rows ? w.stride(0) : w.stride(1);
   if (n_in == 0) return std::nullopt;
@@ -376,7 +381,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t bands = (n_out + PANEL - 1) / PANEL;
   at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
     const int64_t j0 = begin * PANEL, j1 = std::min(end * PANEL, n_out);
-    if (rows > FEW_ROWS) {
+    if (rows > FEW_ROWS || by_rows) {
       std::vector<float> panel;
       for (int64_t band = begin; band < end; ++band)
         many_rows_band(rows, n_in, n_out, a, b, ld, by_rows, bp, c, band * PANEL,

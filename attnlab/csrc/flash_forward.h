@@ -122,32 +122,6 @@ void forward_block(const Problem& P, const S* q, const Rows& qr, const S* k, con
 constexpr int64_t SHORT_KEYS = 32;
 
 #if defined(ATTNLAB_X86)
-// x[0..16) transposed in place: x[i] lane j becomes x[j] lane i.
-ATTNLAB_AVX512 __attribute__((always_inline)) inline void transpose16(__m512 x[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    for (int h = 0; h < 2; ++h) {
-      const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + 2 + h]);
-      x[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      x[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int h = 0; h < 4; ++h) {
-      t[i + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0x88);
-      t[i + 4 + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0xdd);
-    }
-  }
-  for (int h = 0; h < 8; ++h) {
-    x[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
-    x[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xdd);
-  }
-}
-
 // Rows [0, nr) of a query run whose keys all lie among n <= SHORT_KEYS keys (short packed
 // documents: the MiniLM encoder's sentences of about 13 tokens), row r seeing keys
 // [a[r], e[r]). On the tiles such a run went mostly to set-up around products a dozen

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -187,6 +188,55 @@ ATTNLAB_AVX512 __attribute__((noinline)) inline void tile_gemm(int64_t m, int64_
   }
 }
 
+// x[0..16) transposed in place: x[i] lane j becomes x[j] lane i.
+ATTNLAB_AVX512 __attribute__((always_inline)) inline void transpose16(__m512 x[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + 2 + h]);
+      x[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      x[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int h = 0; h < 4; ++h) {
+      t[i + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0x88);
+      t[i + 4 + h] = _mm512_shuffle_f32x4(x[i + h], x[i + 4 + h], 0xdd);
+    }
+  }
+  for (int h = 0; h < 8; ++h) {
+    x[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
+    x[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xdd);
+  }
+}
+
+// pack_transposed for float rows: 16 x 16 blocks transposed in registers, the edges (the
+// last rows of a panel, the last columns) element by element.
+ATTNLAB_AVX512 inline void pack_transposed_avx512(const float* src, int64_t ld, int64_t n,
+                                                  int64_t cols, float* dst) {
+  for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
+    const int64_t w = std::min(PANEL, n - j0), w16 = w / 16 * 16, c16 = cols / 16 * 16;
+    float* panel = dst + (j0 / PANEL) * cols * PANEL;
+    for (int64_t jj = 0; jj < w16; jj += 16) {
+      const float* rows = src + (j0 + jj) * ld;
+      for (int64_t d = 0; d < c16; d += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows + i * ld + d);
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(panel + (d + i) * PANEL + jj, r[i]);
+      }
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t d = c16; d < cols; ++d) panel[d * PANEL + jj + i] = rows[i * ld + d];
+    }
+    for (int64_t jj = w16; jj < w; ++jj)
+      for (int64_t d = 0; d < cols; ++d) panel[d * PANEL + jj] = src[(j0 + jj) * ld + d];
+  }
+}
+
 }  // namespace attnlab
 
 #else
@@ -194,6 +244,7 @@ namespace attnlab {
 inline void tile_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t,
                       const float*, int64_t, bool, float*, int64_t, bool = false,
                       const float* = nullptr, int64_t = 0) {}
+inline void pack_transposed_avx512(const float*, int64_t, int64_t, int64_t, float*) {}
 }  // namespace attnlab
 #endif
 
@@ -205,6 +256,9 @@ namespace attnlab {
 // rows is read with ldb = PANEL.
 template <typename S, typename A>
 void pack_transposed(const S* src, int64_t ld, int64_t n, int64_t cols, A* dst) {
+  if constexpr (std::is_same_v<S, float> && std::is_same_v<A, float>) {
+    if (tile_gemm_supported()) return pack_transposed_avx512(src, ld, n, cols, dst);
+  }
   for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
     const int64_t w = n - j0 < PANEL ? n - j0 : PANEL;
     A* panel = dst + (j0 / PANEL) * cols * PANEL;

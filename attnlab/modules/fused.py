@@ -1,12 +1,12 @@
 """Weights held once, in the layout one-row products want.
 
 Decoding one sequence, one token at a time, on a CPU is dominated by reading the
-weights and by per-call overhead. For one input row MKL streams a weight stored
-``(in, out)`` (transposed, contiguous) 1.3x-1.9x faster than ``nn.Linear``'s
-usual ``(out, in)`` rows on this 2-core EPYC (SmolLM's 576 -> 49152 output
-layer: 14 ms against 26 ms, one thread), and several projections of the same
-input (Q/K/V, SwiGLU's gate/up) run as one matmul when their weights lie side
-by side.
+weights and by per-call overhead. Several projections of the same input (Q/K/V,
+SwiGLU's gate/up) run as one product when their weights lie side by side, and the
+layout decides how fast a product streams: MKL multiplies one row by a weight stored
+``(in, out)`` (transposed, contiguous) 1.3x-1.9x faster than by ``nn.Linear``'s usual
+``(out, in)`` rows (2-core EPYC, one thread), and the float32 tile kernel of prompts
+reads ``(in, out)`` blocks in place.
 
 So :func:`pack` stores a group of float32 ``nn.Linear`` weights as the column blocks
 of one ``(in, sum of out)`` tensor, and each layer's ``weight`` stays an ordinary
@@ -32,7 +32,8 @@ whole block at once: one row by the native kernel's streamed product
 (``csrc/row_product.h``; else ``F.linear``), more (a batch being decoded, a prompt,
 an encoder's batch) by its AVX-512 tile products where the CPU has them and the
 weights are float32 (10-15% faster than MKL's ``addmm`` on the encoder's shapes,
-one Zen 4 core); otherwise (bf16 weights on many rows go to torch's bf16 product,
+one Zen 4 core; up to 16 rows times a float32 weight by rows by its rows loop, on any
+CPU); otherwise (bf16 weights on many rows go to torch's bf16 product,
 or while a layer has forward hooks, which must see that layer run) the layers run
 one by one.
 """
@@ -68,8 +69,8 @@ def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
 # that product ran as fast as over rows or up to 1.25x faster (576 and 4096 inputs);
 # from 6144 outputs on, the sum passes through the second-level cache once per input and
 # the product over rows ran 1.25x-1.5x faster (SmolLM-135M's output layer, 49152
-# outputs: 5.7 against 7.9 ms, one thread). The float32 tile kernel of prompts reads
-# only columns, so smaller groups keep them.
+# outputs: 5.7 against 7.9 ms, one thread). Smaller groups keep columns, which the
+# float32 tile kernel of prompts reads in place (rows it first copies transposed).
 COLUMNS_MAX_OUT = 4096
 
 
@@ -249,8 +250,9 @@ def joint(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     packed block, for inference (one row, a batch being decoded, a prompt, an encoder's
     batch); or None where the layers should run one by one: with gradients, with hooks on a
     layer, for more than one row where the native products do not take them (a CPU
-    without AVX-512, or bf16 weights on one without the bf16 dot product: BLAS multiplies
-    a packed block slower than each layer's own weight).
+    without AVX-512, past 16 rows for float32 weights by rows and for any by columns, or
+    bf16 weights on one without the bf16 dot product: BLAS multiplies a packed block
+    slower than each layer's own weight).
 
     The weights may be float32 or bf16 (one row by the native streamed product either
     way), or int8 (:class:`~.quantized.Int8Linear` layers, by the native int8 product);

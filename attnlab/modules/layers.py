@@ -136,7 +136,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
         # Each packed as the native products stream it fastest (modules.fused: (in, out),
-        # bf16 by rows); a gated MLP's gate and up in one tensor, one product.
+        # by rows in bf16 or past 4096 outputs); a gated MLP's gate and up in one tensor.
         self.product_groups = (("gate", "fc") if gated else ("fc",), ("proj",))
         fused.pack_groups(self)
 

@@ -161,8 +161,8 @@ class MultiHeadAttention(rows.AttentionRows, scores.ScoreOptions, split.SplitSeq
         self.q_norm, self.k_norm = (tuple(make_norm(qk_norm, self.head_dim, qk_norm_eps,
                                                     "qk_norm_eps") for _ in "qk")
                                     if qk_norm is not None else (None, None))
-        # One (d_in, q + k + v) tensor (bf16: (q + k + v, d_in) rows) holds the three
-        # weights, views of it (see modules.fused); the output projection is packed too.
+        # One (d_in, q + k + v) tensor (by rows in bf16 or past 4096 outputs, see
+        # modules.fused) holds the three weights, views of it; the output projection too.
         fused.pack_groups(self)
         # Hook point for attnlab.experiments: None, or a callable (q, k, v) -> (q, k, v)
         # on the (batch, heads, len, head_dim) tensors exactly as attention receives
