@@ -47,7 +47,7 @@ ATTNLAB_INLINE float plus(float s, const float* bias, const float* residual, int
 // apart for a 576-wide row) streamed SmolLM-135M's float32 matrices at 60% of a plain read
 // of them on one Zen 4 core, one row at a time at about 80%, and float32 decoding ran
 // 1.19x-1.20x the tokens/s (interleaved in one process, one thread; neutral at two). The
-// non-temporal hint of dot_bf16.h's loop cost 4-15% of that here (vec.h).
+// non-temporal hint of dot_bf16.h's loop cost 9-13% of that here (vec.h).
 template <typename S>
 ATTNLAB_PER_ISA static void dots(const S* w, int64_t ld, const float* x, int64_t n_in,
                                 int64_t o0, int64_t o1, const float* bias,
