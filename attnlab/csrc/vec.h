@@ -62,7 +62,7 @@ inline Level cpu_level() {
 // loop (dot_bf16.h), SmolLM-135M's shape, one Zen 4 core, interleaved in one process:
 // 1.10-1.18x tokens/s at 128-320 bytes ahead, 0.95x at 768; neutral at two threads. The
 // float32 loops (row_product.h) and the int8 loop (its bands and their scales) were 9-13%
-// and 4-26% slower with it at 0-512 bytes, so they go without.
+// (128-256 bytes ahead) and 4-26% (0-512) slower with it, so they go without.
 constexpr int64_t STREAM_AHEAD_BYTES = 256;
 
 ATTNLAB_INLINE void stream_hint(const void* p) {
