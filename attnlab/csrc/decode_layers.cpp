@@ -76,10 +76,18 @@ struct Product {
   int64_t out = 0;
 
   Tensor operator()(const Tensor& x, const Tensor& residual) const {
-    if (scales.defined())
+    if (scales.defined()) {
+      // The weight was checked when the layer was added; the run's rows are float32.
+      if (plain_float(x) && (!residual.defined() || plain_float(residual)))
+        return int8_linear_checked(x, weight, scales, out, bias, residual);
       return int8_linear(x, weight, scales, out, bias.defined() ? optional<Tensor>(bias) : std::nullopt,
                          residual.defined() ? optional<Tensor>(residual) : std::nullopt);
+    }
     return linear_row(x, weight, bias, residual);
+  }
+
+  static bool plain_float(const Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous();
   }
 };
 
