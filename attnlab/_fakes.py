@@ -82,8 +82,7 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
                 and x.is_contiguous() and x.shape[-1] == n_in
                 and (1 < rows <= BF16_DOT_ROWS or rows > FEW_ROWS)
                 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-                and n_in > 0 and n_in % 2 == 0 and weight.stride(1) == 1
-                and (n_out <= 1 or weight.stride(0) >= n_in)
+                and n_in > 0 and n_in % 2 == 0 and by_rows(weight)
                 and (bias is None or (floating(bias) and bias.numel() == n_out
                                       and bias.is_contiguous())))
 

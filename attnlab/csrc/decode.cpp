@@ -134,6 +134,11 @@ bool floating(const at::Tensor& t) {
          t.device().is_cpu();
 }
 
+// Whether a weight (out, in) is stored by rows: unit stride along in, its rows apart.
+bool stored_by_rows(const at::Tensor& w) {
+  return w.dim() == 2 && w.stride(1) == 1 && (w.size(0) <= 1 || w.stride(0) >= w.size(1));
+}
+
 // One row x (..., in) times an nn.Linear weight (out, in), float32 or bf16, stored by
 // rows (unit stride along in) or by columns (unit stride along out, the packed blocks),
 // plus bias (out,) and residual (numel = out), each optional: row_product.h's streamed
@@ -146,7 +151,7 @@ std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
       leading_rows(x) != 1 || !x.is_contiguous())
     return std::nullopt;
   const int64_t n_out = w.size(0), n_in = w.size(1);
-  const bool by_rows = w.stride(1) == 1 && (n_out <= 1 || w.stride(0) >= n_in);
+  const bool by_rows = stored_by_rows(w);
   const bool by_columns = !by_rows && w.stride(0) == 1 && (n_in <= 1 || w.stride(1) >= n_out);
   if (!by_rows && !by_columns) return std::nullopt;
   for (const auto* t : {&bias, &residual}) {
@@ -238,8 +243,7 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
 bool bf16_rows(int64_t rows, const at::Tensor& w) {
   return rows > 1 && (rows <= BF16_DOT_ROWS || rows > FEW_ROWS) &&
          w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.dim() == 2 &&
-         w.size(1) > 0 && w.size(1) % 2 == 0 && w.stride(1) == 1 &&
-         (w.size(0) <= 1 || w.stride(0) >= w.size(1)) && bf16_dot_active();
+         w.size(1) > 0 && w.size(1) % 2 == 0 && stored_by_rows(w) && bf16_dot_active();
 }
 
 // The operands of rows of x (bf16) times a bf16 weight packed by rows, + bias, into y
@@ -355,9 +359,8 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
     return y;
   }
   // A float32 weight by columns (the packed blocks) or by rows (an output layer past
-  // COLUMNS_MAX_OUT outputs: up to FEW_ROWS rows by few_rows_f32).
-  const bool by_rows =
-      w.dim() == 2 && w.stride(1) == 1 && (w.size(0) <= 1 || w.stride(0) >= w.size(1));
+  // COLUMNS_MAX_OUT outputs: up to F32_DOT_ROWS rows by few_rows_f32).
+  const bool by_rows = stored_by_rows(w);
   const bool by_columns = w.dim() == 2 && w.stride(0) == 1 && w.stride(1) >= w.size(0);
   const int64_t rows = x.dim() >= 1 ? leading_rows(x) : 0;
   const bool few_by_rows = by_rows && rows <= F32_DOT_ROWS;
