@@ -14,13 +14,9 @@ import torch
 PRODUCT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# Rows up to which linear multiplies a bf16 weight by its one-row loop (BF16_DOT_ROWS), and
-# past which by the bf16 tile kernel (FEW_ROWS), leaving those between to torch's product;
-# up to which a float32 weight stored by rows by its rows loop (F32_DOT_ROWS, more on the
-# tile kernel) (csrc/decode.cpp's constants; a test holds them equal).
-BF16_DOT_ROWS = 16
+# Rows up to which linear multiplies a float32 weight stored by rows by its rows loop, more
+# on the tile kernel (csrc/decode.cpp's constant; a test holds them equal).
 F32_DOT_ROWS = 16
-FEW_ROWS = 64
 
 
 def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
@@ -80,7 +76,7 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
         n_out, n_in = weight.shape if weight.dim() == 2 else (0, 0)
         return (bf16_dot and residual is None and floating(x) and x.dim() >= 1
                 and x.is_contiguous() and x.shape[-1] == n_in
-                and (1 < rows <= BF16_DOT_ROWS or rows > FEW_ROWS)
+                and rows > 1
                 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
                 and n_in > 0 and n_in % 2 == 0 and by_rows(weight)
                 and (bias is None or (floating(bias) and bias.numel() == n_out

@@ -225,10 +225,9 @@ def _with_fakes(ops):
         with _disable_current_modes():
             tiles = ops.linear(torch.ones(2, 2, **one), torch.ones(2, 2, **one).t(), None, None)
             # And whether it has the bf16 dot product, on which more than one row times a
-            # bf16 weight by rows runs (2-BF16_DOT_ROWS rows, or more than FEW_ROWS):
-            # asked the same way.
-            bf16_dot = ops.linear(torch.ones(_fakes.FEW_ROWS + 1, 2, **bf16),
-                                  torch.ones(1, 2, **bf16), None, None)
+            # bf16 weight by rows runs: asked the same way.
+            bf16_dot = ops.linear(torch.ones(2, 2, **bf16), torch.ones(1, 2, **bf16), None,
+                                  None)
         tiles, bf16_dot = tiles is not None, bf16_dot is not None
         for name, fake in _fakes.fakes(tiles, bf16_dot).items():
             torch.library.register_fake(f"{LIBRARY}::{name}", fake)

@@ -128,12 +128,9 @@ def test_short_packed_documents_tile_by_32_rows_and_agree_with_the_oracle():
 
 
 def test_the_row_thresholds_are_the_kernels():
-    """_fakes.BF16_DOT_ROWS and FEW_ROWS (between them linear leaves a bf16 weight to
-    torch, which the fake kernel repeats) and F32_DOT_ROWS (past it a float32 weight by
-    rows needs the tile kernel) are csrc/decode.cpp's."""
+    """_fakes.F32_DOT_ROWS (past it a float32 weight by rows needs the tile kernel, which
+    the fake kernel repeats) is csrc/decode.cpp's."""
     source = (Path(_native.__file__).parent / "csrc" / "decode.cpp").read_text()
-    assert f"constexpr int64_t FEW_ROWS = {_fakes.FEW_ROWS};" in source
-    assert f"constexpr int64_t BF16_DOT_ROWS = {_fakes.BF16_DOT_ROWS};" in source
     assert f"constexpr int64_t F32_DOT_ROWS = {_fakes.F32_DOT_ROWS};" in source
 
 

@@ -108,14 +108,14 @@ def test_bf16_paths_agree_and_the_dot_path_is_there_where_the_cpu_has_it(layout)
 
 @needs_native
 @settings(max_examples=30, deadline=None)
-@given(rows=st.one_of(st.integers(2, 16), st.integers(65, 200)), half_in=st.integers(1, 150),
+@given(rows=st.integers(2, 200), half_in=st.integers(1, 150),
        n_out=st.integers(1, 150),
        x_bf16=st.booleans(), bias=st.booleans(), wide=st.booleans(),
        seed=st.integers(0, 2**31))
 def test_bf16_many_rows_equal_the_oracle(rows, half_in, n_out, x_bf16, bias, wide, seed):
     """2 to BF16_DOT_ROWS rows times a bf16 weight packed by rows (a batch being decoded,
-    a short prompt), or more than FEW_ROWS (a prompt): the one-row loop four rows at a time
-    or the bf16 tile kernel where the CPU has the dot product, else torch's product (the op
+    a short prompt), or more (a prompt): the one-row loop four rows at a time or the bf16
+    tile kernel where the CPU has the dot product, else torch's product (the op
     declines); either way x rounded to bf16 times the weight, summed in float32, in x's
     dtype."""
     n_in = 2 * half_in
@@ -138,14 +138,28 @@ def test_bf16_many_rows_equal_the_oracle(rows, half_in, n_out, x_bf16, bias, wid
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [16, 17, 32, 64, 65])
+def test_bf16_rows_past_the_loop_go_to_the_tile_kernel(rows):
+    """Past BF16_DOT_ROWS every row count is attnlab's (a short prompt of 17-64 tokens went
+    to torch's product before), equal to the oracle."""
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows + 1))
+    y = ops.linear(x, w, None, None)
+    if not ops.dot_products_active():
+        assert y is None
+        return
+    assert y is not None and y.dtype == torch.float32
+    err = (y.double() - bf16_oracle(x, w)).abs()
+    assert bool((err <= 1e-6 * (magnitude(x, w) + 1)).all()), float(err.max())
+
+
+@needs_native
 def test_bf16_rows_decline_what_the_kernels_do_not_take():
     w = torch.randn(8, 10).to(torch.bfloat16)
     x = torch.randn(100, 10)
     assert ops.linear(x, w, None, torch.randn(100, 8)) is None  # a residual
     assert ops.linear(torch.randn(100, 9), torch.randn(8, 9).to(torch.bfloat16), None,
                       None) is None  # odd inputs: A's last pair would reach past its row
-    for rows in (17, 64):  # between the two: torch's
-        assert ops.linear(torch.randn(rows, 10), w, None, None) is None
     assert ops.linear(x, w.t().contiguous().t(), None, None) is None  # by columns
     with path("portable"):
         assert ops.linear(x, w, None, None) is None  # no dot product: torch's

@@ -182,8 +182,9 @@ namespace {
 constexpr int64_t FEW_ROWS = 64;
 // Up to this many rows a bf16 weight's rows are multiplied by the one-row loop, four rows
 // of x at a time (few_rows_bf16): reading the weight bounds them, and 2-4 rows take the
-// time of one. From there to FEW_ROWS torch's product is the faster (at 32 rows 1.05-1.14x
-// the loop's speed, one Zen 5 core), past it the bf16 tile kernel.
+// time of one. More go to the bf16 tile kernel: at 17-64 rows (a short prompt, SmolLM-135M's
+// shapes) it ran 1.03-1.35x the speed of torch's bf16 product on one Zen 4 core and
+// 1.03-1.52x on two (torch's had been taking them: 1.05-1.14x the loop's speed at 32 rows).
 constexpr int64_t BF16_DOT_ROWS = 16;
 // Up to this many rows a float32 weight stored by rows is multiplied by row_product.h's
 // dots_rows, four rows of x a pass over each band (1.1-1.3x the tile kernel's speed over
@@ -238,10 +239,10 @@ void many_rows_band(int64_t rows, int64_t n_in, int64_t n_out, const float* a, c
 }
 
 // Whether more than one row times w goes to attnlab's bf16 products: up to BF16_DOT_ROWS
-// rows (few_rows_bf16) or more than FEW_ROWS (the tile kernel, tile_bf16.h), a bf16 weight
-// packed by rows with an even number of inputs, a CPU with the bf16 dot product.
+// rows (few_rows_bf16), more on the tile kernel (tile_bf16.h); a bf16 weight packed by
+// rows with an even number of inputs, a CPU with the bf16 dot product.
 bool bf16_rows(int64_t rows, const at::Tensor& w) {
-  return rows > 1 && (rows <= BF16_DOT_ROWS || rows > FEW_ROWS) &&
+  return rows > 1 &&
          w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.dim() == 2 &&
          w.size(1) > 0 && w.size(1) % 2 == 0 && stored_by_rows(w) && bf16_dot_active();
 }
@@ -310,7 +311,7 @@ void few_rows_f32(int64_t rows, int64_t n_in, int64_t n_out, const float* a, con
   });
 }
 
-// More than FEW_ROWS rows (float32 or bf16, rounded to bf16 as vdpbf16ps reads them), in
+// More than BF16_DOT_ROWS rows (float32 or bf16, rounded to bf16 as vdpbf16ps reads them), in
 // x's dtype: each band packed into pairs once (tile_bf16.h) and every row multiplied by it.
 template <typename C>
 void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
