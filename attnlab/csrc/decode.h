@@ -38,11 +38,11 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                        int64_t out, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual);
-// int8_linear for inputs already checked and converted (x, residual float32 contiguous,
-// bias a float32 copy; the weight int8_problem-free): the decoding run's products.
-at::Tensor int8_linear_checked(const at::Tensor& x, const at::Tensor& data,
-                               const at::Tensor& scales, int64_t out, const at::Tensor& bias,
-                               const at::Tensor& residual);
+// int8_linear for inputs already checked and converted (x, residual float32 contiguous or
+// residual undefined; bias a float32 copy or null; the weight's data and scales int8_problem-
+// free): the decoding run's products, which read the weight's pointers when a layer is added.
+at::Tensor int8_linear_checked(const at::Tensor& x, const uint8_t* data, const uint16_t* scales,
+                               int64_t out, const float* bias, const at::Tensor& residual);
 // Why (data, scales) is not an int8 weight of (out, in) in that layout, or "".
 std::string int8_problem(const at::Tensor& data, const at::Tensor& scales, int64_t out,
                          int64_t in);

@@ -74,12 +74,28 @@ Tensor float_copy(const Tensor& t) { return t.defined() ? t.to(at::kFloat).conti
 struct Product {
   Tensor weight, scales, bias;
   int64_t out = 0;
+  // An int8 weight's pointers, read once (the tensors above hold the memory): each read
+  // through a tensor checks its dtype on a TensorImpl that the weights streamed since
+  // evicted, about 1% of an int8 token.
+  const uint8_t* data = nullptr;
+  const uint16_t* scale_bits = nullptr;
+  const float* bias_data = nullptr;
+
+  Product() = default;
+  Product(Tensor w, Tensor s, Tensor b, int64_t n_out)
+      : weight(std::move(w)), scales(std::move(s)), bias(std::move(b)), out(n_out) {
+    if (scales.defined()) {
+      data = weight.data_ptr<uint8_t>();
+      scale_bits = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+      bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    }
+  }
 
   Tensor operator()(const Tensor& x, const Tensor& residual) const {
     if (scales.defined()) {
       // The weight was checked when the layer was added; the run's rows are float32.
       if (plain_float(x) && (!residual.defined() || plain_float(residual)))
-        return int8_linear_checked(x, weight, scales, out, bias, residual);
+        return int8_linear_checked(x, data, scale_bits, out, bias_data, residual);
       return int8_linear(x, weight, scales, out, bias.defined() ? optional<Tensor>(bias) : std::nullopt,
                          residual.defined() ? optional<Tensor>(residual) : std::nullopt);
     }

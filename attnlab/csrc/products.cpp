@@ -59,21 +59,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& data, const at::Te
     TORCH_CHECK(residual->numel() == rows * out, "attnlab int8_linear: residual (..., out)");
     r = as_float(*residual);
   }
-  const at::Tensor y = int8_linear_checked(xf, data, scales, out, b, r);
+  const at::Tensor y = int8_linear_checked(
+      xf, data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
+      out, b.defined() ? b.data_ptr<float>() : nullptr, r);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-at::Tensor int8_linear_checked(const at::Tensor& x, const at::Tensor& data,
-                               const at::Tensor& scales, int64_t out, const at::Tensor& bias,
-                               const at::Tensor& residual) {
+at::Tensor int8_linear_checked(const at::Tensor& x, const uint8_t* data, const uint16_t* scales,
+                               int64_t out, const float* bias, const at::Tensor& residual) {
   const int64_t in = x.size(-1), rows = in == 0 ? 0 : x.numel() / in;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
   if (rows > 0)
-    int8_product(x.data_ptr<float>(), rows, in, data.data_ptr<uint8_t>(),
-                 reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), out,
-                 bias.defined() ? bias.data_ptr<float>() : nullptr,
+    int8_product(x.data_ptr<float>(), rows, in, data, scales, out, bias,
                  residual.defined() ? residual.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
