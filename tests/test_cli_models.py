@@ -267,3 +267,72 @@ def test_a_prompt_stops_at_the_folders_end_of_text_token(gpt2_dir, tmp_path, cap
     assert main(["generate", "--model", str(folder), "--prompt", "the cat", "--temperature",
                  "0", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(ids + greedy[:1])
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+def test_generate_at_a_precision_decodes_that_model(gpt2_dir, precision, capsys):
+    """--precision holds the GPT's weights in bf16 or int8 (or float32 from a bf16
+    folder): the printed text is that model's greedy continuation."""
+    from attnlab.interop.auto import load
+    from attnlab.modules.quantized import Int8Linear
+
+    model, tok = load(str(gpt2_dir), precision)
+    weight = model.blocks[0].mlp.fc
+    if precision == "int8":
+        assert isinstance(weight, Int8Linear)
+    else:
+        assert weight.weight.dtype == getattr(torch, precision)
+    want = model.generate(torch.tensor([[4, 5]]), 6, temperature=0)[0].tolist()
+    assert main(["generate", "--model", str(gpt2_dir), "--prompt", "the cat",
+                 "--max-new-tokens", "6", "--temperature", "0", "--precision", precision]) == 0
+    assert capsys.readouterr().out.strip() == tok.decode(want).strip()
+
+
+def test_a_precision_is_for_a_gpts_weights(gpt2_dir, bert_dir, tmp_path, capsys):
+    import shutil
+
+    from attnlab.interop.auto import load
+
+    assert "--precision int8 holds a GPT's weights; --model " in _err(
+        capsys, "generate", "--model", str(bert_dir), "--prompt", "x", "--precision", "int8")
+    assert "holds an Encoder" in _err(capsys, "generate", "--model", "minilm", "--prompt", "x",
+                                      "--precision", "bfloat16")
+    with pytest.raises(SystemExit) as exit_:  # argparse's own one line
+        main(["generate", "--model", str(gpt2_dir), "--prompt", "x", "--precision", "int4"])
+    assert exit_.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    # A bf16 folder stays bf16 unless float32 is asked for.
+    half = tmp_path / "half"
+    shutil.copytree(gpt2_dir, half)
+    T.GPT2LMHeadModel.from_pretrained(gpt2_dir, dtype=torch.bfloat16).save_pretrained(half)
+    assert load(str(half))[0].lm_head.weight.dtype == torch.bfloat16
+    assert load(str(half), "float32")[0].lm_head.weight.dtype == torch.float32
+
+
+def test_a_checkpoints_gpt_at_a_precision(tmp_path, capsys):
+    """--ckpt: a GPT checkpoint quantised or converted after loading (its greedy text is
+    that model's); a ToyAttnLM's is refused in one line, before anything is printed."""
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.interop.auto import load_for_cli
+    from attnlab.models import GPT, GPTConfig, ToyAttnLM
+    from attnlab.modules.quantized import Int8Linear
+    from attnlab.text import CharTokenizer
+
+    tok = CharTokenizer.from_text("abcdefgh ")
+    torch.manual_seed(0)
+    save_checkpoint(GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=32, d_model=32,
+                                  num_layers=2, num_heads=4)), tmp_path / "gpt", tokenizer=tok)
+    save_checkpoint(ToyAttnLM(vocab_size=tok.vocab_size, context_length=16, d_model=16),
+                    tmp_path / "toy", tokenizer=tok)
+    for precision in ("int8", "bfloat16"):
+        model, _, _ = load_for_cli(str(tmp_path / "gpt"), None, precision=precision)
+        fc = model.blocks[1].mlp.fc
+        assert isinstance(fc, Int8Linear) if precision == "int8" else \
+            fc.weight.dtype == torch.bfloat16
+        want = model.generate(torch.tensor([tok.encode("abc")]), 5, temperature=0)[0]
+        assert main(["generate", "--ckpt", str(tmp_path / "gpt"), "--prompt", "abc",
+                     "--temperature", "0", "--max-new-tokens", "5",
+                     "--precision", precision]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == tok.decode(want.tolist())
+    err = _err(capsys, "generate", "--ckpt", str(tmp_path / "toy"), "--prompt", "abc",
+               "--precision", "int8")
+    assert "--precision int8 holds a GPT's weights; --ckpt " in err and "a ToyAttnLM" in err

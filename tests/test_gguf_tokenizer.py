@@ -211,6 +211,34 @@ def test_generate_chat_applies_the_template_and_stops_at_the_end_of_turn(tmp_pat
     assert "not allowed with" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("precision", [None, "bfloat16", "int8"])
+def test_generate_holds_a_q8_0_file_at_the_precision_asked(tmp_path, capsys, precision):
+    """--precision int8 keeps a Q8_0 file's bytes (GPT.from_gguf(quantize="int8")), bf16
+    holds its matrices in bf16, none expands them to float32; the printed text is that
+    model's greedy continuation."""
+    from attnlab.interop.auto import load_gguf
+    from attnlab.modules.quantized import Int8Linear
+
+    meta = byte_level_metadata()
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, _tiny(len(meta["tokens"])), tokenizer=meta, kind="Q8_0")
+    model, tok = load_gguf(path, precision)
+    fc = model.blocks[0].mlp.proj
+    if precision == "int8":
+        want = GPT.from_gguf(path, quantize="int8").blocks[0].mlp.proj
+        assert isinstance(fc, Int8Linear) and torch.equal(fc.data, want.data)
+        assert torch.equal(fc.scales, want.scales)
+    else:
+        assert fc.weight.dtype == (torch.bfloat16 if precision else torch.float32)
+    ids = tok.encode("the cat 注意力", add_special_tokens=False)
+    greedy = model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    argv = ["generate", "--model", str(path), "--prompt", "the cat 注意力", "--temperature",
+            "0", "--max-new-tokens", "5"] + (["--precision", precision] if precision else [])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip("\n") == tok.decode(ids + greedy).rstrip("\n")
+
 # What llama.cpp (llama-cpp-python 0.3.36, vocab only) gives for SPLIT_PROBE_TEXTS under
 # each kind of tokenizer.ggml.pre, as tokens: the splits differ in digits, "'M", "/t",
 # CamelCase and punctuation runs, and attnlab's must be llama.cpp's (a file's ids are).

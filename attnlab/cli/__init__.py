@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="nucleus sampling: the most likely tokens up to probability p "
                                "(default: all)")
     generate.add_argument("--seed", type=_seed, default=0, help="random seed")
+    generate.add_argument("--precision", choices=["float32", "bfloat16", "int8"],
+                          help="hold a GPT's weights in bfloat16 (half the bytes read a "
+                               "token) or int8 (weight-only, llama.cpp's Q8_0: a GGUF file's "
+                               "Q8_0 matrices kept as they are), or float32 (default: a "
+                               "folder's dtype, float32 for a GGUF file or a checkpoint)")
     generate.set_defaults(func=cmd_generate)
 
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "

@@ -216,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if getattr(args, option) == "-":
             text = _stdin_text(f"--{option}", PROMPT_LIMIT)
             setattr(args, option, text[:-1] if text.endswith("\n") else text)
-    model, tokenizer, _ = load_for_cli(args.ckpt, args.model)
+    model, tokenizer, _ = load_for_cli(args.ckpt, args.model, precision=args.precision)
     ids, shown, eos_id = _prompt_ids(args, tokenizer)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     # (a config's id past a small model's vocabulary is never produced: left out)

