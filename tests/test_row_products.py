@@ -5,10 +5,10 @@ One row is streamed (either storage of the weight, bias and residual folded in);
 rows with a float32 weight stored by columns (the packed ``(in, out)`` blocks) go
 through the AVX-512 tile kernel where the CPU has it (up to 64 all at once, more in
 chunks of 96 rows, with over 512 inputs from a copied panel); a float32 weight stored by
-rows (an output layer past ``fused.COLUMNS_MAX_OUT``) through the rows loop up to 64
-rows, four rows a pass over each band, and past that through the tile kernel from
-panels transposed in registers; anything else is declined with None so that the caller
-runs ``F.linear``.
+rows (an output layer past ``fused.COLUMNS_MAX_OUT``) through the rows loop up to 16
+rows (F32_DOT_ROWS), four rows a pass over each band, and past that through the tile
+kernel from panels transposed in registers; anything else is declined with None so that
+the caller runs ``F.linear``.
 """
 
 from __future__ import annotations
