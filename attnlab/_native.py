@@ -294,6 +294,12 @@ def available() -> bool:
     return load() is not None
 
 
+def known_unavailable() -> bool:
+    """Whether the kernel is known not to run (switched off, or its build failed), asked
+    without building it: False before a build was tried."""
+    return disabled_reason() is not None or (_state["tried"] and _state["ops"] is None)
+
+
 def constant_under_compile(fn):
     """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``
     (about 2 s at every start, for every CLI command): the same marker, which dynamo

@@ -196,8 +196,12 @@ def test_bf16_weights_are_packed_by_rows_once():
 def test_float32_groups_past_the_column_limit_are_packed_by_rows(vocab, rows):
     """A float32 output layer of more than COLUMNS_MAX_OUT outputs is packed by rows (its
     one-row product over columns would pass a partial sum of every output through the
-    second-level cache once per input), up to it by columns; either way the only copy, the
-    tied table is the same tensor, and a decoded token's logits are F.linear's."""
+    second-level cache once per input), up to it by columns (and at any width where the
+    kernel is known not to run); either way the only copy, the tied table is the same
+    tensor, and a decoded token's logits are F.linear's."""
+    from attnlab import _native
+
+    rows = rows and not _native.known_unavailable()
     model = _gpt(vocab_size=vocab, num_layers=1)
     weight = model.lm_head.weight
     assert weight is model.tok_emb.weight
@@ -214,6 +218,36 @@ def test_float32_groups_past_the_column_limit_are_packed_by_rows(vocab, rows):
     assert reachable == params
     # The blocks' groups stay columns: the prompt's tile kernel reads them.
     assert model.blocks[0].attn.W_query.weight.stride() == (1, 64)
+
+
+def test_without_the_kernel_a_wide_output_layer_is_packed_by_columns(monkeypatch):
+    """Where the kernel is switched off (or failed to build), MKL multiplies one row by a
+    wide output layer faster by columns: a one-row product packs it so, and by rows again
+    once the kernel is back; the logits are the same either way, the tied table the same
+    tensor, nothing held twice."""
+    from attnlab import _native
+
+    vocab = fused.COLUMNS_MAX_OUT + 1
+    model = _gpt(vocab_size=vocab, num_layers=1)
+    x = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(3))
+    want = x @ model.lm_head.weight.detach().t()
+    monkeypatch.setenv(_native.ENV_SWITCH, "0")
+    assert _native.known_unavailable() and not fused.by_rows(torch.float32, vocab)
+    with torch.no_grad():
+        got = fused.joint(x, (model.lm_head,))
+    assert model.lm_head.weight.stride() == (1, vocab)
+    assert model.lm_head.weight is model.tok_emb.weight
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    head, _ = fused.block((model.lm_head,))
+    assert head.stride() == (1, vocab) and head.data_ptr() == model.lm_head.weight.data_ptr()
+    reachable, params = _held_bytes(model)
+    assert reachable == params
+    monkeypatch.delenv(_native.ENV_SWITCH)
+    if _native.available():
+        with torch.no_grad():
+            got = fused.joint(x, (model.lm_head,))
+        assert model.lm_head.weight.stride() == (32, 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

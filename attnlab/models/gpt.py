@@ -119,7 +119,7 @@ class GPT(GenerationMixin, nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         # The output layer is packed alone, as its one-row product streams it fastest
-        # (modules.fused.by_rows: rows for bf16 or past 4096 outputs, else columns). Tied,
+        # (modules.fused.by_rows: rows for bf16, or past 4096 outputs with the kernel). Tied,
         # the embedding is that same tensor (its rows may then be strided, which a lookup
         # of a few tokens does not notice).
         fused.pack((self.lm_head,))

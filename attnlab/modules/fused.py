@@ -71,14 +71,20 @@ def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
 # the product over rows ran 1.25x-1.5x faster (SmolLM-135M's output layer, 49152
 # outputs: 5.7 against 7.9 ms, one thread). Smaller groups keep columns, which the
 # float32 tile kernel of prompts reads in place (rows it first copies transposed).
+# Where the native kernel is known not to run, columns at any width: MKL multiplies one row
+# by that output layer in 5.9 ms by columns and 10.6 by rows (a float32 token 1.08-1.10x
+# faster without the kernel, one Zen 4 core).
 COLUMNS_MAX_OUT = 4096
 
 
 def by_rows(dtype: torch.dtype, n_out: int) -> bool:
     """Whether :func:`pack` lays a group of ``n_out`` outputs (summed over its layers) of
     ``dtype`` out by rows, ``(sum of out, in)`` (bf16: what its dot product reads; float32
-    past :data:`COLUMNS_MAX_OUT` outputs), rather than by columns, ``(in, sum of out)``."""
-    return dtype == torch.bfloat16 or n_out > COLUMNS_MAX_OUT
+    past :data:`COLUMNS_MAX_OUT` outputs unless the native kernel is known not to run),
+    rather than by columns, ``(in, sum of out)``. A group packed before the kernel was
+    found missing (or switched off or on) is packed again by its next one-row product."""
+    return dtype == torch.bfloat16 or (n_out > COLUMNS_MAX_OUT
+                                        and not _native.known_unavailable())
 
 
 def is_packed(linears: Sequence[nn.Linear]) -> bool:
@@ -234,10 +240,11 @@ def may_overwrite(module: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -
 
 def block(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole packed weight as an ``(sum of out, in)`` view, and the joint bias
-    (None without biases); only for ``linears`` that :func:`is_packed` accepts."""
+    (None without biases); only for ``linears`` that :func:`is_packed` accepts. The
+    layout is read from the first weight's strides, not asked of :func:`by_rows` again."""
     w0, b0 = linears[0]._parameters["weight"], linears[0]._parameters["bias"]
     total = sum(m._parameters["weight"].shape[0] for m in linears)
-    if by_rows(w0.dtype, total):
+    if w0.stride() == (w0.shape[1], 1):  # by rows (or one column: the same memory)
         weight = w0.as_strided((total, w0.shape[1]), (w0.shape[1], 1))
     else:
         weight = w0.as_strided((total, w0.shape[1]), (1, total))
