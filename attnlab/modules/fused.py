@@ -72,7 +72,7 @@ def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
 # outputs: 5.7 against 7.9 ms, one thread). Smaller groups keep columns, which the
 # float32 tile kernel of prompts reads in place (rows it first copies transposed).
 # Where the native kernel is known not to run, columns at any width: MKL multiplies one row
-# by that output layer in 5.9 ms by columns and 10.6 by rows (a float32 token 1.08-1.10x
+# by that output layer in 5.9 ms by columns and 10.6 by rows (a float32 token 1.08-1.13x
 # faster without the kernel, one Zen 4 core).
 COLUMNS_MAX_OUT = 4096
 
