@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--precision", choices=["float32", "bfloat16", "int8"],
                           help="hold a GPT's weights in bfloat16 (half the bytes read a "
                                "token) or int8 (weight-only, llama.cpp's Q8_0: a GGUF file's "
-                               "Q8_0 matrices kept as they are), or float32 (default: a "
-                               "folder's dtype, float32 for a GGUF file or a checkpoint)")
+                               "Q8_0 matrices kept as they are), or float32 (default: as a "
+                               "folder or checkpoint holds them, float32 for a GGUF file)")
     generate.set_defaults(func=cmd_generate)
 
     show = sub.add_parser("show", help="attention of a model on TEXT as PNG heatmaps and an "
