@@ -16,10 +16,10 @@ packed by rows instead, as the row blocks of one ``(sum of out, in)`` tensor (ea
 weight a plain contiguous slice of it), :func:`by_rows`: bf16 weights, since the CPU's
 bf16 dot product (``vdpbf16ps``) multiplies pairs of neighbouring inputs, which a row
 holds side by side, and streams a row-packed weight 1.2x-1.5x faster than a
-column-packed one (``csrc/dot_bf16.h``); and groups of more than
-:data:`COLUMNS_MAX_OUT` outputs (an output layer over a vocabulary), whose column
-product would pass over a partial sum too large for the core's first cache once per
-input. Nothing is held twice. Names, shapes, ``state_dict``,
+column-packed one (``csrc/dot_bf16.h``); and float32 groups of more than
+:data:`COLUMNS_MAX_OUT` outputs (an output layer over a vocabulary) where the native
+kernel runs, whose column product would pass over a partial sum too large for the core's
+first cache once per input. Nothing is held twice. Names, shapes, ``state_dict``,
 ``load_state_dict`` (which copies into the views), optimizers, hooks and in-place edits
 see plain ``nn.Linear`` layers; ``F.linear`` multiplies by a transposed view without
 copying it. A layout that
@@ -33,9 +33,9 @@ whole block at once: one row by the native kernel's streamed product
 an encoder's batch) by its AVX-512 tile products where the CPU has them and the
 weights are float32 (10-15% faster than MKL's ``addmm`` on the encoder's shapes,
 one Zen 4 core; up to 16 rows times a float32 weight by rows by its rows loop, on any
-CPU); otherwise (bf16 weights on many rows go to torch's bf16 product,
-or while a layer has forward hooks, which must see that layer run) the layers run
-one by one.
+CPU; bf16 weights on the bf16 dot product where the CPU has it); otherwise (bf16 weights
+on many rows without it, or while a layer has forward hooks, which must see that layer
+run) the layers run one by one.
 """
 
 from __future__ import annotations
