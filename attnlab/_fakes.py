@@ -57,14 +57,17 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
         return w.dim() == 2 and w.stride(1) == 1 and (w.shape[0] <= 1
                                                       or w.stride(0) >= w.shape[1])
 
+    def by_columns(w) -> bool:
+        return w.dim() == 2 and w.stride(0) == 1 and (w.shape[1] <= 1
+                                                      or w.stride(1) >= w.shape[0])
+
     def one_row(x, w, bias, residual):
         if (not floating(x) or not floating(w) or w.dim() != 2 or x.dim() < 1
                 or x.shape[-1] != w.shape[1] or math.prod(x.shape[:-1]) != 1
                 or not x.is_contiguous()):
             return None
-        n_out, n_in = w.shape
-        by_columns = w.stride(0) == 1 and (n_in <= 1 or w.stride(1) >= n_out)
-        if not by_rows(w) and not by_columns:
+        n_out = w.shape[0]
+        if not by_rows(w) and not by_columns(w):
             return None
         for t in (bias, residual):
             if t is not None and (not floating(t) or t.numel() != n_out
@@ -91,12 +94,10 @@ def fakes(tiles: bool, bf16_dot: bool = False) -> dict:
         # A float32 weight by columns, or by rows (up to F32_DOT_ROWS rows without the
         # tiles).
         rows_layout = by_rows(weight)
-        columns = (weight.dim() == 2 and weight.stride(0) == 1
-                   and weight.stride(1) >= weight.shape[0])
         if ((not tiles and not (rows_layout and rows <= F32_DOT_ROWS)) or residual is not None
                 or not usable(x) or not usable(weight) or weight.dim() != 2 or x.dim() < 1
                 or x.shape[-1] != weight.shape[1] or not x.is_contiguous()
-                or not (rows_layout or columns) or weight.shape[1] == 0):
+                or not (rows_layout or by_columns(weight)) or weight.shape[1] == 0):
             return None
         if bias is not None and (not usable(bias) or bias.numel() != weight.shape[0]
                                  or not bias.is_contiguous()):

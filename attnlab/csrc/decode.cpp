@@ -139,6 +139,12 @@ bool stored_by_rows(const at::Tensor& w) {
   return w.dim() == 2 && w.stride(1) == 1 && (w.size(0) <= 1 || w.stride(0) >= w.size(1));
 }
 
+// Whether a weight (out, in) is stored by columns (the packed (in, out) blocks): unit
+// stride along out, its columns apart.
+bool stored_by_columns(const at::Tensor& w) {
+  return w.dim() == 2 && w.stride(0) == 1 && (w.size(1) <= 1 || w.stride(1) >= w.size(0));
+}
+
 // One row x (..., in) times an nn.Linear weight (out, in), float32 or bf16, stored by
 // rows (unit stride along in) or by columns (unit stride along out, the packed blocks),
 // plus bias (out,) and residual (numel = out), each optional: row_product.h's streamed
@@ -152,8 +158,7 @@ std::optional<at::Tensor> one_row(const at::Tensor& x, const at::Tensor& w,
     return std::nullopt;
   const int64_t n_out = w.size(0), n_in = w.size(1);
   const bool by_rows = stored_by_rows(w);
-  const bool by_columns = !by_rows && w.stride(0) == 1 && (n_in <= 1 || w.stride(1) >= n_out);
-  if (!by_rows && !by_columns) return std::nullopt;
+  if (!by_rows && !stored_by_columns(w)) return std::nullopt;
   for (const auto* t : {&bias, &residual}) {
     if (t->has_value() && (!floating(**t) || (*t)->numel() != n_out || !(*t)->is_contiguous()))
       return std::nullopt;
@@ -362,7 +367,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
   // A float32 weight by columns (the packed blocks) or by rows (an output layer past
   // COLUMNS_MAX_OUT outputs: up to F32_DOT_ROWS rows by few_rows_f32).
   const bool by_rows = stored_by_rows(w);
-  const bool by_columns = w.dim() == 2 && w.stride(0) == 1 && w.stride(1) >= w.size(0);
+  const bool by_columns = stored_by_columns(w);
   const int64_t rows = x.dim() >= 1 ? leading_rows(x) : 0;
   const bool few_by_rows = by_rows && rows <= F32_DOT_ROWS;
   if ((!tile_gemm_supported() && !few_by_rows) || residual.has_value() || !usable(x) ||
