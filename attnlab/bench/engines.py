@@ -11,8 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import NamedTuple
 
-import torch
-
+from ..interop.auto import PRECISIONS
 from . import peers
 
 GENERATE = "attnlab.bench.generate"
@@ -25,9 +24,10 @@ class Engine(NamedTuple):
     needs: str | None  # the :data:`.peers.ENGINES` entry it needs (None: attnlab's own)
 
 
-# attnlab's own lower precisions, as the library will take them: measured as soon as
-# ``GPT.from_hf`` accepts the keyword (until then the suite says so in one line).
-ATTNLAB_PRECISIONS = {"bf16": {"dtype": torch.bfloat16}, "int8": {"quantize": "int8"}}
+# attnlab's own lower precisions, as the library takes them (``attnlab generate
+# --precision``'s): measured as soon as ``GPT.from_hf`` accepts the keyword (until then the
+# suite says so in one line).
+ATTNLAB_PRECISIONS = {"bf16": PRECISIONS["bfloat16"], "int8": PRECISIONS["int8"]}
 PEERS = [Engine(f"llama.cpp {p}", "attnlab.bench.llamacpp", p, "llama.cpp")
          for p in ("f32", "bf16", "f16", "q8_0")] + [
         Engine(f"openvino {p}", "attnlab.bench.openvino_lm", p,
