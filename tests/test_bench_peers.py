@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.bench import bandwidth, encode, engines, generate, greedy, peers, runner, worker
+from attnlab.bench import (
+    bandwidth,
+    encode,
+    engines,
+    first_token,
+    generate,
+    greedy,
+    peers,
+    runner,
+    worker,
+)
 
 # ----------------------------------------------------------------- missing peers: one line
 
@@ -90,6 +100,30 @@ def test_peers_run_isolated_with_everything_in_their_arguments():
     assert kwargs["threads"] == torch.get_num_threads() and kwargs["precision"] == "q8_0"
     assert json.loads(json.dumps(kwargs)) == kwargs  # the worker receives it as JSON
     assert case.check is not None and not by_name[generate.READ].memory
+
+
+def test_every_engine_of_a_batch_one_case_runs_beside_its_one_token_twin():
+    """The twin is the same step making one token (in the same kind of process); a batch-8
+    or prefill case has none; the greedy check reads the engines, not the twins."""
+    q8 = [e for e in engines.PEERS if e.name == "llama.cpp q8_0"]
+    case = generate._case("tiny-llama", 1, ["attnlab", "transformers"], 1, 8, peers=q8)
+    by_name = {i.name: i for i in case.impls}
+    for name in ("attnlab", "transformers", "llama.cpp q8_0"):
+        step, twin = by_name[name], by_name[name + first_token.SUFFIX]
+        assert twin.factory[:2] == step.factory[:2] and twin.isolated == step.isolated
+        assert twin.factory[2] == {**step.factory[2], "new_tokens": 1} and not twin.memory
+    assert not any(first_token.is_twin(n) for n in (generate.CEILING, generate.READ))
+    assert len(by_name) == 3 * 2 + 2
+    for other in (generate._case("tiny-llama", 8, ["attnlab"], 1, 8),
+                  generate._case("tiny-llama", 1, ["attnlab"], 1, 1,
+                                 prompt_len=generate.PREFILL_LEN)):
+        assert not any(first_token.is_twin(i.name) for i in other.impls)
+    full = torch.tensor([[9] * 3 + [1, 2, 3]])
+    # (the twin's one token would be too few for a check of 3)
+    got = generate._check({"attnlab": full, "llama.cpp q8_0": [1, 2, 4],
+                           "attnlab" + first_token.SUFFIX: [1]}, new_tokens=3)
+    assert got == {"attnlab": {"tokens_agree": 3, "tokens_checked": 3},
+                   "llama.cpp q8_0": {"tokens_agree": 2, "tokens_checked": 3}}
 
 
 # ------------------------------------------------------------------ bandwidth and shares
@@ -197,6 +231,27 @@ def test_annotate_reads_each_precision_against_the_bound():
     table = generate.summary_table([read, ours, q8])
     row = next(r for r in table.splitlines() if "llama.cpp q8_0" in r)
     assert "| 20.0 | 2.00x | 7/10 |" in row
+    # With twins: attnlab's first token took 100 ms in rounds of 1000, 1000 and 1900 ms:
+    # 9 decoding steps in 900, 900 and 1800 ms, a median of 10 tokens/s.
+    ours_first = {**common, "impl": "attnlab" + first_token.SUFFIX, "median_ms": 100.0,
+                  "times_ms": [100.0] * 3}
+    ours = {**common, "impl": "attnlab", "median_ms": 1000.0,
+            "times_ms": [1000.0, 1000.0, 1900.0]}
+    q8_first = {**common, "impl": "llama.cpp q8_0" + first_token.SUFFIX, "median_ms": 50.0,
+                "times_ms": [50.0] * 3}
+    q8 = {**common, "impl": "llama.cpp q8_0", "median_ms": 500.0, "times_ms": [500.0] * 3}
+    lines = []
+    generate.annotate([read, ours, ours_first, q8, q8_first], log=lines.append)
+    assert ours["first_token_ms"] == 100.0 and ours["decode_tokens_per_s"] == pytest.approx(10)
+    assert ours["decode_of_bound"] == pytest.approx(0.10)  # as end to end: 10 tok/s
+    assert q8["decode_tokens_per_s"] == pytest.approx(20)
+    assert q8["decode_of_bound"] == pytest.approx(20 * q8_bytes / (f32 * 100))
+    assert "decode_tokens_per_s" not in ours_first and "tokens_per_s" not in ours_first
+    assert len(lines) == 3  # the read, attnlab, llama.cpp: no line of a twin's own
+    assert "first token 100.0 ms, then 10.0 tokens/s (10% of the bound)" in lines[1]
+    row = next(r for r in generate.summary_table([read, ours, ours_first, q8, q8_first])
+               .splitlines() if "| llama.cpp q8_0 |" in r)
+    assert row.endswith(f"| 50.0 ms | 20.0 | {20 * q8_bytes / (f32 * 100):.0%} |")
     prefill = {**common, "impl": "attnlab", "median_ms": 256.0, "prompt_len": 512,
                "prefill": True, "new_tokens": 1, "case": "p"}
     generate.annotate([prefill], log=lambda line: None)

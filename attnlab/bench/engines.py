@@ -15,6 +15,14 @@ from ..interop.auto import PRECISIONS
 from . import peers
 
 GENERATE = "attnlab.bench.generate"
+# The peer whose time the Markdown table divides by.
+BASELINE = "transformers"
+# Whose greedy tokens every engine's are checked against, and whose speed the peers'
+# table divides by.
+REFERENCE = "attnlab"
+# The yardsticks timed beside the engines (:mod:`.ceiling`, :mod:`.bandwidth`).
+CEILING = "one-row ceiling"
+READ = "read bandwidth"
 
 
 class Engine(NamedTuple):

@@ -49,7 +49,9 @@ from pathlib import Path
 
 import torch
 
-from . import bandwidth, engines, greedy, peers
+from . import bandwidth, engines, first_token, greedy, peers
+from .engines import CEILING, READ, REFERENCE
+from .generate_tables import summary_table as summary_table  # the runner asks the suite
 from .runner import Case, Impl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,13 +60,6 @@ import transformers as T  # noqa: E402
 from ..models import GPT  # noqa: E402
 
 MOD = __name__
-# The peer whose time the Markdown table divides by.
-BASELINE = "transformers"
-# Whose greedy tokens every engine's are checked against, and whose speed the peers'
-# table divides by.
-REFERENCE = "attnlab"
-CEILING = "one-row ceiling"
-READ = "read bandwidth"
 PROMPT_LEN = 32
 NEW_TOKENS = 128
 PREFILL_LEN = 512
@@ -222,6 +217,7 @@ def _case(shape, batch, impls, repeats, new_tokens, *, peers=(), prompt_len=PROM
             "threads": torch.get_num_threads()}), isolated=True))
     prefill = prompt_len == PREFILL_LEN
     if batch == 1 and not prefill:
+        out += [first_token.twin(i) for i in out]
         out.append(Impl(CEILING, ("attnlab.bench.ceiling", "make_ceiling",
                                   {"shape": shape, "new_tokens": new_tokens}), memory=False))
         out.append(Impl(READ, ("attnlab.bench.bandwidth", "make_read",
@@ -231,8 +227,14 @@ def _case(shape, batch, impls, repeats, new_tokens, *, peers=(), prompt_len=PROM
     return Case("generate", name, out, repeats=repeats,
                 extra={"batch": batch, "new_tokens": new_tokens, "shape": shape,
                        "prompt_len": prompt_len, "prefill": prefill},
-                check=partial(greedy.check, reference=REFERENCE, new_tokens=new_tokens)
-                if batch == 1 else None)
+                check=partial(_check, new_tokens=new_tokens) if batch == 1 else None)
+
+
+def _check(outputs: dict, new_tokens: int) -> dict[str, dict]:
+    """The greedy tokens of every engine against attnlab float32's (not the twins': one
+    token each)."""
+    return greedy.check({k: v for k, v in outputs.items() if not first_token.is_twin(k)},
+                        reference=REFERENCE, new_tokens=new_tokens)
 
 
 def cases(quick: bool = False) -> list[Case]:
@@ -276,17 +278,20 @@ def annotate(records: list[dict], log=print) -> None:
     other ``precision``, ``bytes_per_token`` (its weights read per token) and
     ``of_bound``: tokens/s as a share of bandwidth / bytes_per_token. ``weight_mb`` and
     ``peak_x_weights`` are at the engine's own precision (attnlab's int8 counted as the
-    Q8_0 it is)."""
+    Q8_0 it is). Where an engine ran beside its one-token twin (:mod:`.first_token`):
+    ``first_token_ms``, ``decode_tokens_per_s`` and ``decode_of_bound``, the rate of the
+    decoding steps after the prompt and its share of the read bound."""
     weights: dict[tuple[str, str], int] = {}
     ceilings = {r["case"]: r for r in records if r["impl"] == CEILING and r.get("median_ms")}
     reads = {r["case"]: r for r in records if r["impl"] == READ and r.get("median_ms")}
+    lines: dict[int, str] = {}
     for r in records:
-        if "new_tokens" not in r or not r.get("median_ms"):
+        if "new_tokens" not in r or not r.get("median_ms") or first_token.is_twin(r["impl"]):
             continue
         if r["impl"] == READ:
             r["gb_per_s"] = bandwidth.gb_per_s(bytes_per_token(r["shape"], "f32"),
                                                bandwidth.PASSES, r["median_ms"])
-            log(f"    {r['case']:<34s} {READ:<16s} {r['gb_per_s']:9.1f} GB/s")
+            lines[id(r)] = f"    {r['case']:<34s} {READ:<16s} {r['gb_per_s']:9.1f} GB/s"
             continue
         tokens = r["prompt_len"] if r.get("prefill") else r["batch"] * r["new_tokens"]
         r["tokens_per_s"] = tokens / (r["median_ms"] / 1000.0)
@@ -308,13 +313,30 @@ def annotate(records: list[dict], log=print) -> None:
             r["precision"] = engines.precision_of(r["impl"])
             r["bytes_per_token"] = bytes_per_token(r["shape"], engines.stored_as(r["impl"]))
             r["of_bound"] = bandwidth.paired_share(
-                read.get("times_ms") or [read["median_ms"]],
-                bandwidth.PASSES * bytes_per_token(r["shape"], "f32"),
+                read.get("times_ms") or [read["median_ms"]], _read_bytes(r["shape"]),
                 r.get("times_ms") or [r["median_ms"]], tokens, r["bytes_per_token"])
             line += f"  ({r['of_bound']:.0%} of the {r['precision']} read bound)"
         if r.get("tokens_agree") is not None and r["impl"] != REFERENCE:
             line += f"  tokens = attnlab's: {r['tokens_agree']}/{r['tokens_checked']}"
-        log(line)
+        lines[id(r)] = line
+    for case in dict.fromkeys(r["case"] for r in records):
+        read = reads.get(case)
+        first_token.annotate([r for r in records if r["case"] == case], read,
+                             _read_bytes(read["shape"]) if read else 0)
+    for r in records:
+        if id(r) not in lines:
+            continue
+        if r.get("decode_tokens_per_s") is not None:
+            lines[id(r)] += (f"  first token {r['first_token_ms']:.1f} ms, then "
+                             f"{r['decode_tokens_per_s']:.1f} tokens/s")
+            if r.get("decode_of_bound") is not None:
+                lines[id(r)] += f" ({r['decode_of_bound']:.0%} of the bound)"
+        log(lines[id(r)])
+
+
+def _read_bytes(shape: str) -> int:
+    """Bytes the read-bandwidth yardstick reads in one round."""
+    return bandwidth.PASSES * bytes_per_token(shape, "f32")
 
 
 def _paired_ratio(ceiling: dict, r: dict) -> float:
@@ -324,64 +346,3 @@ def _paired_ratio(ceiling: dict, r: dict) -> float:
     if not pairs or len(ceiling["times_ms"]) != len(r["times_ms"]):
         return ceiling["median_ms"] / r["median_ms"]
     return statistics.median(c / t for c, t in pairs)
-
-
-def summary_table(records: list[dict]) -> str:
-    """Markdown: per case, attnlab's and transformers' tokens/s, their peaks over the
-    weights' bytes, and attnlab's share of the ceiling and of transformers' speed
-    (empty where no case has both); then :func:`engines_table` where it has rows."""
-    return "\n\n".join(t for t in (_attnlab_table(records), engines_table(records)) if t)
-
-
-def _attnlab_table(records: list[dict]) -> str:
-    lines = ["| case | attnlab | transformers | peak / weights (attnlab, transformers) "
-             "| attnlab: share of the ceiling, x transformers' tokens/s |",
-             "|---|---:|---:|---:|---:|"]
-    for case in dict.fromkeys(r["case"] for r in records):
-        by_impl = {r["impl"]: r for r in records if r["case"] == case}
-        ours, peer = by_impl.get("attnlab", {}), by_impl.get(BASELINE, {})
-        if not ours.get("tokens_per_s") or not peer.get("tokens_per_s"):
-            continue
-        peaks = ", ".join("-" if r.get("peak_x_weights") is None else f"{r['peak_x_weights']:.2f}x"
-                          for r in (ours, peer))
-        share = "-" if ours.get("of_ceiling") is None else f"{ours['of_ceiling']:.0%}"
-        name = case.split(" +")[0]
-        lines.append(f"| {name} | {ours['tokens_per_s']:.1f} tok/s | {peer['tokens_per_s']:.1f} "
-                     f"tok/s | {peaks} ({ours['weight_mb']:.0f} MB) | {share}, "
-                     f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x |")
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def engines_table(records: list[dict]) -> str:
-    """Markdown: a row per engine and precision in every batch-1 case that has one beyond
-    attnlab and transformers (a peer, attnlab's bf16 or int8, the read bandwidth):
-    tokens/s, x attnlab float32's, its greedy tokens equal to attnlab's, peak memory, the
-    weights it reads per token, its share of the one-row ceiling and of the read bound."""
-    lines = ["| case | engine | tokens/s | x attnlab | tokens = attnlab's | peak MB (x weights) "
-             "| weights read per token | of the one-row ceiling | of the read bound |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    plain = {REFERENCE, BASELINE, CEILING, "attnlab-nocache"}
-    for case in dict.fromkeys(r["case"] for r in records):
-        rows = [r for r in records if r["case"] == case]
-        if all(r["impl"] in plain for r in rows):
-            continue
-        ours = next((r for r in rows if r["impl"] == REFERENCE), {})
-        for r in rows:
-            if r.get("gb_per_s") is not None:
-                lines.append(f"| {case} | {r['impl']} | {r['gb_per_s']:.1f} GB/s "
-                             "| | | | | | |")
-            if not r.get("tokens_per_s"):
-                continue
-            speed = (f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}x"
-                     if ours.get("tokens_per_s") else "-")
-            agree = (f"{r['tokens_agree']}/{r['tokens_checked']}"
-                     if r.get("tokens_agree") is not None else "-")
-            peak = (f"{r['peak_mb']:.0f} ({r['peak_x_weights']:.2f}x)"
-                    if r.get("peak_x_weights") is not None else "-")
-            per_token = (f"{r['bytes_per_token'] / 2**20:.0f} MB"
-                         if r.get("bytes_per_token") else "-")
-            shares = ["-" if r.get(k) is None else f"{r[k]:.0%}"
-                      for k in ("of_ceiling", "of_bound")]
-            lines.append(f"| {case} | {r['impl']} | {r['tokens_per_s']:.1f} | {speed} | {agree} "
-                         f"| {peak} | {per_token} | {' | '.join(shares)} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
