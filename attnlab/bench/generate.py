@@ -27,7 +27,10 @@ Yardsticks, timed in the same rounds as the engines (batch 1):
 
 Both are the median over the rounds of each round's ratio: the two ran a second apart in
 that round, while this machine's speed drifts by 20-30% over minutes, which a ratio of
-the two medians would take in.
+the two medians would take in. The read bound bounds the decoding steps, not the prompt's
+product, so each engine of a batch-1 case also runs beside its one-token twin
+(:mod:`.first_token`): ``first_token_ms``, then ``decode_tokens_per_s`` and its share of
+the bound, ``decode_of_bound``.
 
 Memory baseline: the probe (``runner.measure_memory``) subtracts the RSS after
 importing the factory's module, which imports torch, transformers and attnlab's models
