@@ -46,6 +46,36 @@ def test_embeddings_equal_sentence_transformers(reference, batch_size):
     torch.testing.assert_close(got.norm(dim=1), torch.ones(len(SENTENCES)))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_weights_embed_within_cosine_0_9999(reference, native, monkeypatch):
+    """precision="bfloat16": the linear layers' weights in bf16, norms and activations
+    float32, each embedding within cosine 0.9999 of sentence-transformers' float32 one
+    (0.99996 or more here), with the native bf16 products and without them."""
+    from attnlab import _native
+
+    if not native:
+        monkeypatch.setenv(_native.ENV_SWITCH, "0")
+    got = minilm.embed(SENTENCES, precision="bfloat16")
+    assert got.dtype == torch.float32 and got.shape == (len(SENTENCES), 384)
+    cosine = torch.nn.functional.cosine_similarity(got.double(), reference.double())
+    assert cosine.min() > 0.9999, cosine
+    assert (got - reference).abs().max() > 1e-4  # bf16 indeed: not float32's embeddings
+    torch.testing.assert_close(got.norm(dim=1), torch.ones(len(SENTENCES)))
+    encoder, _ = minilm.load("bfloat16")
+    dtypes = {name: p.dtype for name, p in encoder.named_parameters()}
+    assert dtypes["blocks.0.attn.W_query.weight"] == dtypes["blocks.5.mlp.proj.bias"] == \
+        torch.bfloat16
+    assert dtypes["blocks.0.norm1.weight"] == dtypes["tok_emb.weight"] == torch.float32
+    assert minilm.load()[0] is not encoder  # the float32 encoder stays as it was
+    assert minilm.load()[0].blocks[0].attn.W_query.weight.dtype == torch.float32
+
+
+def test_an_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match=r"precision must be one of \('float32', "
+                                         r"'bfloat16'\), got 'int8'"):
+        minilm.embed(["a"], precision="int8")
+
+
 def test_truncation_at_256_tokens():
     long = "word " * 400
     longer = "word " * 600

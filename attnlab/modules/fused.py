@@ -51,8 +51,9 @@ from torch.nn.modules import module as _module
 from .. import _native
 from . import quantized
 
-__all__ = ["pack", "pack_groups", "repack", "is_packed", "by_rows", "block", "joint", "apply",
-           "split", "run", "takes", "dtype_device", "global_forward_hooks", "may_overwrite"]
+__all__ = ["pack", "pack_groups", "linears_to", "repack", "is_packed", "by_rows", "block",
+           "joint", "apply", "split", "run", "takes", "dtype_device", "global_forward_hooks",
+           "may_overwrite"]
 
 
 def _offsets(linears: Sequence[nn.Linear]) -> list[int]:
@@ -174,6 +175,21 @@ def pack_groups(module: nn.Module) -> None:
     multiply one input, as one product: q|k|v, gate|up; or a layer alone)."""
     for names in module.product_groups:
         pack([module._modules[name] for name in names])
+
+
+def linears_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every ``nn.Linear`` of ``model`` (weight and bias) in ``dtype``, in place, each
+    module's ``product_groups`` packed again; norms and embeddings, and so the
+    activations, keep their dtype. Each product then reads its row in the weights' dtype
+    (bf16: rounded as ``vdpbf16ps`` reads it), accumulates in float32 and gives the row's
+    dtype (:func:`joint`, :func:`run`). Returns ``model``."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.to(dtype)
+    for m in model.modules():
+        if hasattr(m, "product_groups"):
+            pack_groups(m)
+    return model
 
 
 def repack(model: nn.Module, dtype: torch.dtype) -> None:
