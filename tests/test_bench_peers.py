@@ -57,8 +57,8 @@ def test_a_missing_peer_is_one_line_and_no_impl(nothing_installed):
         "onnxruntime: skipped, onnxruntime and onnx and onnxscript not installed "
         "(pip install 'attnlab[peers]')",
         "openvino: skipped, openvino not installed (pip install 'attnlab[peers]')"]
-    assert {i.name for c in encode.cases() for i in c.impls} == {"attnlab",
-                                                                 "sentence-transformers"}
+    assert {i.name for c in encode.cases() for i in c.impls} == {
+        "attnlab", "attnlab bf16", "sentence-transformers"}
 
 
 def test_one_missing_package_is_named_alone(monkeypatch):
@@ -70,8 +70,8 @@ def test_one_missing_package_is_named_alone(monkeypatch):
     # --quick runs no peer (their processes would take it past two minutes)
     assert [e for e in engines.available(quick=True) if e.needs is not None] == []
     assert {i.name for c in encode.cases(quick=True) for i in c.impls} == {
-        "attnlab", "sentence-transformers"}
-    assert "onnxruntime" in {i.name for c in encode.cases() for i in c.impls}
+        "attnlab", "attnlab bf16", "sentence-transformers"}
+    assert {"onnxruntime", "openvino bf16"} <= {i.name for c in encode.cases() for i in c.impls}
     with pytest.raises(ValueError, match="engine must be one of"):
         peers.missing("tensorrt")
 
@@ -163,7 +163,7 @@ def test_quick_says_which_installed_peers_it_leaves_out(monkeypatch):
     """--quick ran attnlab's own engines only, and said nothing of the peers it dropped."""
     monkeypatch.setattr(peers, "_installed", lambda module: True)
     for module, names in ((generate, "llama.cpp f32, llama.cpp bf16"),
-                          (encode, "onnxruntime, openvino")):
+                          (encode, "onnxruntime, openvino, openvino bf16")):
         for quick in (False, True):
             lines = []
             module.prologue(log=lines.append, quick=quick)
@@ -543,3 +543,23 @@ def test_onnxruntime_embeds_as_attnlab_does():
     assert got.shape == ours.shape
     # Rows in the sentences' order (batches are sorted by length inside the step).
     assert (got * ours).sum(1).min() > 0.9999
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["openvino", "openvino bf16"])
+def test_openvino_embeds_as_attnlab_does(engine):
+    """In float32 as attnlab's float32 embeddings; in bf16 close to them, and not equal
+    (the hint reaches the plugin)."""
+    pytest.importorskip("openvino", reason="openvino is a peer: pip install 'attnlab[peers]'")
+    pytest.importorskip("onnx", reason="onnx is a peer: pip install 'attnlab[peers]'")
+    from attnlab.bench import encode_peers
+    from attnlab.interop import minilm
+
+    texts = encode.sentences(40)
+    ours = minilm.embed(texts, batch_size=16).numpy()
+    got = encode_peers.make_step(engine, texts, threads=1, batch_size=16)()
+    cosine = (got * ours).sum(1)
+    if engine == "openvino":
+        assert cosine.min() > 0.99999
+    else:
+        assert 0.999 < cosine.min() < 0.999999

