@@ -2,9 +2,9 @@
 sentence-transformers on the same bundled weights (attnlab also with bf16 weights), and,
 where installed (``pip install 'attnlab[peers]'``), ONNX Runtime and OpenVINO (float32 and
 bf16) on the same weights exported to ONNX (:mod:`.encode_peers`, each timed in a process
-of its own). Every engine's
-embeddings are checked against sentence-transformers': ``min_cosine`` is the lowest
-cosine similarity over the sentences (the target is 0.9999 in float32)."""
+of its own). Every engine's embeddings are checked against sentence-transformers':
+``min_cosine`` is the lowest cosine similarity over the sentences (the target is 0.9999 in
+float32)."""
 
 from __future__ import annotations
 
