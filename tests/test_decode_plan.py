@@ -121,7 +121,8 @@ class _UsersNorm(torch.nn.LayerNorm):
 
 
 @pytest.mark.parametrize("change", ["instance forward", "class of the user's", "global hook",
-                                    "qkv_hook", "tensor subclass"])
+                                    "module hook", "qkv_hook", "qkv_hook module",
+                                    "tensor subclass", "parameter subclass"])
 def test_library_only_sees_where_user_code_could_run(change):
     model = _model()
     assert decoding.library_only(model)
@@ -131,8 +132,16 @@ def test_library_only_sees_where_user_code_could_run(change):
         model.norm = _UsersNorm(32)
     elif change == "global hook":
         handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    elif change == "module hook":
+        model.blocks[1].mlp.register_forward_pre_hook(lambda *args: None)
     elif change == "qkv_hook":
         model.blocks[1].attn.qkv_hook = lambda q, k, v: (q, k, v)
+    elif change == "qkv_hook module":  # (an nn.Module goes to _modules, not __dict__)
+        model.blocks[1].attn.qkv_hook = torch.nn.Identity()
+    elif change == "parameter subclass":
+        class Watched(torch.nn.Parameter):
+            pass
+        model.blocks[0].norm1.weight = Watched(model.blocks[0].norm1.weight.detach())
     else:
         class Tagged(torch.Tensor):
             pass

@@ -72,17 +72,24 @@ def library_only(model: nn.Module, ids: object = None) -> bool:
         return False
     if _modes_active() or fused.global_forward_hooks():
         return False
+    # One pass over the modules, each one's attributes read off its dicts: parameters() and
+    # buffers() walked the tree twice more with their sets of seen tensors, and getattr
+    # raised inside nn.Module.__getattr__ for every module without a qkv_hook (3.5 ms of
+    # each generate call at SmolLM-135M's 366 modules).
     for m in model.modules():
-        if (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+        own = m.__dict__
+        if (m._forward_hooks or m._forward_pre_hooks or "forward" in own
                 or not type(m).__module__.startswith(_LIBRARY)
-                or getattr(m, "qkv_hook", None) is not None):
+                or own.get("qkv_hook", m._modules.get("qkv_hook")) is not None
+                or not _plain(chain(m._parameters.values(), m._buffers.values()))):
             return False
-    return _plain(chain(model.parameters(), model.buffers()))
+    return True
 
 
 def _plain(tensors) -> bool:
-    """Whether every tensor is a plain one (no subclass whose own code would run)."""
-    return all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+    """Whether every tensor is a plain one (no subclass whose own code would run); None
+    (a module's missing bias) is none."""
+    return all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
 
 
 def _modes_active() -> bool:
