@@ -93,6 +93,31 @@ def test_one_native_call_takes_every_layer(f32, folder, precision):
     _one_fused_run(model)
 
 
+def test_an_int8_group_is_packed_until_a_member_changes():
+    """quantized.is_packed (which decoding plans ask) reads the layers' own dicts: a bias
+    of the packed block replaced or removed, or data given new storage, unpacks the group."""
+    from attnlab.modules import quantized
+
+    def group():
+        block = torch.nn.Module()
+        for name in ("a", "b"):
+            setattr(block, name, torch.nn.Linear(64, 32))
+        block.product_groups = (("a", "b"),)  # one product over both, as q|k|v
+        quantized.quantize(block)
+        return [block.a, block.b]
+
+    assert quantized.is_packed(group())
+    layers = group()
+    layers[1].bias = torch.nn.Parameter(torch.zeros(32))  # not a slice of the block's
+    assert not quantized.is_packed(layers)
+    layers = group()
+    layers[0].bias = None
+    assert not quantized.is_packed(layers)
+    layers = group()
+    layers[1].data = layers[1].data.clone()
+    assert not quantized.is_packed(layers)
+
+
 def _one_fused_run(model: GPT) -> None:
     """A decoded token takes all three layers in one native call."""
     decoder = model.decoder(IDS)
