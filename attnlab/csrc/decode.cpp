@@ -327,8 +327,13 @@ void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     for (int64_t band = begin; band < end; ++band) {
       const int64_t j0 = band * PANEL, width = std::min(PANEL, p.n_out - j0);
       tile_bf16::pack_pairs(p.b + j0 * p.ldw, p.ldw, width, p.n_in, panel.data());
+      // The thread's next band (its rows, ldw apart) fetched into L2 while this one is
+      // multiplied: packing it then reads from cache.
+      const int64_t next = band + 1 < end ? std::min(PANEL, p.n_out - j0 - PANEL) : 0;
       tile_bf16_panel(p.rows, p.n_in, p.a, p.n_in, panel.data(), width,
-                      p.bias ? p.bias + j0 : nullptr, p.c + j0, p.n_out);
+                      p.bias ? p.bias + j0 : nullptr, p.c + j0, p.n_out,
+                      next > 0 ? p.b + (j0 + PANEL) * p.ldw : nullptr,
+                      next * p.ldw * int64_t(sizeof(uint16_t)));
     }
   });
 }
