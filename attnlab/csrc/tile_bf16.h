@@ -190,16 +190,20 @@ ATTNLAB_AVX512_BF16 __attribute__((noinline)) inline void tile_bf16_panel(
   const char* next = static_cast<const char*>(ahead);
   switch (nv) {
     case 4:
-      tile_bf16::panel_rows_fetching<4>(m, pairs, a, lda, panel, last, bias, c, ldc, next, ahead_bytes);
+      tile_bf16::panel_rows_fetching<4>(m, pairs, a, lda, panel, last, bias, c, ldc, next,
+                                        ahead_bytes);
       break;
     case 3:
-      tile_bf16::panel_rows_fetching<3>(m, pairs, a, lda, panel, last, bias, c, ldc, next, ahead_bytes);
+      tile_bf16::panel_rows_fetching<3>(m, pairs, a, lda, panel, last, bias, c, ldc, next,
+                                        ahead_bytes);
       break;
     case 2:
-      tile_bf16::panel_rows_fetching<2>(m, pairs, a, lda, panel, last, bias, c, ldc, next, ahead_bytes);
+      tile_bf16::panel_rows_fetching<2>(m, pairs, a, lda, panel, last, bias, c, ldc, next,
+                                        ahead_bytes);
       break;
     default:
-      tile_bf16::panel_rows_fetching<1>(m, pairs, a, lda, panel, last, bias, c, ldc, next, ahead_bytes);
+      tile_bf16::panel_rows_fetching<1>(m, pairs, a, lda, panel, last, bias, c, ldc, next,
+                                        ahead_bytes);
       break;
   }
 }
