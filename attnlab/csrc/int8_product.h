@@ -156,11 +156,7 @@ ATTNLAB_AVX512_DOT inline void q8_band_dot(const uint8_t* w, const uint16_t* sca
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < blocks; ++j) {
-    if (PF && *pf < pf_end) {
-      _mm_prefetch(*pf, _MM_HINT_T1);
-      _mm_prefetch(*pf + 64, _MM_HINT_T1);
-      *pf += 128;
-    }
+    if (PF) fetch_ahead(*pf, pf_end);
     __m512i s[R][2];
     for (int r = 0; r < R; ++r)
       s[r][0] = _mm512_set1_epi32(corr[r * blocks + j]), s[r][1] = _mm512_setzero_si512();

@@ -102,11 +102,7 @@ ATTNLAB_AVX512_BF16 __attribute__((always_inline)) inline void block(
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    if (PF && pf < pf_end) {  // two lines of what the caller reads next, into L2
-      _mm_prefetch(pf, _MM_HINT_T1);
-      _mm_prefetch(pf + 64, _MM_HINT_T1);
-      pf += 128;
-    }
+    if (PF) fetch_ahead(pf, pf_end);
     const uint32_t* bp = panel + p * PANEL;
     __m512i bv[NV];
 #pragma GCC unroll 4

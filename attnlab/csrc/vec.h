@@ -69,6 +69,18 @@ ATTNLAB_INLINE void stream_hint(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + STREAM_AHEAD_BYTES, 0, 0);
 }
 
+// The next two lines of [at, end) fetched into L2 (prefetcht1 on x86), at advanced past
+// them: what a product reads next (the next band or group of a weight), fetched a little
+// at a time while it multiplies what it holds in cache, so that the read from memory and
+// the products overlap (tile_bf16.h's panels, int8_product.h's groups of a prompt).
+ATTNLAB_INLINE void fetch_ahead(const char*& at, const char* end) {
+  if (at < end) {
+    __builtin_prefetch(at, 0, 2);
+    __builtin_prefetch(at + 64, 0, 2);
+    at += 128;
+  }
+}
+
 // Eight floats as one value (GCC/Clang vector extensions): one ymm in the AVX clones,
 // two xmm in the baseline one. Sixteen, for streaming loops: one zmm with AVX-512.
 typedef float f8 __attribute__((vector_size(32)));
