@@ -126,6 +126,28 @@ def test_every_engine_of_a_batch_one_case_runs_beside_its_one_token_twin():
                    "llama.cpp q8_0": {"tokens_agree": 2, "tokens_checked": 3}}
 
 
+def test_the_generate_table_divides_by_transformers_and_leaves_twins_to_their_own():
+    """Each cell of the main table is a time over transformers' (the suite's BASELINE, which
+    the runner reads off the suite module); a twin's one token has no column there (its
+    time over a whole call would mean nothing) and cannot be --baseline."""
+    import attnlab.bench as bench
+
+    common = {"suite": "generate", "case": "c", "shape": "tiny-llama", "batch": 1,
+              "new_tokens": 128, "prompt_len": 32, "prefill": False, "peak_mb": None}
+    times = {"attnlab": 1000.0, "transformers": 2000.0,
+             "attnlab" + first_token.SUFFIX: 50.0, "transformers" + first_token.SUFFIX: 100.0}
+    records = [{**common, "impl": name, "median_ms": ms, "times_ms": [ms] * 3,
+                "ratio_to": {other: ms / t for other, t in times.items() if other != name}}
+               for name, ms in times.items()]
+    generate.annotate(records, log=lambda line: None)
+    main = runner.markdown_table(records).split("\n\n")[0].splitlines()
+    assert main[0] == "| case | attnlab | transformers |"
+    assert main[2].startswith("| c | 1000.0 ms (0.50x), 128 tok/s | 2000.0 ms, 64 tok/s")
+    with pytest.raises(ValueError, match="baseline .* must be one of .*got 'attnlab "):
+        bench.run(["generate"], case_filter="tiny-llama B=1",
+                  baseline="attnlab" + first_token.SUFFIX, log=lambda line: None)
+
+
 # ------------------------------------------------------------------ bandwidth and shares
 
 

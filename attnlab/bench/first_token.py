@@ -34,6 +34,13 @@ def is_twin(name: str) -> bool:
     return name.endswith(SUFFIX)
 
 
+def in_table(name: str) -> bool:
+    """Whether the suite's main Markdown table has a column for ``name`` (and whether it
+    may be ``--baseline``): not a twin, whose one token is in the first-token table, and
+    whose time over another engine's whole call would mean nothing."""
+    return not is_twin(name)
+
+
 def decode_ms(step: dict, first: dict) -> list[float]:
     """Per round, the step's time less its twin's: the decoding steps after the first token
     (the medians' difference where the rounds do not pair up)."""

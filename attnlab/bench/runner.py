@@ -262,13 +262,14 @@ def markdown_table(records: list[dict], baseline: str | None = None) -> str:
     A cell is ``median ms (time / baseline's), peak MB``, plus tokens/s where the
     suite computed them, and GFLOP/s with the share of the measured peak where the
     suite counted FLOPs. ``baseline`` defaults to each suite's ``BASELINE`` peer. A
-    suite module may add a table of its own after it (``summary_table(records)``).
+    suite module may leave implementations out of the columns (``in_table(impl)``
+    False) and add a table of its own after it (``summary_table(records)``).
     """
     tables = []
     for suite in dict.fromkeys(r["suite"] for r in records):
         rows = [r for r in records if r["suite"] == suite]
-        impls = list(dict.fromkeys(r["impl"] for r in rows))
         module = importlib.import_module(SUITES[suite])
+        impls = table_columns(module, dict.fromkeys(r["impl"] for r in rows))
         peer = baseline or getattr(module, "BASELINE", None)
         lines = [f"| case | {' | '.join(impls)} |", "|---|" + "---:|" * len(impls)]
         for case in dict.fromkeys(r["case"] for r in rows):
@@ -280,6 +281,13 @@ def markdown_table(records: list[dict], baseline: str | None = None) -> str:
         if summary:
             tables.append(summary)
     return "\n\n".join(tables)
+
+
+def table_columns(module, impls) -> list[str]:
+    """The implementations of ``impls`` that a suite's Markdown table shows as columns
+    (all of them unless the suite module says otherwise with ``in_table``)."""
+    shown = getattr(module, "in_table", None)
+    return [i for i in impls if shown is None or shown(i)]
 
 
 def _cell(r: dict, peer: str | None) -> str:
