@@ -95,13 +95,14 @@ def test_one_native_call_takes_every_layer(f32, folder, precision):
 
 def test_an_int8_group_is_packed_until_a_member_changes():
     """quantized.is_packed (which decoding plans ask) reads the layers' own dicts: a bias
-    of the packed block replaced or removed, or data given new storage, unpacks the group."""
+    of the packed block replaced or removed, one registered as a buffer where there was
+    none, or data given new storage, unpacks the group."""
     from attnlab.modules import quantized
 
-    def group():
+    def group(bias=True):
         block = torch.nn.Module()
         for name in ("a", "b"):
-            setattr(block, name, torch.nn.Linear(64, 32))
+            setattr(block, name, torch.nn.Linear(64, 32, bias=bias))
         block.product_groups = (("a", "b"),)  # one product over both, as q|k|v
         quantized.quantize(block)
         return [block.a, block.b]
@@ -116,6 +117,15 @@ def test_an_int8_group_is_packed_until_a_member_changes():
     layers = group()
     layers[1].data = layers[1].data.clone()
     assert not quantized.is_packed(layers)
+    layers = group(bias=False)
+    assert quantized.is_packed(layers)
+    del layers[1].bias
+    layers[1].register_buffer("bias", torch.ones(32))  # the joint product would drop it
+    assert not quantized.is_packed(layers)
+    x = torch.randn(1, 64)
+    with_bias = layers[1](x)
+    layers[1].bias.zero_()
+    torch.testing.assert_close(with_bias - layers[1](x), torch.ones(1, 32))
 
 
 def _one_fused_run(model: GPT) -> None:

@@ -129,6 +129,8 @@ def is_packed(layers: Sequence[Int8Linear]) -> bool:
     at = 0
     for i, m in enumerate(layers):
         data, scales, bias = _tensors_of(m)
+        if not (bias is None or isinstance(bias, torch.Tensor)):
+            return False  # (a module as the bias: it runs as the layer's own forward says)
         if (data.shape[1] != d0.shape[1] or scales.shape[1] != s0.shape[1]
                 or m.in_features != layers[0].in_features
                 or (i + 1 < len(layers) and m.out_features % layout.BAND)
@@ -142,11 +144,17 @@ def is_packed(layers: Sequence[Int8Linear]) -> bool:
     return True
 
 
-def _tensors_of(m: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(m.data, m.scales, m.bias)``, read off the module's own dicts (a bias assigned as a
-    plain tensor, or None, lives in ``__dict__``)."""
-    return (m._buffers["data"], m._buffers["scales"],
-            m._parameters["bias"] if "bias" in m._parameters else m.__dict__.get("bias"))
+def _tensors_of(m: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """``(m.data, m.scales, m.bias)``, read off the module's own dicts in the order in which
+    ``m.bias`` finds them: the instance's (a plain tensor, or None), then its parameters,
+    buffers and submodules (a bias registered as a buffer is one)."""
+    bias = m.__dict__.get("bias")
+    if "bias" not in m.__dict__:
+        for store in (m._parameters, m._buffers, m._modules):
+            if "bias" in store:
+                bias = store["bias"]
+                break
+    return m._buffers["data"], m._buffers["scales"], bias
 
 
 def _joint_tensors(layers: Sequence[Int8Linear]):
@@ -168,7 +176,7 @@ def joint(x: torch.Tensor, layers: Sequence[Int8Linear]) -> torch.Tensor | None:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return None
-    if len(layers) > 1 and not is_packed(layers):
+    if not is_packed(layers):  # (one layer too: its bias must be a tensor or None)
         return None
     if layers[0].data.device.type != "cpu":
         return None
