@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -74,10 +75,11 @@ ATTNLAB_INLINE void stream_hint(const void* p) {
 // at a time while it multiplies what it holds in cache, so that the read from memory and
 // the products overlap (tile_bf16.h's panels, int8_product.h's groups of a prompt).
 ATTNLAB_INLINE void fetch_ahead(const char*& at, const char* end) {
-  if (at < end) {
+  const std::ptrdiff_t left = end - at;  // (at never steps past end: no pointer beyond it)
+  if (left > 0) {
     __builtin_prefetch(at, 0, 2);
-    __builtin_prefetch(at + 64, 0, 2);
-    at += 128;
+    if (left > 64) __builtin_prefetch(at + 64, 0, 2);
+    at += left > 128 ? 128 : left;
   }
 }
 
