@@ -253,3 +253,8 @@ def test_a_short_call_is_timed_in_blocks_and_a_long_one_alone(monkeypatch):
     assert results["short"]["times_ms"] == pytest.approx([2.0] * 3)
     assert results["long"]["times_ms"] == pytest.approx([30.0] * 3)
     assert calls == {"short": 1 + 1 + 3 * 10, "long": 1 + 1 + 3}
+    # A short step that is subtracted from a long one is timed as often as it.
+    impls[0].calls_like = "long"
+    results = runner.time_case(runner.Case("attention", "pair", impls, repeats=3))
+    assert results["short"]["calls_per_sample"] == 1
+    assert results["short"]["times_ms"] == pytest.approx([2.0] * 3)

@@ -112,6 +112,7 @@ def test_every_engine_of_a_batch_one_case_runs_beside_its_one_token_twin():
         step, twin = by_name[name], by_name[name + first_token.SUFFIX]
         assert twin.factory[:2] == step.factory[:2] and twin.isolated == step.isolated
         assert twin.factory[2] == {**step.factory[2], "new_tokens": 1} and not twin.memory
+        assert twin.calls_like == name and step.calls_like is None
     assert not any(first_token.is_twin(n) for n in (generate.CEILING, generate.READ))
     assert len(by_name) == 3 * 2 + 2
     for other in (generate._case("tiny-llama", 8, ["attnlab"], 1, 8),

@@ -23,11 +23,13 @@ SUFFIX = " (first token)"
 
 
 def twin(impl: Impl) -> Impl:
-    """``impl``'s step making one token: the same factory with ``new_tokens=1``; no
-    memory probe (its peak is the step's)."""
+    """``impl``'s step making one token: the same factory with ``new_tokens=1``, timed
+    with as many calls per sample as the step (a twin of a small model, a millisecond,
+    was timed in blocks of ten or more back to back, warmer than its step); no memory
+    probe (its peak is the step's)."""
     module, function, kwargs = impl.factory
     return Impl(impl.name + SUFFIX, (module, function, {**kwargs, "new_tokens": 1}),
-                skip=impl.skip, memory=False, isolated=impl.isolated)
+                skip=impl.skip, memory=False, isolated=impl.isolated, calls_like=impl.name)
 
 
 def is_twin(name: str) -> bool:

@@ -74,6 +74,10 @@ class Impl:
     # True: timed in a process of its own (:mod:`.worker`), as a peer runs in use, not
     # beside torch's thread pool in this one.
     isolated: bool = False
+    # Another implementation of the case whose calls per sample this one takes, where
+    # their times are subtracted (a step less its one-token twin): both then run as
+    # often back to back, one not warm where the other is cold.
+    calls_like: str | None = None
 
 
 @dataclass
@@ -147,6 +151,9 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
                 step.close()
             outputs.pop(impl.name, None)
             results[impl.name] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
+    for impl in case.impls:
+        if impl.calls_like in calls and impl.name in calls:
+            calls[impl.name] = calls[impl.calls_like]
     try:
         checked = case.check(outputs) if case.check else {}
         outputs.clear()
