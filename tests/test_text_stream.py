@@ -120,6 +120,33 @@ def test_cli_generate_prints_whole_characters(small_bpe, tmp_path, capsys, monke
     assert code == 0 and out == "我说:" + SENTENCE + "\n"
 
 
+def test_cli_generate_cut_inside_a_character_prints_no_broken_one(small_bpe, tmp_path,
+                                                                   capsys, monkeypatch):
+    """--max-new-tokens running out inside a character of several tokens: the whole ones
+    are printed, the incomplete one is not (the decode would end in U+FFFD), and stderr
+    says so in one line."""
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.cli import main
+    from attnlab.models.generation import GenerationMixin
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(tiny_gpt(small_bpe.vocab_size), ckpt, tokenizer=small_bpe)
+    ids = split_ids(small_bpe)
+    cut = next(n for n in range(1, len(ids)) if small_bpe.decode(ids[:n]).endswith("\ufffd"))
+    whole = small_bpe.decode(ids[:cut]).rstrip("\ufffd")
+
+    def scripted(self, *args, **kwargs):
+        for i in ids[:cut]:
+            yield torch.tensor([i])
+
+    monkeypatch.setattr(GenerationMixin, "_stream_ids", scripted)
+    code = main(["generate", "--ckpt", str(ckpt), "--prompt", "我说:", "--max-new-tokens",
+                 str(cut)])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out == "我说:" + whole + "\n"
+    assert "\ufffd" not in captured.out and "inside a character" in captured.err
+
+
 @pytest.mark.parametrize("tail", ["\ufffd", "\ufffd\ufffd", "\ufffda\ufffd"])
 def test_a_prompt_ending_in_a_real_replacement_character_is_not_emitted_again(small_bpe, tail):
     # Helper-found: the prompt's trailing U+FFFD was held back as an unfinished character

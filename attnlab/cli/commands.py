@@ -243,13 +243,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
     # between the tokens here, so the fused decoding plan is made once (as generate).
     decoder = model.decoder([ids]) if hasattr(model, "decoder") else None
+    held = ""  # trailing U+FFFD: printed if text follows, else a character the end cut
     for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, generator=gen,
                               use_cache=cached,
                               tokenizer=tokenizer, decoder=decoder, eos_id=eos_id):
-        sys.stdout.write(piece)
+        text = held + piece
+        whole = text.rstrip("\ufffd")
+        held = text[len(whole):]
+        sys.stdout.write(whole)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if held:  # (a character of several tokens, say Chinese, begun by the last of them)
+        print("note: the text ends inside a character (its last token began one that the "
+              "tokens ran out before finishing); that incomplete character is not printed",
+              file=sys.stderr)
     return 0
 
 
