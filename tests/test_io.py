@@ -438,3 +438,28 @@ def test_a_file_in_gbk_says_what_it_is_and_how_to_convert_it(tmp_path, text, enc
         read_text(path, 1 << 20)
     assert ("iconv -f gb18030 -t utf-8" in str(info.value)) == hint, info.value
     assert ("Shift-JIS for Japanese, EUC-KR for Korean" in str(info.value)) == hint
+
+
+@pytest.mark.parametrize("encoding, codec", [
+    ("utf-16", "utf-16"),  # Windows Notepad's "Unicode", PowerShell 5's `>`: a BOM
+    ("utf-16-le", "utf-16le"), ("utf-16-be", "utf-16be"),  # no BOM: the zero bytes tell
+])
+def test_a_file_in_utf16_is_named_so_not_as_gbk(tmp_path, encoding, codec):
+    """Helper-found: UTF-16 text got GBK's hint, whose iconv turned it into mojibake."""
+    import io as _io
+
+    from attnlab.io.reading import read_stream_text, read_text
+
+    data = ("注意力机制让模型学会关注重要的词。\r\n" * 30).encode(encoding)
+    (tmp_path / "text.txt").write_bytes(data)
+    for read in (lambda: read_text(tmp_path / "text.txt", 1 << 20),
+                 lambda: read_stream_text(_io.BytesIO(data), 1 << 20, "--prompt -")):
+        with pytest.raises(ValueError, match="is not UTF-8 text") as info:
+            read()
+        assert f"iconv -f {codec} -t utf-8" in str(info.value), info.value
+        assert "gb18030" not in str(info.value)
+    # a binary file's zero bytes (both places) are not taken for UTF-16
+    (tmp_path / "bin").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match="is not UTF-8 text") as info:
+        read_text(tmp_path / "bin", 1 << 20)
+    assert "UTF-16" not in str(info.value)

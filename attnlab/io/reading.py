@@ -108,8 +108,31 @@ def _utf8(data: bytes, name: str) -> str:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{name} is not UTF-8 text: {exc.reason} at byte "
-                              f"{exc.start}{_gb18030_hint(data)}") from None
+                              f"{exc.start}{_utf16_hint(data) or _gb18030_hint(data)}") from None
     return normal_line_ends(text)
+
+
+def _utf16_hint(data: bytes) -> str:
+    """What to do if ``data`` is UTF-16 (Windows Notepad's "Unicode", PowerShell 5's ``>``),
+    else "": a byte-order mark, or zero bytes (the high halves of ASCII characters: line
+    ends, spaces) all in the even or all in the odd places of text that decodes so. UTF-8
+    and GBK text holds no zero byte; a binary file holds them in both places."""
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        codec = "utf-16"
+    else:
+        head = data[:1 << 16]
+        head = head[:len(head) // 2 * 2]
+        even, odd = head[0::2].count(0), head[1::2].count(0)
+        codec = "utf-16le" if odd and not even else "utf-16be" if even and not odd else ""
+        try:
+            head.decode(codec or "ascii")  # (no codec: never taken as UTF-16)
+        except UnicodeDecodeError:
+            codec = ""
+    if not codec:
+        return ""
+    return (f"; it looks like {codec.upper().replace('LE', ' LE').replace('BE', ' BE')} "
+            f"(Windows Notepad's \"Unicode\", PowerShell's > redirect): save it as UTF-8, "
+            f"e.g. iconv -f {codec} -t utf-8 FILE > FILE.utf8")
 
 
 def _gb18030_hint(data: bytes) -> str:
