@@ -218,6 +218,32 @@ def test_the_classifier_reads_only_the_weights_the_model_returns():
     assert heads.classify(gpt, tok)["kind"] == [["self"] * 4] * 2
 
 
+def test_many_probe_sequences_run_a_few_at_a_time_with_the_same_scores(monkeypatch):
+    """Helper-found: --batch 100000 asked for every layer's (batch, heads, T, T) weights at
+    once (29 GB, a traceback). The probe now runs a few sequences a forward, and the sums
+    over the rows add up to the scores of one forward over all of them."""
+    from attnlab.experiments import head_kinds
+
+    gpt, tok = built_model()
+    whole = heads.classify(gpt, tok, batch=5, seed=1)
+    calls = []
+    real = gpt.forward
+
+    def counted(ids, **kw):
+        calls.append(ids.shape[0])
+        return real(ids, **kw)
+
+    gpt.forward = counted
+    # room for two sequences' weights a forward (2 layers x 4 heads x T x T floats)
+    t = 2 * whole["probe"]["length"]
+    monkeypatch.setattr(head_kinds, "PROBE_BYTES", 2 * (2 * 4) * t * t * 4)
+    parts = heads.classify(gpt, tok, batch=5, seed=1)
+    assert calls == [2, 2, 1]
+    for kind in whole["kinds"]:
+        np.testing.assert_allclose(parts["scores"][kind], whole["scores"][kind], atol=1e-12)
+    assert parts["kind"] == whole["kind"]
+
+
 def test_a_model_that_returns_no_weights_is_refused():
     class Silent(nn.Module):
         context_length = 16

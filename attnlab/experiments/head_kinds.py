@@ -89,6 +89,19 @@ def probe_scores(weights: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Te
         ``{kind: (heads,) float64 mean score}`` for each kind in :data:`KINDS`; a probe
         with no row to score (no repeated token, ``T < 2``) scores 0.
     """
+    return _means(_probe_sums(weights, ids))
+
+
+def _means(sums: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """Each kind's sum over its count (0 with no row scored)."""
+    return {kind: total / count if count else torch.zeros_like(total)
+            for kind, (total, count) in sums.items()}
+
+
+def _probe_sums(weights: torch.Tensor, ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per kind, the ``(heads,)`` float64 sum of the rows' scores and the number of rows
+    scored: what :func:`probe_scores` divides, and what adds up over sequences scored a
+    few at a time (:func:`classify`)."""
     w = torch.as_tensor(weights).double()
     ids = torch.as_tensor(ids)
     if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
@@ -105,29 +118,25 @@ def probe_scores(weights: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Te
     induction = torch.zeros_like(same)
     induction[:, :, 1:] = (same & torch.ones(t, t, dtype=torch.bool).tril(-2))[:, :, :-1]
     return {
-        "previous-token": _mean_rows(w[..., later, later - 1]),
-        "induction": _masked_rows(w, induction),
-        "sink": _mean_rows(w[..., later, 0]),
-        "self": _mean_rows(w[..., later, later]),
-        "duplicate-token": _masked_rows(w, duplicate),
+        "previous-token": _row_sums(w[..., later, later - 1]),
+        "induction": _masked_row_sums(w, induction),
+        "sink": _row_sums(w[..., later, 0]),
+        "self": _row_sums(w[..., later, later]),
+        "duplicate-token": _masked_row_sums(w, duplicate),
     }
 
 
-def _mean_rows(values: torch.Tensor) -> torch.Tensor:
-    """``(B, H, R)`` -> ``(H,)``: the mean over sequences and rows (0 with no row)."""
-    if values.shape[-1] == 0:
-        return torch.zeros(values.shape[1], dtype=torch.float64)
-    return values.mean(dim=(0, 2))
+def _row_sums(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(B, H, R)`` -> the ``(H,)`` sum over sequences and rows, and their number."""
+    return values.sum(dim=(0, 2)), values.shape[0] * values.shape[2]
 
 
-def _masked_rows(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``(H,)``: each row's weight on its ``targets`` ``(B, T, T)`` summed, averaged over
-    the rows that have a target at all."""
+def _masked_row_sums(w: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each row's weight on its ``targets`` ``(B, T, T)``, summed over the rows that have a
+    target at all ``(H,)``, and their number."""
     rows = targets.any(-1)  # (B, T)
-    if not rows.any():
-        return torch.zeros(w.shape[1], dtype=torch.float64)
     per_row = (w * targets[:, None].to(w.dtype)).sum(-1)  # (B, H, T)
-    return per_row.permute(1, 0, 2)[:, rows].mean(-1)
+    return per_row.permute(1, 0, 2)[:, rows].sum(-1), int(rows.sum())
 
 
 def _ordinary_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
@@ -145,6 +154,18 @@ def _ordinary_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
     keep = torch.ones(vocab_size, dtype=torch.bool)
     keep[[i for i in special if 0 <= i < vocab_size]] = False
     return torch.nonzero(keep).flatten()
+
+
+# The attention weights one forward of the probe may hold (every layer's), in bytes.
+PROBE_BYTES = 256 << 20
+
+
+def _heads_guess(model: nn.Module) -> int:
+    """Layers x heads of ``model`` where its config says (for the size of the probe's
+    forwards), else a generous 1024."""
+    config = getattr(model, "config", None)
+    layers, heads = getattr(config, "num_layers", None), getattr(config, "num_heads", None)
+    return layers * heads if isinstance(layers, int) and isinstance(heads, int) else 1024
 
 
 def _vocab_size(model: nn.Module, tokenizer: Any) -> int:
@@ -195,17 +216,27 @@ def classify(model: nn.Module, tokenizer: Any, *, length: int | None = None, bat
                          f"ids), got {length}")
     ids = probe_ids(pool, length, batch, seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # A few sequences a forward: their weights, every layer's (batch, heads, T, T), are
+    # what the memory holds, and --batch 100000 asked for 29 GB at once.
+    chunk = max(1, PROBE_BYTES // (4 * (2 * length) ** 2 * _heads_guess(model)))
+    sums: list[dict] = []
     was_training = model.training
     model.eval()
     try:
-        out = model(ids.to(device), output_attentions=True)
+        for start in range(0, batch, chunk):
+            part = ids[start:start + chunk]
+            out = model(part.to(device), output_attentions=True)
+            attentions = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if not isinstance(attentions, list | tuple) or not attentions:
+                raise TypeError(f"model: expected forward(ids, output_attentions=True) to "
+                                f"return (output, [weights per layer]), got "
+                                f"{type(out).__name__}")
+            got = [_probe_sums(w.detach().cpu(), part) for w in attentions]
+            sums = got if not sums else [{k: (a[k][0] + b[k][0], a[k][1] + b[k][1])
+                                          for k in KINDS} for a, b in zip(sums, got)]
     finally:
         model.train(was_training)
-    attentions = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-    if not isinstance(attentions, list | tuple) or not attentions:
-        raise TypeError(f"model: expected forward(ids, output_attentions=True) to return "
-                        f"(output, [weights per layer]), got {type(out).__name__}")
-    per_layer = [probe_scores(w.detach().cpu(), ids) for w in attentions]
+    per_layer = [_means(layer) for layer in sums]
     scores = {k: [[float(x) for x in layer[k]] for layer in per_layer] for k in KINDS}
     shape = [(i, range(len(row))) for i, row in enumerate(scores[KINDS[0]])]
     best = [[max(KINDS, key=lambda k: scores[k][i][h]) for h in hs] for i, hs in shape]
