@@ -205,10 +205,15 @@ def test_generate_chat_applies_the_template_and_stops_at_the_end_of_turn(tmp_pat
     assert want[2] == tok.eos_id and ids[0, len(prompt):].tolist() == want[:2]
     assert main(["generate", "--model", str(path), "--chat", "注意力 😀", "--temperature", "0",
                  "--max-new-tokens", "6"]) == 0
-    assert capsys.readouterr().out == tok.decode(want[:2]) + "\n"  # the template's text unshown
+    # the template's text unshown; no U+FFFD of a character the end cut (see test_text_stream)
+    assert capsys.readouterr().out == tok.decode(want[:2]).rstrip("\ufffd") + "\n"
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(path), "--prompt", "the cat", "--chat", "x"])
     assert "not allowed with" in capsys.readouterr().err
+    for empty in ("", " \n"):  # (helper-found: the template around no message ran)
+        assert main(["generate", "--model", str(path), "--chat", empty]) == 2
+        captured = capsys.readouterr()
+        assert "--chat is empty" in captured.err and captured.out == ""
 
 
 

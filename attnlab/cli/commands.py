@@ -255,9 +255,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if held:  # (a character of several tokens, say Chinese, begun by the last of them)
-        print("note: the text ends inside a character (its last token began one that the "
-              "tokens ran out before finishing); that incomplete character is not printed",
-              file=sys.stderr)
+        print("note: the text ends inside a character (its last bytes begin one that no "
+              "token finished); that incomplete character is not printed", file=sys.stderr)
     return 0
 
 
@@ -269,6 +268,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str, tu
     llama.cpp reads them), else at its end-of-text token, as transformers' generate stops
     (a checkpoint keeps the stop ids of the tokenizer saved with it)."""
     name = "--prompt" if args.chat is None else "--chat"
+    if args.chat is not None and not args.chat.strip():  # the template around no message
+        raise ValueError("--chat is empty; expected a message")
     try:
         if args.chat is None:
             ids, shown = tokenizer.encode(args.prompt), args.prompt
