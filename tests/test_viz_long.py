@@ -151,6 +151,11 @@ def test_rollout_and_compare_of_a_long_text_are_refused_in_one_line(tiny, tmp_pa
     with pytest.raises(ValueError, match="--compare is 300 tokens"):
         viz.show_attention(model, tok, "abc", tmp_path / "c", compare=text_of(300))
     monkeypatch.setattr(long_mod, "MAX_TOKENS", 200)
+
+    def no_forward(*args, **kwargs):  # (helper-found: refused after 35 s of forward)
+        raise AssertionError("the text's length is known before the forward")
+
+    monkeypatch.setattr("attnlab.viz.show.run", no_forward)
     with pytest.raises(ValueError, match="up to 200"):
         viz.show_attention(model, tok, text_of(300), tmp_path / "m")
 

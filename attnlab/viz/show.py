@@ -123,7 +123,7 @@ def _heading(text: str, most: int = 80) -> str:
 
 def _show(model, tokenizer, text, layer, head, title, rollout, log, example, labels):
     """``(figure, explorer)`` of one text: whole weights, or a long text's top keys."""
-    from .long import is_long, long_figure, top_keys
+    from .long import MAX_TOKENS, is_long, long_figure, top_keys
 
     ids, tokens = tokenize(model, tokenizer, text, log=log, example=example)
     modules = attention_modules(model)
@@ -132,6 +132,9 @@ def _show(model, tokenizer, text, layer, head, title, rollout, log, example, lab
         if rollout:
             raise ValueError(f"rollout (--rollout) multiplies whole {len(ids)} x {len(ids)} "
                              "matrices; it is drawn for shorter texts only")
+        if len(ids) > MAX_TOKENS:  # (said before the forward, not after it: 35 s at 6,200)
+            raise ValueError(f"text is {len(ids):,} tokens; the explorer holds up to "
+                             f"{MAX_TOKENS:,}")
         _, record = run(model, ids, weights=False)
         layers = pick(len(record), layer, "layer")
         heads = pick(record[0][1].shape[0], head, "head")
