@@ -183,6 +183,31 @@ def test_backward_is_bitwise_reproducible(threads):
         assert torch.equal(a, b)
 
 
+@needs_native
+def test_a_small_forward_takes_one_worker_while_the_machine_is_seen_busy():
+    """After a region whose last worker started late (another process had its core), a
+    forward of little work runs on one worker for a while (waiting at the region's end for
+    a descheduled worker cost more than the call); a large one keeps every worker; the
+    results are the same bits either way (a forward's items never depend on the worker
+    count)."""
+    ops = _native.load()
+    q, k, v = _qkv(1, 12, 256, 64)  # about 1e8 flops: small
+    with thread_count(2):
+        try:
+            assert ops.flash_workers(1e8, 0) == 2  # nothing late remembered
+            quiet = attnlab.attention(q, k, v, causal=True, backend="flash")
+            assert ops.flash_workers(1e8, 1) == 1 and ops.flash_workers(1e10) == 2
+            busy = attnlab.attention(q, k, v, causal=True, backend="flash")
+            assert ops.flash_workers(1e8) == 1  # still remembered
+        finally:
+            ops.flash_workers(0.0, 0)
+        assert ops.flash_workers(1e8) == 2
+    assert torch.equal(quiet, busy)
+    with thread_count(1):
+        assert ops.flash_workers(1e8, 1) == 1 and ops.flash_workers(1e10) == 1
+        ops.flash_workers(0.0, 0)
+
+
 class _OpDtypes(TorchDispatchMode):
     """The dtypes of the tensors each aten/attnlab op is called with."""
 

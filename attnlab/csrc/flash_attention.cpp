@@ -231,6 +231,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rule_tiles(int64_t q_len, int
 // Whether float tiles go through the AVX-512 tile kernel (tile_gemm.h) now.
 bool tile_kernel_active() { return use_tile_kernel<float>(); }
 
+// The workers a forward of `flops` takes now (flash_common.h's workers_for), after noting
+// a late worker (busy: 1) or forgetting the last one (busy: 0) where asked; for tests.
+int64_t flash_workers(double flops, int64_t busy) {
+  if (busy == 1) last_late_start().store(steady_ns());
+  if (busy == 0) last_late_start().store(std::numeric_limits<int64_t>::min() / 2);
+  return workers_for(flops);
+}
+
 }  // namespace
 }  // namespace attnlab
 
@@ -252,6 +260,7 @@ TORCH_LIBRARY(attnlab_native, m) {
       "Tensor? documents=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &attnlab::rule_tiles);
   m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
+  m.def("flash_workers(float flops, int busy=-1) -> int", &attnlab::flash_workers);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -224,18 +226,53 @@ void times_transposed(int64_t m, int64_t n, A alpha, const A* a, int64_t lda, co
   gemm_rm<A>(false, true, m, n, x.cols, alpha, a, lda, x.rows, x.ld, A(0), c, ldc);
 }
 
+// A busy machine. A parallel region ends at a barrier that each of its workers must reach,
+// and a worker the OS has put behind another process reaches it a time slice later
+// (milliseconds), however short the call: beside a busy process per core a 0.74 ms
+// causal forward at T=256 (two Zen 4 cores) took 3.3 ms on two workers, 2.8 ms on one.
+// So run_items notes when a region's last worker started late, and a call of less work
+// than SMALL_CALL_FLOPS made within CONTENDED_NS of that runs on one worker; once that
+// long has passed without a late start, small calls take every worker again.
+constexpr int64_t LATE_START_NS = 300'000, CONTENDED_NS = 100'000'000;
+constexpr double SMALL_CALL_FLOPS = 2e8;  // about 2 ms of one core's products
+
+inline int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline std::atomic<int64_t>& last_late_start() {
+  static std::atomic<int64_t> at{std::numeric_limits<int64_t>::min() / 2};
+  return at;
+}
+
+// Workers for a call of `flops`: every thread, or one while the machine is seen busy.
+inline int64_t workers_for(double flops) {
+  const int64_t all = std::max<int64_t>(1, at::get_num_threads());
+  if (all > 1 && flops < SMALL_CALL_FLOPS &&
+      steady_ns() - last_late_start().load(std::memory_order_relaxed) < CONTENDED_NS)
+    return 1;
+  return all;
+}
+
 // Run `work(worker, item)` over items in the given order, pulled by workers from a
 // shared counter so that uneven items (causal) still keep every thread busy. One
 // parallel region per call: a region is one more wait for a thread the OS may have
-// given to another process.
+// given to another process (and a late one is noted, above).
 template <typename F>
 void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work) {
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(order.size());
+  std::atomic<int64_t> next{0}, latest{0};
+  const int64_t n = static_cast<int64_t>(order.size()), t0 = steady_ns();
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    const int64_t started = steady_ns() - t0;
+    for (int64_t seen = latest.load(); started > seen &&
+                                       !latest.compare_exchange_weak(seen, started);) {
+    }
     for (int64_t worker = begin; worker < end; ++worker)
       for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) work(worker, order[t]);
   });
+  if (workers > 1 && latest.load() > LATE_START_NS)
+    last_late_start().store(steady_ns(), std::memory_order_relaxed);
 }
 
 // Item indices one group at a time (items [g * group, (g + 1) * group): the blocks of one

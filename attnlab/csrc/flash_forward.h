@@ -274,7 +274,11 @@ void forward_impl(const Problem& P, const Tensor& q, const Tensor& k, const Tens
   S* op = out.data_ptr<S>();
   A* lp = lse.data_ptr<A>();
   const bool tiles = use_tile_kernel<A>(), shorts = short_runs<S>(P, tiles);
-  const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
+  // (each item's keys times its rows, times both products: the work, for workers_for)
+  double flops = 0;
+  for (size_t item = 0; item < cost.size(); ++item)
+    flops += double(cost[item]) * std::min(P.bq, P.Lq - int64_t(item % nqb) * P.bq);
+  const int64_t workers = workers_for(flops * 2.0 * double(P.D + P.Dv));
   std::vector<std::unique_ptr<ForwardScratch<A>>> scratch(workers);
   run_items(longest_first(cost, nqb), workers, [&](int64_t worker, int64_t item) {
     if (!scratch[worker]) scratch[worker] = std::make_unique<ForwardScratch<A>>(P);
