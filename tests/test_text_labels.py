@@ -24,10 +24,11 @@ HEX = re.compile(r"<0x([0-9A-F]{2})>")
 
 
 def label_bytes(labels: list[str]) -> bytes:
-    """Undo the labels of a byte-level BPE: ␣ is a space, <0xNN> is byte NN."""
+    """Undo the labels of a byte-level BPE: ␣ (first or last) is a space, <0xNN> is byte NN."""
     out = b""
     for label in labels:
         label = " " + label[1:] if label.startswith("\u2423") else label
+        label = label[:-1] + " " if label.endswith("\u2423") else label
         pos = 0
         for m in HEX.finditer(label):
             out += label[pos:m.start()].encode() + bytes([int(m.group(1), 16)])
@@ -100,6 +101,8 @@ def test_char_and_word_tokenizer_labels_show_blanks():
     assert labels == ["a", "\u2423", "b", "\u23ce", "c"] and len(ids) == 5
     assert token_labels(WordTokenizer.from_text("the cat"), "the dog")[1] == ["the", "<unk>"]
     assert visible(" x") == "\u2423x" and visible("\t") == "\u21e5"
+    # (helper-found: SentencePiece's "▁Hello▁" read "␣Hello " with its last space unseen)
+    assert visible(" Hello ") == "\u2423Hello\u2423" and visible("x ") == "x\u2423"
 
 
 def test_control_and_format_characters_get_labels_a_font_can_draw():

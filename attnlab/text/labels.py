@@ -58,15 +58,19 @@ def _unseen(c: str) -> bool:
 
 
 def visible(label: str) -> str:
-    """``label`` with a leading space as ``␣``, control characters as their code points
-    (``U+001B``), and, when it has nothing else to draw (blanks, a zero-width joiner), every
-    character shown; so no label is empty and none asks a font for a glyph it lacks."""
+    """``label`` with a leading and a trailing space as ``␣`` (SentencePiece's ``▁Hello▁``
+    reads ``␣Hello␣``, not ``␣Hello`` and an unseen space), control characters as their
+    code points (``U+001B``), and, when it has nothing else to draw (blanks, a zero-width
+    joiner), every character shown; so no label is empty and none asks a font for a glyph
+    it lacks."""
     if label and all(_unseen(c) for c in label):
         return "".join(_BLANKS.get(c, f"U+{ord(c):04X}") for c in label)
     label = "".join(f"U+{ord(c):04X}" if unicodedata.category(c) == "Cc" and c not in "\n\t"
                     else c for c in label)
     if label.startswith(" "):
-        return SPACE_MARK + label[1:]
+        label = SPACE_MARK + label[1:]
+    if label.endswith(" "):  # (not the whole label: one of blanks only is drawn above)
+        label = label[:-1] + SPACE_MARK
     return label
 
 
