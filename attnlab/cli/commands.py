@@ -226,10 +226,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         given = f"--ckpt {args.ckpt!r}" if args.ckpt else f"--model {args.model!r}"
         kind = type(model).__name__
         raise ValueError(f"{given} holds {'an' if kind[0] in 'AEIOU' else 'a'} {kind}, which "
-                         "does not "
-                         "generate text; expected a decoder (ToyAttnLM, GPT, or a GPT-2, Llama, "
-                         "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 or BLOOM folder, or a GGUF "
-                         "file)")
+                         "does not generate text; expected a decoder (ToyAttnLM, GPT, or a "
+                         "GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 or BLOOM folder, "
+                         "or a GGUF file)")
     gen = torch.Generator().manual_seed(args.seed)
     cached = len(ids) + args.max_new_tokens - 1 <= model.context_length
     if not cached:  # said, not silently cropped (transformers warns too)
@@ -239,18 +238,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{model.context_length} only", file=sys.stderr)
     sys.stdout.write(shown)
     sys.stdout.flush()
-    # Text pieces, not one decode per token: a character split over several byte-level
-    # tokens is printed once it is whole, never as U+FFFD. Only attnlab's code runs
-    # between the tokens here, so the fused decoding plan is made once (as generate).
-    decoder = model.decoder([ids]) if hasattr(model, "decoder") else None
-    held = ""  # trailing U+FFFD: printed if text follows, else a character the end cut
+    # Text pieces: a character split over several tokens is printed whole, never as U+FFFD
+    # (one the end cuts is held back and left out). The fused decoding plan is made once.
+    decoder, held = (model.decoder([ids]) if hasattr(model, "decoder") else None), ""
     for piece in model.stream([ids], args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, generator=gen,
-                              use_cache=cached,
-                              tokenizer=tokenizer, decoder=decoder, eos_id=eos_id):
-        text = held + piece
-        whole = text.rstrip("\ufffd")
-        held = text[len(whole):]
+                              use_cache=cached, tokenizer=tokenizer, decoder=decoder,
+                              eos_id=eos_id):
+        whole = (held + piece).rstrip("\ufffd")
+        held = (held + piece)[len(whole):]
         sys.stdout.write(whole)
         sys.stdout.flush()
     sys.stdout.write("\n")
