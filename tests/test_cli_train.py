@@ -110,7 +110,8 @@ def _damaged_copies(src, tmp_path) -> dict:
 
 @pytest.mark.parametrize("args, words", [
     (["train", "--text", "/no/such/file"], ["--text", "cannot be read"]),
-    (["train", "--text", "{empty}"], ["--text", "empty"]),
+    (["train", "--text", "{empty}"], ["--text", "is empty"]),
+    (["train", "--text", "{blank}"], ["--text", "holds only whitespace"]),
     (["train", "--text", "{short}", "--context", "64"], ["too short"]),
     (["train", "--text", "{binary}"], ["not UTF-8"]),
     (["train", "--steps", "-3"], ["--steps", "positive"]),
@@ -181,7 +182,8 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, train_dir, tmp_pa
     (hf / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     (hf / "pytorch_model.bin").write_bytes(b"weights")
     (tmp_path / "afile").write_text("a file")
-    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n")
     (tmp_path / "short.txt").write_text("abcabc")
     (tmp_path / "other.txt").write_text("注意力机制🐱\n" * 200)
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
@@ -192,7 +194,8 @@ def test_cli_errors_are_one_line_exit_2(args, words, demo_dir, train_dir, tmp_pa
     for name in ("config.json", "tokenizer.json"):
         (corrupt / name).write_bytes((out / name).read_bytes())
     (corrupt / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:100])
-    fill = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
+    fill = {"empty": tmp_path / "empty.txt", "blank": tmp_path / "blank.txt",
+            "short": tmp_path / "short.txt",
             "binary": tmp_path / "binary.txt", "tmp": tmp_path, "corrupt": corrupt,
             "other": tmp_path / "other.txt",
             "demo": out, "junk": tmp_path / "junk", "hf": hf, "afile": tmp_path / "afile",

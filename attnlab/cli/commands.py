@@ -48,7 +48,7 @@ def _read_text(path: str | None) -> str:
         # A regular file of at most TEXT_LIMIT: a FIFO or /dev/zero would hang or fill memory.
         text = read_text(path, TEXT_LIMIT, "--text")
     if not text.strip():
-        raise ValueError(f"--text {path!r} is empty")
+        raise ValueError(f"--text {path!r} {'holds only whitespace' if text else 'is empty'}")
     return text
 
 
