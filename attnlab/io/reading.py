@@ -123,11 +123,14 @@ def _utf16_hint(data: bytes) -> str:
         head = data[:1 << 16]
         head = head[:len(head) // 2 * 2]
         even, odd = head[0::2].count(0), head[1::2].count(0)
-        codec = "utf-16le" if odd and not even else "utf-16be" if even and not odd else ""
-        try:
-            head.decode(codec or "ascii")  # (no codec: never taken as UTF-16)
-        except UnicodeDecodeError:
-            codec = ""
+        enough = max(1, len(head) // 200)  # (a line end every 100 characters or more)
+        codec = ("utf-16le" if odd >= enough and not even else
+                 "utf-16be" if even >= enough and not odd else "")
+        if codec:
+            try:
+                head.decode(codec)
+            except UnicodeDecodeError:
+                codec = ""
     if not codec:
         return ""
     return (f"; it looks like {codec.upper().replace('LE', ' LE').replace('BE', ' BE')} "
