@@ -279,6 +279,8 @@ def test_heads_command_prints_the_table_and_writes_json_and_a_picture(built_ckpt
     # again, as SVG, into the folder it wrote: allowed; a folder of the user's: refused
     assert main(["heads", "--ckpt", str(built_ckpt), "--out", str(out), "--format", "svg"]) == 0
     assert b"<svg" in (out / "heads.svg").read_bytes()[:400]
+    # the earlier run's PNG (signed: attnlab's) is gone, not left to show an older probe
+    assert not (out / "heads.png").exists()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     capsys.readouterr()

@@ -226,3 +226,24 @@ def test_a_read_only_subfolder_does_not_make_the_copies_undeletable(tmp_path, mo
             _write_ckpt(tmp, version)
     assert (final / "sub").stat().st_mode & 0o777 == 0o755  # the user's bits, and u+w
     assert _siblings(final) == []
+
+
+def test_only_a_signed_picture_of_an_earlier_run_is_dropped(tmp_path):
+    """drop_stale removes the other format's picture attnlab signed (show/heads into their
+    own folder again); a user's file of the same name, a link, or nothing is left alone."""
+    from attnlab.io.outdir import drop_stale, figure_metadata
+    from attnlab.viz.heatmap import figure_bytes, heatmap
+
+    fig = heatmap(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), ["a", "b"])
+    ours = tmp_path / "attention.png"
+    io.atomic_write_bytes(ours, figure_bytes(fig, "png", dpi=50))
+    assert "attnlab" in " ".join(figure_metadata("png").values())
+    assert drop_stale(ours) and not ours.exists()
+    assert not drop_stale(ours)  # nothing there
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n my own picture")
+    link = tmp_path / "link.png"
+    io.atomic_write_bytes(tmp_path / "target.png", figure_bytes(fig, "png", dpi=50))
+    link.symlink_to(tmp_path / "target.png")
+    assert not drop_stale(mine) and not drop_stale(link)
+    assert mine.exists() and link.exists() and (tmp_path / "target.png").exists()

@@ -203,3 +203,14 @@ def test_a_file_of_the_users_that_comes_while_show_computes_is_kept(tiny, tmp_pa
     with pytest.raises(ValueError, match="holds files attnlab did not write"):
         viz.show_attention(model, tok, "abc", out)
     assert (out / "attention.png").read_bytes() == b"the user's own picture"
+
+
+def test_a_picture_in_the_other_format_replaces_the_earlier_one(tiny, tmp_path):
+    """Helper-found: show --format svg into a folder of an earlier PNG run left that run's
+    attention.png (of another text) beside the new attention.svg and page."""
+    model, tok = tiny
+    out = tmp_path / "shown"
+    assert viz.show_attention(model, tok, "abc", out)["png"].exists()
+    shown = viz.show_attention(model, tok, "cab", out, fmt="svg")
+    assert shown["svg"].exists() and not (out / "attention.png").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["attention.html", "attention.svg"]

@@ -303,7 +303,7 @@ def save_kinds(result: dict, out: str | os.PathLike[str], *, fmt: str = "png",
     """
     from ..io import HEADS_JSON, HEADS_PNG, HEADS_SVG, atomic_write_json
     from ..io.locks import output_lock
-    from ..io.outdir import check_own_dir, make_dir, signed
+    from ..io.outdir import check_own_dir, drop_stale, make_dir, signed
     from ..viz import save_head_kinds
     from ..viz.heatmap import FORMATS
 
@@ -319,4 +319,5 @@ def save_kinds(result: dict, out: str | os.PathLike[str], *, fmt: str = "png",
                                   result["kind"], result["score"], fmt=fmt,
                                   title=f"what each head does{' in ' + source if source else ''}"
                                         " (darker: stronger)")
+        drop_stale(folder / (HEADS_SVG if fmt == "png" else HEADS_PNG))
     return {"json": data, "picture": picture}

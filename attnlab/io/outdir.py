@@ -36,7 +36,7 @@ from .files import (
 
 __all__ = ["foreign_entries", "make_dir", "refuse_foreign", "holds_working_dir", "check_own_dir",
            "check_writable", "check_out_file", "SIGNATURE", "signed", "figure_metadata",
-           "is_signed"]
+           "is_signed", "drop_stale"]
 
 #: What attnlab writes into a single output file to show, when it meets the file again,
 #: that the file is its own (see the module's docstring).
@@ -236,6 +236,21 @@ def is_signed(path: PathLike) -> bool:
 
 # A list of records is read whole to see every record's signature; attnlab's are far smaller.
 _JSON_LIST_BYTES = 64 * 1024 * 1024
+
+
+def drop_stale(path: PathLike) -> bool:
+    """Remove ``path`` where it is a picture or page attnlab signed (the other format's
+    picture of an earlier run into the same folder: ``attention.png`` beside a new
+    ``attention.svg`` would show another text); anything else is left as it is. Call it
+    holding the folder's :func:`~attnlab.io.locks.output_lock`. Returns whether it
+    removed the file."""
+    if not is_signed(path):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _every_record_signed(path: Path) -> bool:

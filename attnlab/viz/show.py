@@ -13,7 +13,7 @@ from typing import Any
 
 from ..io import EXPLORER_FILE, HEATMAP_FILE, HEATMAP_SVG, atomic_write_bytes
 from ..io.locks import output_lock
-from ..io.outdir import check_own_dir, make_dir
+from ..io.outdir import check_own_dir, drop_stale, make_dir
 from .capture import (
     attention_modules,
     capture,
@@ -110,6 +110,7 @@ def show_attention(model: Any, tokenizer: Any, text: str, out: str | os.PathLike
         check_own_dir(out)  # again: a file of the user's may have come while it computed
         make_dir(out)
         atomic_write_bytes(picture, figure_bytes(fig, fmt, dpi=fig.dpi))
+        drop_stale(Path(out) / (HEATMAP_SVG if fmt == "png" else HEATMAP_FILE))
         return ShowResult(picture, page.save(Path(out) / EXPLORER_FILE), page, picked)
 
 
