@@ -75,8 +75,8 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
                                            for cases in chosen.values() for c in cases):
         raise ValueError(f"--case {case_filter!r} matches no case of the suites {names}")
     if baseline is not None:
-        impls = sorted({i for name, cases in chosen.items() for c in cases
-                        for i in table_columns(modules[name], [i.name for i in c.impls])})
+        impls = sorted({column for name, cases in chosen.items() for c in cases
+                        for column in table_columns(modules[name], [i.name for i in c.impls])})
         if baseline not in impls:
             raise ValueError(f"baseline (--baseline) must be one of the implementations of "
                              f"the chosen cases {impls}, got {baseline!r}")
