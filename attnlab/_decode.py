@@ -11,7 +11,9 @@ changed) where it cannot take the inputs, so that the modules run instead:
 - :class:`Run`, a run of whole pre-norm decoder layers (each a named
   :class:`DecoderLayer`, checked once when added) for one row: norms, streamed products
   (the residuals folded into them), the step above and the MLP, layer after layer, in
-  one call (about forty Python-level calls a layer through the modules).
+  one call (about forty Python-level calls a layer through the modules); with the
+  model's head and token table, :meth:`Run.greedy` loops that call over a row's greedy
+  tokens natively.
 
 The math is that of ``rope.RotaryEmbedding.rotate``, ``KVCache.update``,
 :func:`attnlab.attention` (causal, end-aligned, sliding window) and the modules,
@@ -112,12 +114,12 @@ def _reserved(caches: Sequence[KVCache], call):
     return out
 
 
-def _tables(rotary: RotaryEmbedding | None, cache: KVCache, device):
-    """(cos, sin) for the new token's position, (None, None) without RoPE, or None
-    beyond the tables RoPE keeps."""
+def _tables(rotary: RotaryEmbedding | None, cache: KVCache, device, ahead: int = 1):
+    """(cos, sin) covering the next ``ahead`` positions, (None, None) without RoPE, or
+    None beyond the tables RoPE keeps."""
     if rotary is None:
         return None, None
-    return rotary.tables(cache.seq_len + 1, device)
+    return rotary.tables(cache.seq_len + ahead, device)
 
 
 def step(qkv: torch.Tensor, cache: KVCache, rotary: RotaryEmbedding | None,
@@ -214,15 +216,51 @@ class Run:
         self.has_head = not why
         return why or None
 
-    def _rope_tables(self, caches: Sequence[KVCache], device) -> tuple[list, list] | None:
-        """Per layer (cos, sin) covering each cache's next position ((None, None) without
-        RoPE), fetched again only when a position goes past them; None where a position
-        is beyond what RoPE keeps."""
+    def set_embedding(self, table: torch.Tensor, scales: torch.Tensor | None, vocab: int,
+                      bf16_rows: bool) -> str | None:
+        """After :meth:`set_head`, the model's token table for :meth:`greedy`, where its
+        embedding is a plain row lookup: ``(vocab, d_model)`` float32 or bf16, or int8
+        data with its ``scales`` (a table tied to an int8 output layer); ``bf16_rows``:
+        each row rounded to bf16 (the model's activations). Or say why the kernel cannot
+        take it, keeping nothing."""
+        return self._native.set_embedding(table, scales, vocab, bf16_rows) or None
+
+    def greedy(self, first: int, count: int, caches: Sequence[KVCache],
+               stops: Sequence[int] = ()) -> list[int] | None:
+        """Up to ``count`` greedy tokens after ``first`` in one native call: each token is
+        embedded, run through the layers and the head (appending to ``caches``, batch
+        size 1), and the first index of the largest logit is the next (a NaN counted as
+        -inf, as ``generation.sample_next``); it ends after a token in ``stops``. Each
+        cache keeps the positions of the tokens fed. None, every cache unchanged, where
+        the kernel cannot take these inputs (no head or embedding, no room)."""
+        if (len(caches) != len(self) or count < 1
+                or any(cache.remaining < count for cache in caches)):
+            return None
+        tables = self._rope_tables(caches, torch.device("cpu"), ahead=count)
+        if tables is None:
+            return None
+        starts = [cache.reserve(count) for cache in caches]
+        tokens = None
+        try:
+            tokens = self._native.greedy(first, count, list(stops), [c.k for c in caches],
+                                         [c.v for c in caches], starts, *tables)
+        finally:
+            fed = 0 if tokens is None else len(tokens)
+            for cache, start in zip(caches, starts):
+                cache.crop(start + fed)
+        return None if tokens is None else tokens.tolist()
+
+    def _rope_tables(self, caches: Sequence[KVCache], device,
+                     ahead: int = 1) -> tuple[list, list] | None:
+        """Per layer (cos, sin) covering each cache's next ``ahead`` positions ((None,
+        None) without RoPE), fetched again only when a position goes past them; None
+        where a position is beyond what RoPE keeps."""
         cos, sin = [], []
         for i, (rotary, cache) in enumerate(zip(self.rotaries, caches)):
             held = self._tables[i]
-            if held is None or (held[0] is not None and held[0].shape[0] <= cache.seq_len):
-                held = self._tables[i] = _tables(rotary, cache, device)
+            if held is None or (held[0] is not None
+                                and held[0].shape[0] < cache.seq_len + ahead):
+                held = self._tables[i] = _tables(rotary, cache, device, ahead)
                 if held is None:
                     return None
             cos.append(held[0])

@@ -44,32 +44,40 @@ def native_off():
 @contextmanager
 def counting_fused_steps(name="step"):
     """Count what the fused kernel answered: attention steps (``_decode.step``) or, for
-    ``"layers"``, decoder layers (a ``_decode.Run`` takes a run of them per call)."""
+    ``"layers"``, decoder layers for each token fed (a ``_decode.Run`` takes a run of them
+    per call, or per token of its greedy loop)."""
     count = [0]
-    owner, attr = (_decode.Run, "__call__") if name == "layers" else (_decode, name)
-    original = getattr(owner, attr)
+    spied = [(_decode.Run, "__call__"), (_decode.Run, "greedy")] if name == "layers" else [
+        (_decode, name)]
+    originals = [getattr(owner, attr) for owner, attr in spied]
 
-    def fused(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if out is not None:
-            count[0] += len(args[0]) if name == "layers" else 1
-        return out
-    setattr(owner, attr, fused)
+    def counter(original, attr):
+        def fused(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if out is not None:
+                tokens = len(out) if attr == "greedy" else 1
+                count[0] += tokens * len(args[0]) if name == "layers" else 1
+            return out
+        return fused
+    for (owner, attr), original in zip(spied, originals):
+        setattr(owner, attr, counter(original, attr))
     try:
         yield count
     finally:
-        setattr(owner, attr, original)
+        for (owner, attr), original in zip(spied, originals):
+            setattr(owner, attr, original)
 
 
 @contextmanager
 def fused_layers_off():
     """The GPT blocks run their modules (the fused attention step still runs)."""
-    original = _decode.Run.__call__
+    originals = _decode.Run.__call__, _decode.Run.greedy
     _decode.Run.__call__ = lambda self, x, caches: None
+    _decode.Run.greedy = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
-        _decode.Run.__call__ = original
+        _decode.Run.__call__, _decode.Run.greedy = originals
 
 
 def _one_by_one(run, x, prompt_len):

@@ -273,18 +273,24 @@ def test_a_change_between_two_generate_calls_is_seen_by_the_second():
 
 @contextmanager
 def counting_heads():
-    """How many decoded tokens got their logits from the kernel (a run with a head)."""
-    count, original = [0], _decode.Run.__call__
+    """How many decoded tokens got their logits from the kernel (a run with a head, per
+    call or per token of its greedy loop)."""
+    count, original, loop = [0], _decode.Run.__call__, _decode.Run.greedy
 
     def counted(self, x, caches):
         out = original(self, x, caches)
         count[0] += out is not None and self.has_head
         return out
-    _decode.Run.__call__ = counted
+
+    def looped(self, *args, **kwargs):
+        out = loop(self, *args, **kwargs)
+        count[0] += 0 if out is None else len(out)
+        return out
+    _decode.Run.__call__, _decode.Run.greedy = counted, looped
     try:
         yield count
     finally:
-        _decode.Run.__call__ = original
+        _decode.Run.__call__, _decode.Run.greedy = original, loop
 
 
 @contextmanager

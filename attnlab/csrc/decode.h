@@ -43,6 +43,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& data, const at::Te
 // free): the decoding run's products, which read the weight's pointers when a layer is added.
 at::Tensor int8_linear_checked(const at::Tensor& x, const uint8_t* data, const uint16_t* scales,
                                int64_t out, const float* bias, const at::Tensor& residual);
+// Rows `ids` (int64) of an int8 weight of (out, in), float32 (n, in): an embedding table
+// tied to its output layer.
+at::Tensor int8_rows(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& ids,
+                     int64_t out, int64_t in);
 // Why (data, scales) is not an int8 weight of (out, in) in that layout, or "".
 std::string int8_problem(const at::Tensor& data, const at::Tensor& scales, int64_t out,
                          int64_t in);

@@ -31,6 +31,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -169,9 +172,48 @@ struct Head {
   Product product;
 };
 
+// The model's token embedding where it is a plain row lookup: a float32 or bf16 table
+// (vocab, d), or int8 data and scales (a table tied to an int8 output layer); each row
+// rounded to bf16 where the model's activations are (as GPT.embed does).
+struct Embedding {
+  Tensor table, scales;
+  int64_t vocab;
+  bool bf16_rows;
+
+  Tensor operator()(int64_t id, int64_t d) const {
+    const Tensor row = scales.defined()
+        ? int8_rows(table, scales, at::full({1}, id, at::kLong), vocab, d)
+        : table.select(0, id).reshape({1, d});  // a table tied to columns: a strided row
+    return bf16_rows ? row.to(at::kBFloat16) : row;
+  }
+};
+
+// The token sample_next picks at temperature 0: the first index of the largest logit
+// (NumPy's argmax); where a logit is NaN, the first largest after torch.nan_to_num(nan=
+// -inf), which also brings +-inf to the largest finite floats, so a NaN ranks below -inf.
+int64_t first_argmax(const Tensor& logits) {
+  const float* l = logits.data_ptr<float>();
+  const int64_t n = logits.numel();
+  int64_t best = 0;
+  bool nan = std::isnan(l[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    nan |= std::isnan(l[i]);
+    if (l[i] > l[best]) best = i;
+  }
+  if (!nan) return best;
+  const auto key = [](float v) {
+    return std::isnan(v) ? -INFINITY : std::clamp(v, -FLT_MAX, FLT_MAX);
+  };
+  best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (key(l[i]) > key(l[best])) best = i;
+  return best;
+}
+
 struct DecoderRun : torch::CustomClassHolder {
   std::vector<Layer> layers;
   optional<Head> head;
+  optional<Embedding> embedding;
   int64_t d_model = -1;
 
   // Check one layer and append it; returns why it cannot be taken ("" when it was).
@@ -270,6 +312,53 @@ struct DecoderRun : torch::CustomClassHolder {
     return "";
   }
 
+  // Keep the model's token table (see Embedding; `scales` for int8 data) for greedy();
+  // returns why it cannot take it ("" when it did).
+  std::string set_embedding(const Tensor& table, const optional<Tensor>& scales, int64_t vocab,
+                            bool bf16_rows) {
+    if (!head) return "an embedding comes with a head";
+    if (scales.has_value()) {
+      const std::string why = int8_problem(table, *scales, vocab, d_model);
+      if (!why.empty()) return "embedding: " + why;
+    } else if (!floating(table) || table.dim() != 2 || table.size(0) != vocab ||
+               table.size(1) != d_model) {
+      return "embedding: a (vocab, d_model) float32 or bf16 table";
+    }
+    embedding = Embedding{table, value(scales), vocab, bf16_rows};
+    return "";
+  }
+
+  // Greedy decoding in one call: `count` tokens at most, each the argmax of the logits of
+  // a step fed the token before it (`first` for the first), at positions pos[l], pos[l] +
+  // 1, ... of each cache; it ends after a token in `stops`. Returns the tokens, or None,
+  // nothing written, where the inputs are not what step() reads at the first and the last
+  // position (every position between is then valid too, so the tokens skip step_ok).
+  // Python between tokens ran cold after every token's weights (about 0.5 ms a token, 8%
+  // of an int8 one: models/decoding.py).
+  optional<Tensor> greedy(int64_t first, int64_t count, const std::vector<int64_t>& stops,
+                          std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
+                          std::vector<int64_t> pos, const c10::List<optional<Tensor>>& cos,
+                          const c10::List<optional<Tensor>>& sin) const {
+    if (!head || !embedding || count < 1 || first < 0 || first >= embedding->vocab)
+      return std::nullopt;
+    const Tensor x0 = (*embedding)(first, d_model);
+    std::vector<int64_t> last = pos;
+    for (int64_t& p : last) p += count - 1;
+    if (!step_ok(x0, k_caches, v_caches, pos, cos, sin) ||
+        !step_ok(x0, k_caches, v_caches, last, cos, sin))
+      return std::nullopt;
+    Tensor tokens = at::empty({count}, at::kLong);
+    int64_t* out = tokens.data_ptr<int64_t>();
+    int64_t n = 0, token = first;
+    for (Tensor x = x0; n < count;) {
+      token = out[n++] = first_argmax(forward(x, k_caches, v_caches, pos, cos, sin));
+      if (std::find(stops.begin(), stops.end(), token) != stops.end()) break;
+      for (int64_t& p : pos) ++p;
+      if (n < count) x = (*embedding)(token, d_model);
+    }
+    return tokens.narrow(0, 0, n);
+  }
+
   // Whether this token's caches, positions and rotary tables are what step() reads.
   bool step_ok(const Tensor& x, const std::vector<Tensor>& k_caches,
                const std::vector<Tensor>& v_caches, const std::vector<int64_t>& pos,
@@ -305,6 +394,14 @@ struct DecoderRun : torch::CustomClassHolder {
                         const std::vector<int64_t>& pos, const c10::List<optional<Tensor>>& cos,
                         const c10::List<optional<Tensor>>& sin) const {
     if (!step_ok(x, k_caches, v_caches, pos, cos, sin)) return std::nullopt;
+    return forward(x, k_caches, v_caches, pos, cos, sin);
+  }
+
+ private:
+  // step() for inputs step_ok() accepts.
+  Tensor forward(const Tensor& x, std::vector<Tensor>& k_caches, std::vector<Tensor>& v_caches,
+                 const std::vector<int64_t>& pos, const c10::List<optional<Tensor>>& cos,
+                 const c10::List<optional<Tensor>>& sin) const {
     Tensor h = x.reshape({1, d_model}).to(at::kFloat).contiguous();
     for (size_t l = 0; l < layers.size(); ++l)
       h = run_layer(h, layers[l], k_caches[l], v_caches[l], pos[l], cos.get(l), sin.get(l));
@@ -314,7 +411,6 @@ struct DecoderRun : torch::CustomClassHolder {
     return h.to(x.scalar_type()).view_as(x);
   }
 
- private:
   static Tensor normed(const Tensor& t, Norm norm, double eps, const Tensor& w, const Tensor& b) {
     if (norm == Norm::RMS) return rms_norm(t, w.defined() ? optional<Tensor>(w) : std::nullopt, eps);
     return at::layer_norm(t, {t.size(1)}, w, b, eps);
@@ -383,6 +479,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
            {torch::arg("norm"), torch::arg("eps"), torch::arg("norm_weight"),
             torch::arg("norm_bias"), torch::arg("weight"), torch::arg("bias"),
             torch::arg("scales"), torch::arg("vocab")})
+      .def("set_embedding", &attnlab::DecoderRun::set_embedding)
       .def("size", &attnlab::DecoderRun::size)
-      .def("step", &attnlab::DecoderRun::step);
+      .def("step", &attnlab::DecoderRun::step)
+      .def("greedy", &attnlab::DecoderRun::greedy);
 }

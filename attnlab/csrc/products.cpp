@@ -132,6 +132,8 @@ void quantize_rows(const at::Tensor& w, at::Tensor& data, at::Tensor& scales, in
     quantize_band_rows(w.data_ptr<c10::BFloat16>(), w.size(0), w.size(1), row0, out, d, s);
 }
 
+}  // namespace
+
 // Rows `ids` of an int8 weight (an embedding table tied to its output layer), float32
 // (n, in): w = d * q, as layouts/int8.py's dequantize computes it.
 at::Tensor int8_rows(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& ids,
@@ -161,6 +163,8 @@ at::Tensor int8_rows(const at::Tensor& data, const at::Tensor& scales, const at:
   }
   return rows;
 }
+
+namespace {
 
 // Whether the products may use the dot-product instructions where the CPU has them
 // (the tests run both paths); returns the setting before.

@@ -233,7 +233,8 @@ class GenerationMixin:
 
     @torch.inference_mode()
     def _stream_ids(self, ids, max_new_tokens, temperature, top_k, top_p, use_cache, eos_id,
-                    generator, decoder, cache_dtype=None) -> Iterator[torch.Tensor]:
+                    generator, decoder, cache_dtype=None,
+                    greedy_loop=False) -> Iterator[torch.Tensor]:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         eos_ids = check_eos_id(eos_id, self.config.vocab_size)
         device = next(self.parameters()).device
@@ -264,7 +265,11 @@ class GenerationMixin:
         step_ids = ids
         step_pos = None if mask is None else _positions(mask, 0, prompt_len, device, batch)
         kept = {} if decoder is None else {"decoder": decoder}
-        for _ in range(max_new_tokens):
+        # generate (greedy_loop) takes one row's greedy tokens after the second in one native
+        # call where the decoder can (Decoder.greedy); a stream yields each as it comes.
+        greedy_loop = (greedy_loop and decoder is not None and temperature == 0 and use_cache
+                       and batch == 1 and mask is None)
+        for i in range(max_new_tokens):
             # Only the last position's logits are sampled from.
             if use_cache:
                 logits = self(step_ids, attention_mask=seq_mask, caches=caches,
@@ -287,6 +292,11 @@ class GenerationMixin:
                 seq_mask = full_mask[:, :seq_mask.shape[1] + 1]
             step_ids = nxt[:, None]
             step_pos = None if step_pos is None else step_pos[:, -1:] + 1
+            if greedy_loop and i == 1 and max_new_tokens > 2:
+                rest = decoder.greedy(int(nxt), max_new_tokens - 2, caches, eos_ids or ())
+                if rest is not None:
+                    yield from (torch.tensor([t], device=device) for t in rest)
+                    return
 
     @torch.no_grad()
     def generate(
@@ -336,8 +346,9 @@ class GenerationMixin:
         # With no callback nothing of the user's runs until the last token (where the
         # model runs only library code): the fused decoding plan is made once.
         decoder = self.decoder(ids) if on_token is None and hasattr(self, "decoder") else None
-        tokens = self.stream(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
-                             eos_id, generator, decoder=decoder, cache_dtype=cache_dtype)
+        check_cache_dtype(cache_dtype)
+        tokens = self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, use_cache,
+                                  eos_id, generator, decoder, cache_dtype, greedy_loop=True)
         out = None
         for tok in tokens:
             if out is None:  # after the first token: the stream has checked the request
