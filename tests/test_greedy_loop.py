@@ -30,6 +30,9 @@ def _model(precision: str = "f32", **kw) -> GPT:
     cfg = dict(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2,
                positions="rope", norm="rmsnorm", mlp="swiglu", context_length=64)
     model = GPT(GPTConfig(**{**cfg, **kw})).eval()
+    with torch.no_grad():  # weights large enough that each token's row decides the next
+        for p in model.parameters():
+            p.mul_(8)
     if precision == "bf16":
         model.to(torch.bfloat16)
     elif precision == "int8":
@@ -66,9 +69,33 @@ def test_loop_gives_the_per_token_tokens(precision, tied):
     want = _per_token(model, 20)
     with loop_calls() as calls:
         got = model.generate(PROMPT, 20, temperature=0)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and len(set(got[0, 5:].tolist())) > 5
     # token 1 from the prompt, token 2 through the plan, 18 from one native call
     assert [len(c) for c in calls] == [18]
+
+
+def test_long_runs_go_in_chunks_ctrl_c_can_stop():
+    model = _model(context_length=256)
+    want = _per_token(model, 150)
+    with loop_calls() as calls:
+        got = model.generate(PROMPT, 150, temperature=0)
+    assert torch.equal(got, want) and [len(c) for c in calls] == [64, 64, 20]
+
+
+def test_an_embed_of_the_users_is_run_for_every_token(monkeypatch):
+    model = _model()
+    model.embed = lambda ids, **kw: GPT.embed(model, ids, **kw) * 0.25
+    want = _per_token(model, 12)
+    with loop_calls() as calls:
+        assert torch.equal(model.generate(PROMPT, 12, temperature=0), want)
+    assert calls == []
+    del model.embed
+    original = GPT.embed
+    monkeypatch.setattr(GPT, "embed", lambda self, ids, **kw: original(self, ids, **kw) * 0.25)
+    want = _per_token(model, 12)
+    with loop_calls() as calls:
+        assert torch.equal(model.generate(PROMPT, 12, temperature=0), want)
+    assert calls == []
 
 
 def test_nan_and_tied_logits_pick_as_sample_next():

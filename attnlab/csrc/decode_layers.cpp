@@ -317,6 +317,7 @@ struct DecoderRun : torch::CustomClassHolder {
   std::string set_embedding(const Tensor& table, const optional<Tensor>& scales, int64_t vocab,
                             bool bf16_rows) {
     if (!head) return "an embedding comes with a head";
+    if (vocab != head->product.out) return "the embedding's vocabulary is not the head's";
     if (scales.has_value()) {
       const std::string why = int8_problem(table, *scales, vocab, d_model);
       if (!why.empty()) return "embedding: " + why;

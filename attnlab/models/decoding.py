@@ -171,9 +171,13 @@ def _set_embedding(run: _decode.Run, model: nn.Module) -> bool:
     """Give ``run`` ``model``'s token table where ``GPT.embed`` and ``GPT.forward`` do no
     more for a decoded token than look its row up (cast to the activations' dtype) and
     return the output layer's logits: no position embedding, scale, embedding norm,
-    dropout or logit softcap; an ``nn.Embedding`` without ``max_norm``, or an int8 table
-    tied to the output layer."""
+    dropout or logit softcap; GPT's own ``embed`` (none of the instance's or patched in);
+    an ``nn.Embedding`` without ``max_norm``, or an int8 table tied to the output layer."""
     cfg, emb = model.config, model.tok_emb
+    embed = getattr(type(model), "embed", None)
+    if ("embed" in model.__dict__ or getattr(embed, "__qualname__", None) != "GPT.embed"
+            or embed.__module__ != __name__.rsplit(".", 1)[0] + ".gpt"):
+        return False
     act = getattr(model.norm, "weight", None)
     act = None if act is None else act.dtype
     if (model.pos_emb is not None or model.embed_norm is not None or cfg.scale_embeddings

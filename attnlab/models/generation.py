@@ -183,6 +183,9 @@ def check_top_p(name: str, top_p):
     return top_p
 
 
+GREEDY_CHUNK = 64  # tokens a native call of generate's loop: Ctrl-C seen every ~0.4 s
+
+
 class GenerationMixin:
     """``generate`` and ``stream`` for models with the decoder interface above."""
 
@@ -265,11 +268,12 @@ class GenerationMixin:
         step_ids = ids
         step_pos = None if mask is None else _positions(mask, 0, prompt_len, device, batch)
         kept = {} if decoder is None else {"decoder": decoder}
-        # generate (greedy_loop) takes one row's greedy tokens after the second in one native
-        # call where the decoder can (Decoder.greedy); a stream yields each as it comes.
+        # generate (greedy_loop) takes one row's greedy tokens after the second in native
+        # calls where the decoder can (Decoder.greedy); a stream yields each as it comes.
         greedy_loop = (greedy_loop and decoder is not None and temperature == 0 and use_cache
                        and batch == 1 and mask is None)
-        for i in range(max_new_tokens):
+        made = 0
+        while made < max_new_tokens:
             # Only the last position's logits are sampled from.
             if use_cache:
                 logits = self(step_ids, attention_mask=seq_mask, caches=caches,
@@ -284,6 +288,7 @@ class GenerationMixin:
                 nxt = torch.where(done, torch.full_like(nxt, eos_ids[0]), nxt)
                 done |= torch.isin(nxt, stops)
             yield nxt
+            made += 1
             if stops is not None and bool(done.all()):
                 return
             if not use_cache:  # the cache holds the past; only the window re-reads it
@@ -292,11 +297,18 @@ class GenerationMixin:
                 seq_mask = full_mask[:, :seq_mask.shape[1] + 1]
             step_ids = nxt[:, None]
             step_pos = None if step_pos is None else step_pos[:, -1:] + 1
-            if greedy_loop and i == 1 and max_new_tokens > 2:
-                rest = decoder.greedy(int(nxt), max_new_tokens - 2, caches, eos_ids or ())
-                if rest is not None:
-                    yield from (torch.tensor([t], device=device) for t in rest)
+            while greedy_loop and made >= 2 and made < max_new_tokens:
+                rest = decoder.greedy(int(nxt), min(GREEDY_CHUNK, max_new_tokens - made),
+                                      caches, eos_ids or ())
+                if rest is None:  # declined, nothing changed: on token by token
+                    greedy_loop = False
+                    break
+                yield from (torch.tensor([t], device=device) for t in rest)
+                made += len(rest)
+                if eos_ids is not None and rest[-1] in eos_ids:
                     return
+                nxt = torch.tensor([rest[-1]], device=device)
+                step_ids = nxt[:, None]
 
     @torch.no_grad()
     def generate(
