@@ -17,8 +17,8 @@ quiet 16-core Xeon at two threads, where one made per ``generate`` call decoded 
 - a forward without one (any other call with a cache) makes the plan for that token,
   so a piece replaced, a hook added or a parameter moved is seen at the next one.
 
-Greedy decoding of one row then needs no Python between tokens at all
-(:meth:`Decoder.greedy`): the plan's run loops natively over the tokens.
+Greedy decoding of one row then needs Python only once per chunk of tokens
+(:meth:`Decoder.greedy`; ``generation.GREEDY_CHUNK``): the plan's run loops natively.
 """
 
 from __future__ import annotations
