@@ -98,19 +98,19 @@ class DecoderLayer:
     k_norm_bias: torch.Tensor | None = None
 
 
-def _reserved(caches: Sequence[KVCache], call):
-    """Count one new position in each cache and run ``call(positions)``; every cache
-    gets its position back when the call raises or declines with None."""
-    positions = [cache.reserve(1) for cache in caches]
+def _reserved(caches: Sequence[KVCache], call, count: int = 1, filled=None):
+    """Count ``count`` new positions in each cache (from ``starts``, one per cache) and
+    run ``call(starts)``; each cache keeps the first ``filled(out)`` of them (default
+    all) and gets the rest back, all of them when the call raises or declines with None."""
+    starts = [cache.reserve(count) for cache in caches]
+    out = None
     try:
-        out = call(positions)
-    except BaseException:
-        for cache, pos in zip(caches, positions):
-            cache.crop(pos)
-        raise
-    if out is None:
-        for cache, pos in zip(caches, positions):
-            cache.crop(pos)
+        out = call(starts)
+    finally:
+        kept = 0 if out is None else count if filled is None else filled(out)
+        if kept < count:
+            for cache, start in zip(caches, starts):
+                cache.crop(start + kept)
     return out
 
 
@@ -239,15 +239,9 @@ class Run:
         tables = self._rope_tables(caches, torch.device("cpu"), ahead=count)
         if tables is None:
             return None
-        starts = [cache.reserve(count) for cache in caches]
-        tokens = None
-        try:
-            tokens = self._native.greedy(first, count, list(stops), [c.k for c in caches],
-                                         [c.v for c in caches], starts, *tables)
-        finally:
-            fed = 0 if tokens is None else len(tokens)
-            for cache, start in zip(caches, starts):
-                cache.crop(start + fed)
+        tokens = _reserved(caches, lambda starts: self._native.greedy(
+            first, count, list(stops), [c.k for c in caches], [c.v for c in caches], starts,
+            *tables), count, filled=len)
         return None if tokens is None else tokens.tolist()
 
     def _rope_tables(self, caches: Sequence[KVCache], device,

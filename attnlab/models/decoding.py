@@ -176,7 +176,7 @@ def _set_embedding(run: _decode.Run, model: nn.Module) -> bool:
     cfg, emb = model.config, model.tok_emb
     embed = getattr(type(model), "embed", None)
     if ("embed" in model.__dict__ or getattr(embed, "__qualname__", None) != "GPT.embed"
-            or embed.__module__ != __name__.rsplit(".", 1)[0] + ".gpt"):
+            or embed.__module__ != f"{__package__}.gpt"):
         return False
     act = getattr(model.norm, "weight", None)
     act = None if act is None else act.dtype
