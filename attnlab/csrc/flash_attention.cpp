@@ -14,6 +14,10 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <string>
 #include <tuple>
 
@@ -239,6 +243,27 @@ int64_t flash_workers(double flops, int64_t busy) {
   return workers_for(flops);
 }
 
+// Sets the torch threads of the parallel regions begun on the calling thread, and returns
+// the count now in force there; other threads keep theirs (OpenMP's count is a per-thread
+// setting, which torch copies from its global one on a thread's first parallel region).
+// A worker thread that runs whole pieces of work of its own (interop/minilm.py's batches)
+// takes one: its products, attention and ATen ops then run inline, with no region to wait
+// on, while torch.get_num_threads() elsewhere stays as the user set it. Without OpenMP
+// nothing changes, and the count returned says so.
+int64_t threads_here(int64_t threads) {
+  TORCH_CHECK(threads >= 1, "attnlab threads_here: threads must be at least 1, got ", threads);
+  // torch sets a thread's count from its global one the first time that thread enters
+  // at::parallel_for, once per shared library (the flag is a thread_local of an inline
+  // function: libtorch's and this extension's are two). Both first, so that neither
+  // overwrites the count set here.
+  at::internal::lazy_init_num_threads();
+  at::get_num_threads();
+#ifdef _OPENMP
+  omp_set_num_threads(static_cast<int>(threads));
+#endif
+  return at::get_num_threads();
+}
+
 }  // namespace
 }  // namespace attnlab
 
@@ -261,6 +286,7 @@ TORCH_LIBRARY(attnlab_native, m) {
       &attnlab::rule_tiles);
   m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
   m.def("flash_workers(float flops, int busy=-1) -> int", &attnlab::flash_workers);
+  m.def("threads_here(int threads) -> int", &attnlab::threads_here);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
