@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -177,6 +178,7 @@ def test_under_load_runs_beside_one_spinner_per_core_and_stops_them(
                            seq=64, causal=True)
     monkeypatch.setattr(attention, "cases", lambda quick=False: [case])
     monkeypatch.setattr(attention.machine, "fma_peak", lambda threads, **kw: 100.0)
+    monkeypatch.setattr(runner, "LOADED_MS", 0.0)  # (rounds for time: the test below)
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--suite", "attention", "--under-load", "--no-memory",
                      "--json", str(out), "--markdown"]) == 0
@@ -258,3 +260,31 @@ def test_a_short_call_is_timed_in_blocks_and_a_long_one_alone(monkeypatch):
     results = runner.time_case(runner.Case("attention", "pair", impls, repeats=3))
     assert results["short"]["calls_per_sample"] == 1
     assert results["short"]["times_ms"] == pytest.approx([2.0] * 3)
+
+
+@pytest.mark.parametrize(("loaded_ms", "most", "rounds"), [(200.0, 100, 10), (100.0, 100, 9),
+                                                            (1000.0, 12, 12)])
+def test_a_short_case_runs_long_enough_under_load(monkeypatch, loaded_ms, most, rounds):
+    """Under load, LOADED_ROUNDS rounds per quiet one, or as many as let the fastest
+    implementation's samples (here 10 calls of 2 ms) add up to LOADED_MS, at most
+    MAX_LOADED_ROUNDS."""
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runner.load, "busy", contextlib.nullcontext)
+    monkeypatch.setattr(runner, "LOADED_MS", loaded_ms)
+    monkeypatch.setattr(runner, "MAX_LOADED_ROUNDS", most)
+
+    def step_of(seconds):
+        def step():
+            clock[0] += seconds
+        return step
+
+    steps = {"short": step_of(0.002), "long": step_of(0.030)}
+    monkeypatch.setattr(runner, "build", lambda factory: steps[factory[2]["name"]])
+    impls = [runner.Impl(name, ("x", "y", {"name": name})) for name in steps]
+    results = runner.time_case(runner.Case("attention", "loaded", impls, repeats=3),
+                               under_load=True)
+    assert runner.LOADED_ROUNDS * 3 == 9
+    for name in steps:
+        assert len(results[name]["times_ms"]) == 3
+        assert len(results[name]["times_ms_under_load"]) == rounds

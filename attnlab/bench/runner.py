@@ -26,7 +26,8 @@ Peers (``Impl.isolated``) are timed in a worker process of their own
 this process's torch threads.
 
 Under load (``under_load=True``): after the quiet rounds, the same warm steps run
-``LOADED_ROUNDS`` times as many rounds beside one spinning process per core
+``LOADED_ROUNDS`` times as many rounds (more for a short case: ``LOADED_MS``) beside one
+spinning process per core
 (:mod:`.load`), started before and stopped after them (a sample there is 1x-5x its quiet
 time by where the OS puts the threads: a median of five said more about that than about
 the implementation); the records get ``median_ms_under_load``,
@@ -39,6 +40,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -103,8 +105,15 @@ class Case:
 # MAX_CALLS calls): see the module docstring.
 SAMPLE_MS = 20.0
 MAX_CALLS = 50
-# Rounds under load per quiet round (see the module docstring).
+# Rounds under load per quiet round, and at least as many as let the fastest
+# implementation's samples add up to LOADED_MS beside the load (at most MAX_LOADED_ROUNDS):
+# fifteen 20 ms samples of a short case had covered 0.3 s, a few of the OS's time slices,
+# and its loaded / quiet ratio to SDPA moved between 0.6 and 1.5 from run to run (fwd T=256
+# and T=512 causal, two Zen 4 cores; with 100 rounds 0.56-0.73 and 1.24-1.65 in three runs
+# each). See the module docstring.
 LOADED_ROUNDS = 3
+LOADED_MS = 2000.0
+MAX_LOADED_ROUNDS = 100
 
 
 def _ms_per_call(step: Callable[[], object], calls: int) -> float:
@@ -163,7 +172,7 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
                              "calls_per_sample": calls[name], "checked": checked.get(name, {})}
         if under_load and steps:
             with load.busy():
-                loaded = _rounds(case, steps, calls, LOADED_ROUNDS * case.repeats)
+                loaded = _rounds(case, steps, calls, _loaded_rounds(case, results, calls))
             for name, ts in loaded.items():
                 results[name].update(median_ms_under_load=statistics.median(ts),
                                      times_ms_under_load=ts)
@@ -174,6 +183,13 @@ def time_case(case: Case, warmup: int = 1, under_load: bool = False) -> dict[str
         steps.clear()
         gc.collect()
     return results
+
+
+def _loaded_rounds(case: Case, results: dict[str, dict], calls: dict[str, int]) -> int:
+    """Rounds under load: see LOADED_MS."""
+    sample_ms = min(results[name]["median_ms"] * calls[name] for name in calls)
+    enough = math.ceil(LOADED_MS / max(sample_ms, 1e-3))
+    return max(LOADED_ROUNDS * case.repeats, min(MAX_LOADED_ROUNDS, enough))
 
 
 def _build_for_timing(impl: Impl) -> Callable[[], object]:
