@@ -81,7 +81,7 @@ def _build(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     return encoder.eval(), HFTokenizer(folder / "tokenizer.json"), _max_seq_length(folder)
 
 
-def side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
+def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
                  encoder: Encoder) -> None:
     """``work(chunk)`` for each chunk: where torch has more than one thread (and the native
     kernel is built), on as many threads of one torch thread each, every thread taking the
@@ -91,8 +91,9 @@ def side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
     run near the cores' peak, but its other operations (attention over short sentences, the
     norms, GELU) and the Python between them do not split, and every parallel region ends
     at a barrier: two batches side by side, each on one core, embedded 512 sentences in
-    0.78 s where one batch at a time on both cores took 0.86-0.96 s (two-core Zen 4). The
-    results are the same bits: no product or norm depends on the thread count.
+    0.78-0.84 s (median 0.82) where one batch at a time on both cores took 0.81-0.97 s
+    (median 0.87; two-core Zen 4, interleaved). The results are the same bits: no product
+    or norm depends on the thread count.
 
     Not with hooks on the encoder's modules: they would run on several threads at once.
     """
@@ -174,5 +175,5 @@ def embed(sentences: str | Sequence[str], batch_size: int = 32,
         pooled /= lengths.unsqueeze(1).to(pooled.dtype)
         out[chunk] = torch.nn.functional.normalize(pooled, p=2, dim=1)
 
-    side_by_side(encode, chunks, encoder)
+    _side_by_side(encode, chunks, encoder)
     return out
