@@ -11,6 +11,7 @@ import torch
 
 from attnlab import _native
 from attnlab.interop import minilm
+from attnlab.modules import fused
 
 SENTENCES = [f"sentence {i}: " + "word " * (i % 7) + "天气很好 🙂" * (i % 3) for i in range(24)]
 
@@ -45,7 +46,8 @@ def test_batches_run_on_threads_of_one_torch_thread_each(two_threads, calls):
     got = minilm.embed(SENTENCES, batch_size=3)
     assert len(calls) == 8
     main = threading.get_ident()
-    assert all(ident != main and threads == 1 for ident, threads in calls), calls
+    assert calls[0] == (main, 2)  # the first batch on the caller's thread, its threads
+    assert all(ident != main and threads == 1 for ident, threads in calls[1:]), calls
     assert torch.get_num_threads() == 2  # the caller's setting is untouched
     assert threading.active_count() == alive  # every worker has ended
     torch.set_num_threads(1)  # one batch at a time, on this thread: the same bits
@@ -96,3 +98,17 @@ def test_an_error_in_a_batch_reaches_the_caller_and_stops_the_rest(two_threads, 
         minilm.embed(SENTENCES, batch_size=1)
     assert count["calls"] < len(SENTENCES)  # the other worker stopped after its batch
     assert threading.active_count() == alive
+
+
+def test_weights_whose_layout_was_lost_are_packed_before_the_threads_start(two_threads):
+    encoder, _ = minilm.load()
+    expected = minilm.embed(SENTENCES, batch_size=3)
+    qkv = (encoder.blocks[0].attn.W_query, encoder.blocks[0].attn.W_key,
+           encoder.blocks[0].attn.W_value)
+    with torch.no_grad():  # separate tensors: the packed block is gone
+        encoder.load_state_dict({k: v.clone() for k, v in encoder.state_dict().items()},
+                                assign=True)
+    assert not fused.is_packed(qkv)
+    torch.testing.assert_close(minilm.embed(SENTENCES, batch_size=3), expected,
+                               atol=0, rtol=0)
+    assert fused.is_packed(qkv)

@@ -96,17 +96,20 @@ def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
     or norm depends on the thread count.
 
     Not with hooks on the encoder's modules: they would run on several threads at once.
+    The first chunk runs on the calling thread before the others start: it packs again
+    any weights whose layout was lost (:mod:`~attnlab.modules.fused`), which the threads
+    then only read.
     """
-    threads = min(torch.get_num_threads(), len(chunks))
+    threads = min(torch.get_num_threads(), len(chunks) - 1)
     hooked = fused.global_forward_hooks() or any(
         m._forward_hooks or m._forward_pre_hooks for m in encoder.modules())
     ops = _native.load() if threads > 1 and not hooked else None
+    with torch.inference_mode():
+        for chunk in chunks if ops is None else chunks[:1]:
+            work(chunk)
     if ops is None:
-        with torch.inference_mode():
-            for chunk in chunks:
-                work(chunk)
         return
-    queue = iter(chunks)
+    queue = iter(chunks[1:])
     lock = threading.Lock()
     failed: list[BaseException] = []
 
