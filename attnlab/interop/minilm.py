@@ -91,9 +91,9 @@ def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
     run near the cores' peak, but its other operations (attention over short sentences, the
     norms, GELU) and the Python between them do not split, and every parallel region ends
     at a barrier: two batches side by side, each on one core, embedded 512 sentences in
-    0.78-0.84 s (median 0.82) where one batch at a time on both cores took 0.81-0.97 s
-    (median 0.87; two-core Zen 4, interleaved). The results are the same bits: no product
-    or norm depends on the thread count.
+    0.78-0.87 s where one batch at a time on both cores took 0.81-0.97 s, 2-8% more in
+    the mean of each of three interleaved runs (two-core Zen 4), and less steadily. The
+    results are the same bits: no product or norm depends on the thread count.
 
     Not with hooks on the encoder's modules: they would run on several threads at once.
     The first chunk runs on the calling thread before the others start: it packs again
