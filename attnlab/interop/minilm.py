@@ -85,7 +85,8 @@ def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
                  encoder: Encoder) -> None:
     """``work(chunk)`` for each chunk: where torch has more than one thread (and the native
     kernel is built), on as many threads of one torch thread each, every thread taking the
-    next chunk when it finishes one; else one after another. In inference mode either way.
+    next chunk when it finishes one (in inference mode, as :func:`embed` runs); else one
+    after another.
 
     A batch of 32 sentences is a few hundred tokens. Split over two cores, its products
     run near the cores' peak, but its other operations (attention over short sentences, the
@@ -104,9 +105,8 @@ def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
     hooked = fused.global_forward_hooks() or any(
         m._forward_hooks or m._forward_pre_hooks for m in encoder.modules())
     ops = _native.load() if threads > 1 and not hooked else None
-    with torch.inference_mode():
-        for chunk in chunks if ops is None else chunks[:1]:
-            work(chunk)
+    for chunk in chunks if ops is None else chunks[:1]:
+        work(chunk)
     if ops is None:
         return
     queue = iter(chunks[1:])
@@ -115,15 +115,13 @@ def _side_by_side(work: Callable[[list[int]], None], chunks: list[list[int]],
 
     def worker() -> None:
         try:
+            ops.threads_here(1)  # this thread's torch threads only: one
             with torch.inference_mode():
                 while not failed:
                     with lock:
                         chunk = next(queue, None)
                     if chunk is None:
                         return
-                    # This thread's torch threads only: one (each chunk, in case a library
-                    # of torch's reset its count from the global one on its first region).
-                    ops.threads_here(1)
                     work(chunk)
         except BaseException as exc:  # the caller raises it
             failed.append(exc)
