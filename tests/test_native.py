@@ -208,6 +208,51 @@ def test_a_small_forward_takes_one_worker_while_the_machine_is_seen_busy():
         ops.flash_workers(0.0, 0)
 
 
+@needs_native
+def test_any_forward_takes_one_worker_per_core_its_workers_were_seen_on():
+    """After a region whose two workers started on one core (the OS paired them there,
+    beside busy processes on the other), every forward, large ones too, runs on as many
+    workers as there were cores, until CONTENDED_NS have passed; the same bits."""
+    ops = _native.load()
+    q, k, v = _qkv(1, 12, 256, 64)
+    with thread_count(2):
+        try:
+            quiet = attnlab.attention(q, k, v, causal=True, backend="flash")
+            assert ops.flash_workers(1e10, 2) == 1 and ops.flash_workers(1e8) == 1
+            shared = attnlab.attention(q, k, v, causal=True, backend="flash")
+        finally:
+            ops.flash_workers(0.0, 0)
+        assert ops.flash_workers(1e10) == 2
+    assert torch.equal(quiet, shared)
+
+
+_ONE_CORE = """
+import os, sys, torch
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before torch's threads start
+torch.set_num_threads(2)
+import attnlab
+from attnlab import _native
+ops = _native.load()
+ops.flash_workers(0.0, 0)
+q, k, v = (torch.randn(1, 12, 512, 64, generator=torch.Generator().manual_seed(i))
+           for i in range(3))
+both = attnlab.attention(q, k, v, causal=True, backend="flash")
+seen = ops.flash_workers(1e10)  # what the next large forward takes
+print(seen, torch.equal(both, attnlab.attention(q, k, v, causal=True, backend="flash")))
+"""
+
+
+@needs_native
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_two_workers_pinned_to_one_core_are_seen_sharing_it():
+    """A process held to one core with two torch threads: its first large forward finds
+    both workers on that core, and the next takes one worker (the same bits)."""
+    done = subprocess.run([sys.executable, "-c", _ONE_CORE], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "True"], done.stdout
+
+
 class _OpDtypes(TorchDispatchMode):
     """The dtypes of the tensors each aten/attnlab op is called with."""
 

@@ -236,10 +236,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rule_tiles(int64_t q_len, int
 bool tile_kernel_active() { return use_tile_kernel<float>(); }
 
 // The workers a forward of `flops` takes now (flash_common.h's workers_for), after noting
-// a late worker (busy: 1) or forgetting the last one (busy: 0) where asked; for tests.
+// a late worker (busy: 1) or two workers on one core (busy: 2), or forgetting both
+// (busy: 0), where asked; for tests.
 int64_t flash_workers(double flops, int64_t busy) {
-  if (busy == 1) last_late_start().store(steady_ns());
-  if (busy == 0) last_late_start().store(std::numeric_limits<int64_t>::min() / 2);
+  if (busy == 0)
+    for (Seen* seen : {&late_start(), &shared_cores()})
+      seen->at.store(std::numeric_limits<int64_t>::min() / 2);
+  if (busy == 1) late_start().at.store(steady_ns());
+  if (busy == 2) {
+    shared_cores().cores.store(1);
+    shared_cores().at.store(steady_ns());
+  }
   return workers_for(flops);
 }
 
