@@ -227,8 +227,9 @@ def test_any_forward_takes_one_worker_per_core_its_workers_were_seen_on():
 
 
 _ONE_CORE = """
-import os, sys, torch
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before torch's threads start
+import os
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before torch starts its threads
+import torch
 torch.set_num_threads(2)
 import attnlab
 from attnlab import _native
