@@ -194,8 +194,9 @@ def test_a_small_forward_takes_one_worker_while_the_machine_is_seen_busy():
     q, k, v = _qkv(1, 12, 256, 64)  # about 1e8 flops: small
     with thread_count(2):
         try:
-            assert ops.flash_workers(1e8, 0) == 2  # nothing late remembered
             quiet = attnlab.attention(q, k, v, causal=True, backend="flash")
+            # (forgotten after the call: on a busy machine it may have seen a busy core)
+            assert ops.flash_workers(1e8, 0) == 2  # nothing remembered
             assert ops.flash_workers(1e8, 1) == 1 and ops.flash_workers(1e10) == 2
             busy = attnlab.attention(q, k, v, causal=True, backend="flash")
             assert ops.flash_workers(1e8) == 1  # still remembered

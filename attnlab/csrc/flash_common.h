@@ -12,6 +12,7 @@
 #include <chrono>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -287,15 +288,15 @@ inline int64_t workers_for(double flops) {
   return all;
 }
 
-// The distinct cores among the workers' (-1: not known), and whether two workers shared one.
-inline int64_t distinct_cores(std::vector<int>& cores, bool& shared) {
+// How many distinct cores the workers started on, and how many workers' cores are known
+// (-1: not known): fewer distinct than known means two workers shared a core.
+inline std::pair<int64_t, int64_t> cores_seen(const std::vector<int>& cores) {
   std::vector<int> known;
   for (int c : cores)
     if (c >= 0) known.push_back(c);
   std::sort(known.begin(), known.end());
-  const auto distinct = std::unique(known.begin(), known.end()) - known.begin();
-  shared = distinct < static_cast<int64_t>(known.size());
-  return distinct;
+  const int64_t distinct = std::unique(known.begin(), known.end()) - known.begin();
+  return {distinct, static_cast<int64_t>(known.size())};
 }
 
 // Run `work(worker, item)` over items in the given order, pulled by workers from a
@@ -320,9 +321,8 @@ void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work
   });
   if (workers < 2) return;
   if (latest.load() > LATE_START_NS) late_start().at.store(steady_ns(), std::memory_order_relaxed);
-  bool shared = false;
-  const int64_t distinct = distinct_cores(cores, shared);
-  if (shared) {
+  const auto [distinct, known] = cores_seen(cores);
+  if (distinct < known) {
     shared_cores().cores.store(distinct, std::memory_order_relaxed);
     shared_cores().at.store(steady_ns(), std::memory_order_relaxed);
   }
