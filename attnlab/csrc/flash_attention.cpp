@@ -239,14 +239,12 @@ bool tile_kernel_active() { return use_tile_kernel<float>(); }
 // a late worker (busy: 1) or two workers on one core (busy: 2), or forgetting both
 // (busy: 0), where asked; for tests.
 int64_t flash_workers(double flops, int64_t busy) {
-  if (busy == 0)
-    for (Seen* seen : {&late_start(), &shared_cores()})
-      seen->at.store(std::numeric_limits<int64_t>::min() / 2);
-  if (busy == 1) late_start().at.store(steady_ns());
-  if (busy == 2) {
-    shared_cores().cores.store(1);
-    shared_cores().at.store(steady_ns());
+  if (busy == 0) {
+    late_start().forget();
+    shared_cores().forget();
   }
+  if (busy == 1) late_start().note();
+  if (busy == 2) shared_cores().note(1);
   return workers_for(flops);
 }
 

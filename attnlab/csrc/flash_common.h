@@ -257,8 +257,14 @@ inline int64_t steady_ns() {
 
 // When something was last seen (steady_ns), and, for shared cores, how many there were.
 struct Seen {
-  std::atomic<int64_t> at{std::numeric_limits<int64_t>::min() / 2};
+  static constexpr int64_t NEVER = std::numeric_limits<int64_t>::min() / 2;
+  std::atomic<int64_t> at{NEVER};
   std::atomic<int64_t> cores{0};
+  void note(int64_t cores_seen = 0) {
+    cores.store(cores_seen, std::memory_order_relaxed);
+    at.store(steady_ns(), std::memory_order_relaxed);
+  }
+  void forget() { at.store(NEVER, std::memory_order_relaxed); }
   bool recent() const { return steady_ns() - at.load(std::memory_order_relaxed) < CONTENDED_NS; }
 };
 inline Seen& late_start() {
@@ -320,12 +326,9 @@ void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work
       for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) work(worker, order[t]);
   });
   if (workers < 2) return;
-  if (latest.load() > LATE_START_NS) late_start().at.store(steady_ns(), std::memory_order_relaxed);
+  if (latest.load() > LATE_START_NS) late_start().note();
   const auto [distinct, known] = cores_seen(cores);
-  if (distinct < known) {
-    shared_cores().cores.store(distinct, std::memory_order_relaxed);
-    shared_cores().at.store(steady_ns(), std::memory_order_relaxed);
-  }
+  if (distinct < known) shared_cores().note(distinct);
 }
 
 // Item indices one group at a time (items [g * group, (g + 1) * group): the blocks of one
