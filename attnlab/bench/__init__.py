@@ -39,13 +39,23 @@ def available_suites() -> list[str]:
     return out
 
 
+def select(cases: Sequence[Case], texts: Sequence[str]) -> list[Case]:
+    """The cases ``--case`` chooses, in their order: for each text, the case of exactly
+    that name if there is one (``"fwd T=4096 causal"`` alone, not its variants
+    ``"fwd T=4096 causal softcap"`` ...), else every case whose name contains it; and the
+    reference cases that always run (``Case.always``)."""
+    names = {c.name for c in cases}
+    return [c for c in cases if c.always or any(
+        c.name == text if text in names else text in c.name for text in texts)]
+
+
 def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: bool = True,
         json_path: str | Path | None = None, log: Callable[[str], None] = print,
-        case_filter: str | None = None, baseline: str | None = None,
+        case_filter: str | Sequence[str] | None = None, baseline: str | None = None,
         under_load: bool = False) -> list[dict]:
     """Run the named suites (all available ones by default) and return the records.
 
-    ``case_filter``: run only the cases whose name contains this text. A suite
+    ``case_filter``: a text or several: run only the cases :func:`select` chooses. A suite
     module may define ``annotate(records)`` to add derived numbers (tokens/s).
     ``baseline``: the implementation :func:`markdown_table` will divide by; checked
     here, before any case runs, against the implementations of the chosen cases.
@@ -68,12 +78,13 @@ def run(suites: Sequence[str] | None = None, *, quick: bool = False, memory: boo
             modules[name] = importlib.import_module(SUITES[name])
         except ImportError as exc:
             raise ValueError(f"suite {name!r} is not available here: {exc}") from exc
-    chosen = {name: [c for c in module.cases(quick=quick)
-                     if case_filter is None or case_filter in c.name or c.always]
-              for name, module in modules.items()}
-    if case_filter is not None and not any(case_filter in c.name
-                                           for cases in chosen.values() for c in cases):
-        raise ValueError(f"--case {case_filter!r} matches no case of the suites {names}")
+    texts = [case_filter] if isinstance(case_filter, str) else case_filter
+    chosen = {name: module.cases(quick=quick) for name, module in modules.items()}
+    if texts is not None:
+        for text in texts:  # each must name something, or it is a typo
+            if not any(text in c.name for cases in chosen.values() for c in cases):
+                raise ValueError(f"--case {text!r} matches no case of the suites {names}")
+        chosen = {name: select(cases, texts) for name, cases in chosen.items()}
     if baseline is not None:
         impls = sorted({column for name, cases in chosen.items() for c in cases
                         for column in table_columns(modules[name], [i.name for i in c.impls])})

@@ -215,9 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="suite to run, repeatable (default: all but distributed and "
                             "gpu, which run only when named; gpu needs a CUDA device)")
     bench.add_argument("--quick", action="store_true", help="small grid, under two minutes")
-    bench.add_argument("--case", metavar="TEXT",
-                       help="only the cases whose name contains TEXT, e.g. 'T=4096 causal' "
-                            "(default: all)")
+    bench.add_argument("--case", metavar="TEXT", action="append",
+                       help="only the case named TEXT, or where none is, the cases whose "
+                            "name contains it, e.g. 'fwd T=4096 causal' (that case alone) or "
+                            "'T=4096' (every case at that length); repeatable (default: all)")
     bench.add_argument("--json", metavar="FILE", help="write one record per case to FILE "
                        "(- : the JSON alone on standard output, the report on stderr)")
     bench.add_argument("--no-memory", action="store_true",

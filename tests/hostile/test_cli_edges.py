@@ -98,6 +98,31 @@ def test_bench_run_takes_a_baseline_of_the_chosen_cases(monkeypatch):
     assert len(ran) == 1  # refused before any case ran
 
 
+def test_bench_case_names_one_case_exactly_or_all_that_contain_it(monkeypatch):
+    from attnlab import bench
+    from attnlab.bench import attention
+
+    ran = []
+    monkeypatch.setattr(bench, "run_cases", lambda cases, **kw: ran.append(cases) or [])
+    names = {c.name for c in attention.cases()}
+    assert {"fwd T=4096 causal", "fwd T=4096 causal softcap"} <= names
+
+    def chosen(case_filter):
+        ran.clear()
+        bench.run(["attention"], case_filter=case_filter, log=None)
+        return [c.name for c in ran[0]]
+
+    assert chosen("fwd T=4096 causal") == ["fwd T=4096 causal"]  # not its variants
+    assert chosen(["fwd T=4096 causal", "fwd T=512 causal"]) == [
+        n for n in (c.name for c in attention.cases())
+        if n in ("fwd T=4096 causal", "fwd T=512 causal")]  # the suite's order
+    contain = chosen("T=4096 causal")  # no case of that name: every one containing it
+    assert "fwd T=4096 causal softcap" in contain and all("T=4096 causal" in n for n in contain)
+    assert len(contain) == sum("T=4096 causal" in n for n in names) > 2
+    with pytest.raises(ValueError, match=r"--case 'T=4097' matches no case"):
+        bench.run(["attention"], case_filter=["T=4096", "T=4097"], log=None)
+
+
 # --------------------------------------------------------------------------- sizes
 
 TEXT_NOT_AN_INT = st.sampled_from(["1e23", "1.5", "abc", "", " ", "0x10", "nan", "inf",
