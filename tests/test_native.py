@@ -196,17 +196,17 @@ def test_a_small_forward_takes_one_worker_while_the_machine_is_seen_busy():
         try:
             quiet = attnlab.attention(q, k, v, causal=True, backend="flash")
             # (forgotten after the call: on a busy machine it may have seen a busy core)
-            assert ops.flash_workers(1e8, 0) == 2  # nothing remembered
-            assert ops.flash_workers(1e8, 1) == 1 and ops.flash_workers(1e10) == 2
+            assert ops.workers_for(1e8, 0) == 2  # nothing remembered
+            assert ops.workers_for(1e8, 1) == 1 and ops.workers_for(1e10) == 2
             busy = attnlab.attention(q, k, v, causal=True, backend="flash")
-            assert ops.flash_workers(1e8) == 1  # still remembered
+            assert ops.workers_for(1e8) == 1  # still remembered
         finally:
-            ops.flash_workers(0.0, 0)
-        assert ops.flash_workers(1e8) == 2
+            ops.workers_for(0.0, 0)
+        assert ops.workers_for(1e8) == 2
     assert torch.equal(quiet, busy)
     with thread_count(1):
-        assert ops.flash_workers(1e8, 1) == 1 and ops.flash_workers(1e10) == 1
-        ops.flash_workers(0.0, 0)
+        assert ops.workers_for(1e8, 1) == 1 and ops.workers_for(1e10) == 1
+        ops.workers_for(0.0, 0)
 
 
 @needs_native
@@ -219,11 +219,11 @@ def test_any_forward_takes_one_worker_per_core_its_workers_were_seen_on():
     with thread_count(2):
         try:
             quiet = attnlab.attention(q, k, v, causal=True, backend="flash")
-            assert ops.flash_workers(1e10, 2) == 1 and ops.flash_workers(1e8) == 1
+            assert ops.workers_for(1e10, 2) == 1 and ops.workers_for(1e8) == 1
             shared = attnlab.attention(q, k, v, causal=True, backend="flash")
         finally:
-            ops.flash_workers(0.0, 0)
-        assert ops.flash_workers(1e10) == 2
+            ops.workers_for(0.0, 0)
+        assert ops.workers_for(1e10) == 2
     assert torch.equal(quiet, shared)
 
 
@@ -235,11 +235,11 @@ torch.set_num_threads(2)
 import attnlab
 from attnlab import _native
 ops = _native.load()
-ops.flash_workers(0.0, 0)
+ops.workers_for(0.0, 0)
 q, k, v = (torch.randn(1, 12, 512, 64, generator=torch.Generator().manual_seed(i))
            for i in range(3))
 both = attnlab.attention(q, k, v, causal=True, backend="flash")
-seen = ops.flash_workers(1e10)  # what the next large forward takes
+seen = ops.workers_for(1e10)  # what the next large forward takes
 print(seen, torch.equal(both, attnlab.attention(q, k, v, causal=True, backend="flash")))
 """
 

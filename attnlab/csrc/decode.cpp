@@ -273,8 +273,9 @@ struct Bf16Product {
 // band's weight, read from memory once, serves the rows four at a time from cache;
 // dot(r, n, o0, o1) multiplies rows [r, r + n) (n <= 4) by outputs [o0, o1).
 template <typename Dot>
-void few_rows_by_bands(int64_t rows, int64_t n_out, const Dot& dot) {
-  at::parallel_for(0, (n_out + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+void few_rows_by_bands(int64_t rows, int64_t n_in, int64_t n_out, const Dot& dot) {
+  const int64_t bands = (n_out + PANEL - 1) / PANEL;
+  split_region(bands, 2.0 * rows * n_in * n_out, [&](int64_t begin, int64_t end) {
     for (int64_t band = begin; band < end; ++band) {
       const int64_t o0 = band * PANEL, o1 = std::min(n_out, o0 + PANEL);
       for (int64_t r = 0; r < rows; r += 4) dot(r, std::min<int64_t>(4, rows - r), o0, o1);
@@ -287,7 +288,7 @@ void few_rows_by_bands(int64_t rows, int64_t n_out, const Dot& dot) {
 void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                    at::Tensor& y) {
   const Bf16Product<float> p(x, w, bias, y);
-  few_rows_by_bands(p.rows, p.n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
+  few_rows_by_bands(p.rows, p.n_in, p.n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
     const uint16_t* xr = p.a + r * p.n_in;
     float* yr = p.c + r * p.n_out;
     const int64_t k = p.n_in, ld = p.n_out;
@@ -304,7 +305,7 @@ void few_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 // output layer past COLUMNS_MAX_OUT outputs), into y.
 void few_rows_f32(int64_t rows, int64_t n_in, int64_t n_out, const float* a, const float* b,
                   int64_t ld, const float* bias, float* c) {
-  few_rows_by_bands(rows, n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
+  few_rows_by_bands(rows, n_in, n_out, [&](int64_t r, int64_t n, int64_t o0, int64_t o1) {
     const float* xr = a + r * n_in;
     float* yr = c + r * n_out;
     switch (n) {
@@ -322,7 +323,7 @@ template <typename C>
 void many_rows_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                     at::Tensor& y) {
   const Bf16Product<C> p(x, w, bias, y);
-  at::parallel_for(0, p.bands, 1, [&](int64_t begin, int64_t end) {
+  split_region(p.bands, 2.0 * p.rows * p.n_in * p.n_out, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> panel(p.n_in / 2 * PANEL);
     for (int64_t band = begin; band < end; ++band) {
       const int64_t j0 = band * PANEL, width = std::min(PANEL, p.n_out - j0);
@@ -393,7 +394,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& w,
     return y;
   }
   const int64_t bands = (n_out + PANEL - 1) / PANEL;
-  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+  split_region(bands, 2.0 * rows * n_in * n_out, [&](int64_t begin, int64_t end) {
     const int64_t j0 = begin * PANEL, j1 = std::min(end * PANEL, n_out);
     if (rows > FEW_ROWS || by_rows) {
       std::vector<float> panel;

@@ -235,10 +235,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rule_tiles(int64_t q_len, int
 // Whether float tiles go through the AVX-512 tile kernel (tile_gemm.h) now.
 bool tile_kernel_active() { return use_tile_kernel<float>(); }
 
-// The workers a forward of `flops` takes now (flash_common.h's workers_for), after noting
-// a late worker (busy: 1) or two workers on one core (busy: 2), or forgetting both
-// (busy: 0), where asked; for tests.
-int64_t flash_workers(double flops, int64_t busy) {
+// The workers a call of `flops` takes now (busy.h's workers_for), after noting a late
+// worker (busy: 1) or two workers on one core (busy: 2), or forgetting both (busy: 0),
+// where asked (tests); busy -1 only asks (_native.one_thread_while_busy).
+int64_t workers_now(double flops, int64_t busy) {
   if (busy == 0) {
     late_start().forget();
     shared_cores().forget();
@@ -290,7 +290,7 @@ TORCH_LIBRARY(attnlab_native, m) {
       "Tensor? documents=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &attnlab::rule_tiles);
   m.def("tile_kernel_active() -> bool", &attnlab::tile_kernel_active);
-  m.def("flash_workers(float flops, int busy=-1) -> int", &attnlab::flash_workers);
+  m.def("workers_for(float flops, int busy=-1) -> int", &attnlab::workers_now);
   m.def("threads_here(int threads) -> int", &attnlab::threads_here);
 }
 

@@ -1,6 +1,7 @@
 // The problem description and the helpers the flash forward and backward share: operand
 // access in the accumulation type, mask and dropout on a tile row, the tile products and
-// the scheduling of work items over threads (the key rule itself is mask.h's).
+// the scheduling of work items over threads (the key rule itself is mask.h's; when a
+// busy machine makes a call take fewer workers, busy.h's).
 // Included by flash_attention.cpp only.
 #pragma once
 
@@ -9,17 +10,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
 
-#ifdef __linux__
-#include <sched.h>
-#endif
-
 #include "blas.h"
+#include "busy.h"
 #include "convert.h"
 #include "dropout.h"
 #include "mask.h"
@@ -231,104 +228,18 @@ void times_transposed(int64_t m, int64_t n, A alpha, const A* a, int64_t lda, co
   gemm_rm<A>(false, true, m, n, x.cols, alpha, a, lda, x.rows, x.ld, A(0), c, ldc);
 }
 
-// A busy machine. A parallel region ends at a barrier that each of its workers must reach,
-// and a worker the OS has put behind another process reaches it a time slice later
-// (milliseconds), however short the call: beside a busy process per core a 0.74 ms
-// causal forward at T=256 (two Zen 4 cores) took 3.3 ms on two workers, 2.8 ms on one.
-// So run_items notes when a region's last worker started late, and a call of less work
-// than SMALL_CALL_FLOPS made within CONTENDED_NS of that runs on one worker; once that
-// long has passed without a late start, small calls take every worker again.
-//
-// It also notes when two of a region's workers started on the same core. Beside a busy
-// process per core the OS may pair both of torch's threads on one core and both busy
-// processes on the other (two threads a core looks balanced to it), for seconds at a
-// time. Then the workers take turns on one core, and one that has run out of items spins
-// through its turn (OpenMP's barrier) while the other holds the last: a T=512 causal
-// forward took 12 ms there, where one worker alone takes 5. So for CONTENDED_NS after
-// that is seen, every call runs on as many workers as there were distinct cores, and
-// the next call after it probes with every worker again.
-constexpr int64_t LATE_START_NS = 300'000, CONTENDED_NS = 100'000'000;
-constexpr double SMALL_CALL_FLOPS = 2e8;  // about 2 ms of one core's products
-
-inline int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// When something was last seen (steady_ns), and, for shared cores, how many there were.
-struct Seen {
-  static constexpr int64_t NEVER = std::numeric_limits<int64_t>::min() / 2;
-  std::atomic<int64_t> at{NEVER};
-  std::atomic<int64_t> cores{0};
-  void note(int64_t cores_seen = 0) {
-    cores.store(cores_seen, std::memory_order_relaxed);
-    at.store(steady_ns(), std::memory_order_relaxed);
-  }
-  void forget() { at.store(NEVER, std::memory_order_relaxed); }
-  bool recent() const { return steady_ns() - at.load(std::memory_order_relaxed) < CONTENDED_NS; }
-};
-inline Seen& late_start() {
-  static Seen seen;
-  return seen;
-}
-inline Seen& shared_cores() {
-  static Seen seen;
-  return seen;
-}
-
-// The core the calling thread runs on, or -1 where the OS does not say.
-inline int current_core() {
-#ifdef __linux__
-  return sched_getcpu();
-#else
-  return -1;
-#endif
-}
-
-// Workers for a call of `flops`: every thread, or fewer while the machine is seen busy.
-inline int64_t workers_for(double flops) {
-  const int64_t all = std::max<int64_t>(1, at::get_num_threads());
-  if (all > 1 && shared_cores().recent())
-    return std::clamp<int64_t>(shared_cores().cores.load(std::memory_order_relaxed), 1, all);
-  if (all > 1 && flops < SMALL_CALL_FLOPS && late_start().recent()) return 1;
-  return all;
-}
-
-// How many distinct cores the workers started on, and how many workers' cores are known
-// (-1: not known): fewer distinct than known means two workers shared a core.
-inline std::pair<int64_t, int64_t> cores_seen(const std::vector<int>& cores) {
-  std::vector<int> known;
-  for (int c : cores)
-    if (c >= 0) known.push_back(c);
-  std::sort(known.begin(), known.end());
-  const int64_t distinct = std::unique(known.begin(), known.end()) - known.begin();
-  return {distinct, static_cast<int64_t>(known.size())};
-}
-
 // Run `work(worker, item)` over items in the given order, pulled by workers from a
 // shared counter so that uneven items (causal) still keep every thread busy. One
 // parallel region per call: a region is one more wait for a thread the OS may have
-// given to another process (and a late one is noted, above).
+// given to another process (busy.h).
 template <typename F>
 void run_items(const std::vector<int64_t>& order, int64_t workers, const F& work) {
-  std::atomic<int64_t> next{0}, latest{0};
-  const int64_t n = static_cast<int64_t>(order.size()), t0 = steady_ns();
-  // Each thread's core as its region began (one thread may run several workers' ranges
-  // where OpenMP gives fewer threads: only the first of its range is counted).
-  std::vector<int> cores(workers, -1);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    const int64_t started = steady_ns() - t0;
-    cores[begin] = current_core();
-    for (int64_t seen = latest.load(); started > seen &&
-                                       !latest.compare_exchange_weak(seen, started);) {
-    }
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  parallel_region(workers, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker)
       for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) work(worker, order[t]);
   });
-  if (workers < 2) return;
-  if (latest.load() > LATE_START_NS) late_start().note();
-  const auto [distinct, known] = cores_seen(cores);
-  if (distinct < known) shared_cores().note(distinct);
 }
 
 // Item indices one group at a time (items [g * group, (g + 1) * group): the blocks of one

@@ -249,7 +249,7 @@ inline void int8_product(const float* x, int64_t rows, int64_t n_in, const uint8
   const int64_t threads = std::min(product_threads(rows * n_in * n_out), groups);
   const int64_t pieces = threads == 1 ? 1 : std::min(groups, ROW_PRODUCT_PIECES);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  parallel_region(threads, [&](int64_t, int64_t) {
     constexpr int64_t width = 4 * Q8_BAND;  // outputs of a group
     float out[Q8_ROWS * width];
     for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "busy.h"
 #include "convert.h"
 #include "dot_bf16.h"
 #include "rows.h"
@@ -137,11 +138,14 @@ constexpr int64_t ROW_PRODUCT_PARALLEL_MIN = int64_t{1} << 15;
 // of most products (two vCPUs that do not stream equally fast).
 constexpr int64_t ROW_PRODUCT_PIECES = 16;
 
-// Threads for a product of `weights` weights (1 below ROW_PRODUCT_PARALLEL_MIN).
+// Threads for a product of `weights` weights (rows times the matrix's): 1 below
+// ROW_PRODUCT_PARALLEL_MIN, else up to 8, fewer while the machine is seen busy (busy.h's
+// workers_for: a token's hundred-odd products each end at a barrier, and beside a busy
+// process per core two threads decoded SmolLM2-135M at 3-21 tokens/s where one made 27).
 inline int64_t product_threads(int64_t weights) {
   return weights < ROW_PRODUCT_PARALLEL_MIN
              ? 1
-             : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 8));
+             : std::min<int64_t>(workers_for(2.0 * double(weights)), 8);
 }
 
 // The bf16 product's x: rounded to bf16 (the loops above), or as bf16 pairs (dot_bf16.h).
@@ -171,7 +175,7 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
   const int64_t pieces = threads == 1 ? 1 : ROW_PRODUCT_PIECES;
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    parallel_region(threads, [&](int64_t, int64_t) {
       for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
         const int64_t o0 = n_out * k / pieces, o1 = n_out * (k + 1) / pieces;
         if constexpr (bf16) {
@@ -195,7 +199,7 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
   const int64_t steps = dot ? (n_in + 1) / 2 : n_in;  // a piece starts on an even input
   std::vector<float> partial(threads * width, 0.0f);
   std::vector<const float*> parts(threads, nullptr);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t) {
+  parallel_region(threads, [&](int64_t begin, int64_t) {
     float* acc = partial.data() + begin * width;
     for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
       const int64_t i0 = steps * k / pieces, i1 = steps * (k + 1) / pieces;

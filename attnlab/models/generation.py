@@ -3,9 +3,8 @@
 A model provides ``forward(ids, *, attention_mask, caches, positions, logits_to_keep)``
 returning logits ``(batch, seq, vocab)`` (the last ``logits_to_keep`` positions),
 ``new_cache(batch_size, max_seq_len)`` (and ``dtype=`` for ``cache_dtype``) and
-``context_length``. Prompts of different
-lengths are left-padded; each sequence's positions count only its real tokens, so
-padding changes nothing.
+``context_length``. Prompts of different lengths are left-padded; each sequence's
+positions count only its real tokens, so padding changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import _native
 from ..checks import bounded_int, is_int, optional_positive_int
 from ..text.stream import TextStream
 
@@ -42,8 +42,7 @@ def _as_batch(ids, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
                 f"ids must be a (batch, seq) or (seq,) integer tensor, got shape "
                 f"{tuple(ids.shape)} dtype {ids.dtype}"
             )
-        ids = ids.long()
-        ids = ids[None] if ids.ndim == 1 else ids
+        ids = (ids[None] if ids.ndim == 1 else ids).long()
         if ids.numel() == 0:  # nothing to continue: the first step has no last position
             raise ValueError(f"ids must hold at least one prompt of at least one token, got "
                              f"shape {tuple(ids.shape)}; expected (batch, seq) or (seq,) "
@@ -283,7 +282,8 @@ class GenerationMixin:
                 win_mask = None if seq_mask is None else seq_mask[:, -limit:]
                 logits = self(window, attention_mask=win_mask, logits_to_keep=1,
                               positions=_positions(win_mask, 0, window.shape[1], device, batch))
-            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            with _native.one_thread_while_busy():  # small ops over the vocabulary
+                nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
             if stops is not None:  # a finished row yields the first end-of-text id
                 nxt = torch.where(done, torch.full_like(nxt, eos_ids[0]), nxt)
                 done |= torch.isin(nxt, stops)
