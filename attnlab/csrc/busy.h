@@ -1,7 +1,9 @@
 // A busy machine: how many workers a parallel region should take, from what the regions
-// before it saw, and the region that notes what it sees. Shared by the flash kernel
-// (flash_common.h's run_items) and the one-row products of decoding (row_product.h,
-// int8_product.h); one record per process, since a busy machine is busy for every kernel.
+// before it saw, and the region that notes what it sees. Followed by the flash forward
+// (flash_common.h's run_items), decoding's one-row products (row_product.h,
+// int8_product.h), a prompt's products (decode.cpp) and the decoding step's attention
+// (decode_step.cpp), and asked by generate's sampling (_native.one_thread_while_busy);
+// one record per process, since a busy machine is busy for every kernel.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -25,8 +27,8 @@ namespace attnlab {
 // (milliseconds), however short the call: beside a busy process per core a 0.74 ms
 // causal forward at T=256 (two Zen 4 cores) took 3.3 ms on two workers, 2.8 ms on one.
 // So parallel_region (below) notes when a region's last worker started late, and a call
-// of less work than SMALL_CALL_FLOPS made within CONTENDED_NS of that runs on one worker;
-// once that long has passed without a late start, small calls take every worker again.
+// of less work than SMALL_CALL_FLOPS made within CONTENDED_NS of two such starts runs on
+// one worker; once that long has passed without them, small calls take every worker again.
 //
 // It also notes when two of a region's workers started on the same core. Beside a busy
 // process per core the OS may pair both of torch's threads on one core and both busy
@@ -44,17 +46,27 @@ inline int64_t steady_ns() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// When something was last seen (steady_ns), and, for shared cores, how many there were.
+// When something was last seen (steady_ns) and the time before, and, for shared cores,
+// how many there were.
 struct Seen {
   static constexpr int64_t NEVER = std::numeric_limits<int64_t>::min() / 2;
-  std::atomic<int64_t> at{NEVER};
+  std::atomic<int64_t> at{NEVER}, before{NEVER};
   std::atomic<int64_t> cores{0};
   void note(int64_t cores_seen = 0) {
     cores.store(cores_seen, std::memory_order_relaxed);
+    before.store(at.load(std::memory_order_relaxed), std::memory_order_relaxed);
     at.store(steady_ns(), std::memory_order_relaxed);
   }
-  void forget() { at.store(NEVER, std::memory_order_relaxed); }
+  void forget() {
+    at.store(NEVER, std::memory_order_relaxed);
+    before.store(NEVER, std::memory_order_relaxed);
+  }
   bool recent() const { return steady_ns() - at.load(std::memory_order_relaxed) < CONTENDED_NS; }
+  // Seen twice within CONTENDED_NS: a quiet machine's rare stall (a vCPU the host paused,
+  // a worker woken late: 3-12 of 192 quiet tokens of SmolLM2 saw one) is not a busy one.
+  bool twice() const {
+    return steady_ns() - before.load(std::memory_order_relaxed) < CONTENDED_NS;
+  }
 };
 inline Seen& late_start() {
   static Seen seen;
@@ -79,7 +91,7 @@ inline int64_t workers_for(double flops) {
   const int64_t all = std::max<int64_t>(1, at::get_num_threads());
   if (all > 1 && shared_cores().recent())
     return std::clamp<int64_t>(shared_cores().cores.load(std::memory_order_relaxed), 1, all);
-  if (all > 1 && flops < SMALL_CALL_FLOPS && late_start().recent()) return 1;
+  if (all > 1 && flops < SMALL_CALL_FLOPS && late_start().twice()) return 1;
   return all;
 }
 

@@ -243,7 +243,10 @@ int64_t workers_now(double flops, int64_t busy) {
     late_start().forget();
     shared_cores().forget();
   }
-  if (busy == 1) late_start().note();
+  if (busy == 1) {  // twice: workers_for acts on a second late start
+    late_start().note();
+    late_start().note();
+  }
   if (busy == 2) shared_cores().note(1);
   return workers_for(flops);
 }

@@ -141,7 +141,8 @@ constexpr int64_t ROW_PRODUCT_PIECES = 16;
 // Threads for a product of `weights` weights (rows times the matrix's): 1 below
 // ROW_PRODUCT_PARALLEL_MIN, else up to 8, fewer while the machine is seen busy (busy.h's
 // workers_for: a token's hundred-odd products each end at a barrier, and beside a busy
-// process per core two threads decoded SmolLM2-135M at 3-21 tokens/s where one made 27).
+// process per core two threads decoded SmolLM2-135M greedily at 6-19 tokens/s where one
+// made 30-35, 64 tokens after 32).
 inline int64_t product_threads(int64_t weights) {
   return weights < ROW_PRODUCT_PARALLEL_MIN
              ? 1
