@@ -292,12 +292,12 @@ def for_inference(*tensors: torch.Tensor | None, dtypes=(torch.float32,)):
 @contextlib.contextmanager
 def one_thread_while_busy() -> Iterator[None]:
     """Run the block's torch operations on one thread (of the calling thread only) while
-    the kernel has seen the machine busy: a parallel region's worker that started late, or
-    two that started on one core, within the last 0.1 s (``csrc/busy.h``, which the
-    kernel's own products and attention follow too). Otherwise, or where the kernel is not
-    loaded, the block runs as it is. For a decoding step's small operations over the
-    vocabulary: each of torch's parallel regions ends at a barrier that waits a time slice
-    for a thread the OS gave to another process."""
+    the kernel has seen the machine busy: two parallel regions whose last worker started
+    late, or one with two workers started on one core, within the last 0.1 s
+    (``csrc/busy.h``, which the kernel's own products and attention follow too).
+    Otherwise, or where the kernel is not loaded, the block runs as it is. For a decoding
+    step's small operations over the vocabulary: each of torch's parallel regions ends at a
+    barrier that waits a time slice for a thread the OS gave to another process."""
     ops = _state["ops"] if disabled_reason() is None else None
     threads = torch.get_num_threads()
     if ops is None or threads == 1 or ops.workers_for(0.0) > 1:
