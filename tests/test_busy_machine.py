@@ -20,8 +20,7 @@ needs_native = pytest.mark.skipif(not _native.available(),
 
 def _by_columns(n_in: int, n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-row input and a weight stored ``(in, out)`` as modules.fused packs it: the
-    product sums bands of inputs into one partial per thread, so one thread and two give
-    different roundings."""
+    product sums bands of inputs into partial outputs and adds them."""
     g = torch.Generator().manual_seed(0)
     return torch.randn(1, n_in, generator=g), torch.randn(n_in, n_out, generator=g).t()
 
@@ -35,17 +34,21 @@ def test_a_one_row_product_runs_on_one_thread_while_the_machine_is_seen_busy():
     with thread_count(2):
         try:
             ops.workers_for(0.0, 0)  # nothing seen: both threads
-            two = ops.linear(x, w, None, None)
-            assert ops.workers_for(0.0, 1) == 1  # a late start noted
+            assert ops.product_threads(w.numel()) == 2
+            two = [ops.linear(x, w, None, None) for _ in range(50)]
+            assert ops.workers_for(0.0, 1) == 1  # late starts noted
+            assert ops.product_threads(w.numel()) == 1
             busy = ops.linear(x, w, None, None)
             ops.workers_for(0.0, 0)
             assert ops.workers_for(0.0, 2) == 1  # two workers seen on one core
+            assert ops.product_threads(w.numel()) == 1
             shared = ops.linear(x, w, None, None)
         finally:
             ops.workers_for(0.0, 0)
-    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-4)
-    assert not torch.equal(two, one)  # (two partials summed: the test can tell)
-    assert torch.equal(busy, one) and torch.equal(shared, one)
+        assert ops.product_threads(w.numel()) == 2 and ops.product_threads(1000) == 1
+    torch.testing.assert_close(one, x @ w.t(), rtol=1e-5, atol=1e-4)
+    # The same bits on one thread or two, whichever thread took which band of inputs.
+    assert all(torch.equal(t, one) for t in (*two, busy, shared))
 
 
 @needs_native
@@ -79,3 +82,41 @@ def test_sampling_runs_on_one_thread_of_the_caller_while_busy_and_picks_the_same
         finally:
             ops.workers_for(0.0, 0)
     assert torch.equal(quiet, busy)
+
+
+@needs_native
+def test_a_decoding_step_on_a_busy_machine_runs_its_chunks_serially_with_the_same_bits():
+    """One kv head and 8 query heads over 48 cached positions: two threads cut the keys
+    into two chunks (flash-decoding); seen busy, the step runs both chunks on the caller's
+    thread, cut the same way, so the bits are the quiet step's."""
+    from attnlab import _decode
+    from attnlab.cache import KVCache
+
+    ops = _native.load()
+    g = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(1, 1, 48, 64, generator=g) for _ in range(2))
+    qkv = torch.randn(1, 1, (8 + 2) * 64, generator=g)
+
+    def step() -> torch.Tensor:
+        cache = KVCache(1, 64, 1, 64)
+        cache.update(keys, values)
+        with torch.inference_mode():
+            out = _decode.step(qkv, cache, None, None, 8, 1)
+        assert out is not None and cache.seq_len == 49
+        return out
+
+    with thread_count(2):
+        try:
+            ops.workers_for(0.0, 0)
+            quiet = step()
+            ops.workers_for(0.0, 1)
+            busy = step()
+            ops.workers_for(0.0, 0)
+            ops.workers_for(0.0, 2)
+            shared = step()
+        finally:
+            ops.workers_for(0.0, 0)
+    with thread_count(1):
+        one = step()  # one chunk: another rounding of the same softmax
+    torch.testing.assert_close(one, quiet, rtol=1e-5, atol=1e-6)
+    assert torch.equal(busy, quiet) and torch.equal(shared, quiet)

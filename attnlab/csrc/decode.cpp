@@ -425,9 +425,13 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return residual.defined() ? y.add_(residual.view_as(y)) : y;
 }
 
+// The threads a one-row product of `weights` weights takes now (row_product.h); for tests.
+int64_t product_threads_now(int64_t weights) { return product_threads(weights); }
+
 }  // namespace attnlab
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
+  m.def("product_threads(int weights) -> int", &attnlab::product_threads_now);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_mul(Tensor gate_up) -> Tensor");

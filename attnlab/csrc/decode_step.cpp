@@ -228,16 +228,18 @@ void attend_new(const at::Tensor& qkv, const float* cos, const float* sin, T* kc
   // (the weights streamed since evicted them), so both threads should pull: with
   // fewer (sequence, kv head) pairs than a multiple of the threads, the keys are cut
   // into chunks, each chunk's softmax kept unnormalised with its max and sum, and the
-  // chunks merged after (flash-decoding). Small problems, and every step while the
-  // machine is seen busy (busy.h), stay on one thread.
+  // chunks merged after (flash-decoding). Small problems stay on one thread, and every
+  // step while the machine is seen busy (busy.h) runs its chunks one after another: they
+  // are cut for torch's thread count whatever the machine does, so the bits are too.
   const bool small = B * Hq * n * D < (int64_t{1} << 14);
-  const int64_t pairs = B * Hkv, threads = small ? 1 : workers_for(4.0 * double(B * Hq * n * D));
-  const int64_t chunks = threads == 1 ? 1
+  const int64_t pairs = B * Hkv, threads = at::get_num_threads();
+  const bool serial = small || workers_for(4.0 * double(B * Hq * n * D)) == 1;
+  const int64_t chunks = small ? 1
                                : std::min<int64_t>(threads / std::gcd(pairs, threads),
                                                    std::max<int64_t>(1, n / 16));
   const int64_t items = pairs * chunks, stride = D + 2;  // per head: o (D), max, sum
   std::vector<float> part(chunks > 1 ? items * G * stride : 0);
-  at::parallel_for(0, items, threads == 1 ? items : 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, serial ? items : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(G * D), s(G * n), top(G), sum(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t pair = item / chunks, c = item % chunks, b = pair / Hkv, hk = pair % Hkv;

@@ -173,7 +173,10 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
     }
   }
   const int64_t threads = product_threads(n_in * n_out);
-  const int64_t pieces = threads == 1 ? 1 : ROW_PRODUCT_PIECES;
+  // The cut into pieces depends on the shape alone, never on the threads that take them,
+  // and so do the bits of y (threads that pulled pieces into a partial each had given 41
+  // distinct results in 300 calls at two threads, and another result at one).
+  const int64_t pieces = n_in * n_out < ROW_PRODUCT_PARALLEL_MIN ? 1 : ROW_PRODUCT_PIECES;
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
     parallel_region(threads, [&](int64_t, int64_t) {
@@ -192,17 +195,18 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
     });
     return;
   }
-  // A piece is a band of inputs, summed into its chunk's partial output (one per
-  // chunk, owned by this call: right under any threading backend, and under calls
-  // from several Python threads at once). The dot loop takes its inputs in pairs and
-  // keeps its partial in pair order (dot_bf16.h), put back in order at the end.
+  // A piece is a band of inputs, summed into its own partial output (owned by this call:
+  // right under any threading backend, and under calls from several Python threads at
+  // once); the partials are added in piece order. The dot loop takes its inputs in pairs
+  // and keeps its partial in pair order (dot_bf16.h), put back in order after.
   const int64_t width = dot ? bf16_dot_width(n_out) : n_out;
   const int64_t steps = dot ? (n_in + 1) / 2 : n_in;  // a piece starts on an even input
-  std::vector<float> partial(threads * width, 0.0f);
-  std::vector<const float*> parts(threads, nullptr);
-  parallel_region(threads, [&](int64_t begin, int64_t) {
-    float* acc = partial.data() + begin * width;
+  std::vector<float> partial(pieces * width, 0.0f);
+  std::vector<const float*> parts(pieces);
+  for (int64_t k = 0; k < pieces; ++k) parts[k] = partial.data() + k * width;
+  parallel_region(threads, [&](int64_t, int64_t) {
     for (int64_t k = next.fetch_add(1); k < pieces; k = next.fetch_add(1)) {
+      float* acc = partial.data() + k * width;
       const int64_t i0 = steps * k / pieces, i1 = steps * (k + 1) / pieces;
       if constexpr (bf16) {
         if (dot) {
@@ -213,13 +217,10 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
       }
       axpys(w, ld, x, n_out, i0, i1, acc);
     }
-    if (dot) bf16_dot_order(acc, n_out);
-    parts[begin] = acc;
   });
-  int64_t count = 0;
-  for (const float* part : parts)
-    if (part != nullptr) parts[count++] = part;
-  add_parts(y, parts.data(), count, n_out, bias, residual);
+  if (dot)
+    for (int64_t k = 0; k < pieces; ++k) bf16_dot_order(partial.data() + k * width, n_out);
+  add_parts(y, parts.data(), pieces, n_out, bias, residual);
 }
 
 }  // namespace attnlab
