@@ -173,10 +173,14 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
     }
   }
   const int64_t threads = product_threads(n_in * n_out);
-  // The cut into pieces depends on the shape alone, never on the threads that take them,
-  // and so do the bits of y (threads that pulled pieces into a partial each had given 41
-  // distinct results in 300 calls at two threads, and another result at one).
-  const int64_t pieces = n_in * n_out < ROW_PRODUCT_PARALLEL_MIN ? 1 : ROW_PRODUCT_PIECES;
+  // The cut into pieces depends on the shape and torch's thread count, never on the
+  // threads that take them (fewer on a busy machine, and in any order), and so do the bits
+  // of y: threads that each summed the pieces they pulled had given 41 distinct results in
+  // 300 calls at two threads. At one thread one piece: its single partial stays in the
+  // first-level cache (16 pieces cost 2-7% of a token there).
+  const int64_t pieces =
+      n_in * n_out < ROW_PRODUCT_PARALLEL_MIN || at::get_num_threads() == 1 ? 1
+                                                                           : ROW_PRODUCT_PIECES;
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
     parallel_region(threads, [&](int64_t, int64_t) {
