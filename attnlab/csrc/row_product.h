@@ -149,6 +149,17 @@ inline int64_t product_threads(int64_t weights) {
              : std::min<int64_t>(workers_for(2.0 * double(weights)), 8);
 }
 
+// Pieces a product of `weights` weights is cut into: by its shape and torch's thread
+// count, never by the threads that take them (fewer on a busy machine, and in any order),
+// so neither are the bits of a product by columns, whose pieces' partials are added in
+// piece order (threads that each summed the pieces they pulled had given 41 distinct
+// results in 300 calls at two threads). At one torch thread one piece: its single partial
+// stays in the first-level cache (16 pieces cost 2-7% of a token there).
+inline int64_t product_pieces(int64_t weights) {
+  return weights < ROW_PRODUCT_PARALLEL_MIN || at::get_num_threads() == 1 ? 1
+                                                                          : ROW_PRODUCT_PIECES;
+}
+
 // The bf16 product's x: rounded to bf16 (the loops above), or as bf16 pairs (dot_bf16.h).
 struct Bf16Row {
   std::vector<float> rounded;
@@ -173,14 +184,7 @@ void row_product(const float* x, const S* w, int64_t ld, bool by_rows, int64_t n
     }
   }
   const int64_t threads = product_threads(n_in * n_out);
-  // The cut into pieces depends on the shape and torch's thread count, never on the
-  // threads that take them (fewer on a busy machine, and in any order), and so do the bits
-  // of y: threads that each summed the pieces they pulled had given 41 distinct results in
-  // 300 calls at two threads. At one thread one piece: its single partial stays in the
-  // first-level cache (16 pieces cost 2-7% of a token there).
-  const int64_t pieces =
-      n_in * n_out < ROW_PRODUCT_PARALLEL_MIN || at::get_num_threads() == 1 ? 1
-                                                                           : ROW_PRODUCT_PIECES;
+  const int64_t pieces = product_pieces(n_in * n_out);
   std::atomic<int64_t> next{0};
   if (by_rows) {  // a piece is a band of outputs
     parallel_region(threads, [&](int64_t, int64_t) {
